@@ -1,0 +1,17 @@
+# The two entry commands (see README): `make run` and `make test`. Both set up .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: run test
+run: $(VENV)/.installed
+	$(BIN)/fedge run
+
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $@

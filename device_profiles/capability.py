@@ -1,0 +1,156 @@
+"""Capability checks against a DeviceProfile: fit, pFedClub+ size bound, FedTrans match, clock."""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Mapping
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Protocol, runtime_checkable
+
+from device_profiles.constants import (
+    BYTES_PER_PARAM,
+    DIRECTION_DOWN,
+    DIRECTION_UP,
+    TRAIN_COST_FACTOR,
+    TRAINING_COPIES,
+)
+from device_profiles.profile import DeviceProfile
+
+
+@runtime_checkable
+class SizedModel(Protocol):
+    """Anything that knows its parameter count and forward MACs per sample."""
+
+    @property
+    def params(self) -> int:
+        """Number of trainable parameters."""
+        ...
+
+    @property
+    def macs(self) -> int:
+        """Forward multiply-accumulates for one input sample."""
+        ...
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether a model fits a device; `failures` says which limits fail and by how much."""
+
+    ok: bool
+    failures: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def _count(value: object, what: str, minimum: int = 0) -> int:
+    """`value` as an int >= minimum; TypeError for non-ints (bools too), else ValueError."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an integer, got {value!r}")
+    try:
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{what} must be an integer, got {value!r}") from None
+    if number < minimum:
+        raise ValueError(f"{what} must be >= {minimum}, got {number}")
+    return number
+
+
+def training_memory_bytes(params: int) -> int:
+    """Estimated bytes to train a model of `params` parameters with Adam.
+
+    Estimate: fp32 weights, gradients and Adam's two moments = params * 4 B * 4.
+    Activations and runtime overhead are not counted. Raises TypeError/ValueError for a
+    non-integer or negative `params`.
+    """
+    return _count(params, "params") * BYTES_PER_PARAM * TRAINING_COPIES
+
+
+def _over(what: str, value: int, limit_name: str, limit: int) -> str:
+    return f"{what} {value:,} > {limit_name} {limit:,} ({value / limit:.2f}x the limit)"
+
+
+def fits(model: SizedModel, profile: DeviceProfile) -> Verdict:
+    """Check a model against the profile's max_params, max_macs and memory_bytes.
+
+    Memory uses training_memory_bytes (an estimate). Raises AttributeError if `model`
+    lacks `params`/`macs`, and TypeError/ValueError if they are not non-negative ints.
+    """
+    params = _count(model.params, "model.params")
+    macs = _count(model.macs, "model.macs")
+    failures = []
+    if params > profile.max_params:
+        failures.append(_over("params", params, "max_params", profile.max_params))
+    if macs > profile.max_macs:
+        failures.append(_over("macs", macs, "max_macs", profile.max_macs))
+    memory = training_memory_bytes(params)
+    if memory > profile.memory_bytes:
+        label = f"training memory estimate (params x {BYTES_PER_PARAM * TRAINING_COPIES} B)"
+        failures.append(_over(label, memory,
+                              "memory_bytes", profile.memory_bytes))
+    return Verdict(ok=not failures, failures=tuple(failures))
+
+
+def within_size_bound(candidate_params: int, client_params: int, eta: float) -> bool:
+    """pFedClub+ size constraint |w*_m| <= (1 + eta)|w_m| (pFedClub, NeurIPS 2024, §4.4).
+
+    The paper adds this constraint to the candidate search of §3.2.2 Step 2 and allows
+    any eta > -1 (eta < 0 demands smaller teachers); it uses eta = 0.1. The comparison is
+    exact with eta read as the decimal it prints as (0.1 means 1/10), so a candidate of
+    exactly (1 + eta)|w| parameters passes. Raises ValueError for eta <= -1 or not
+    finite, for negative candidate_params or client_params < 1; TypeError for non-ints.
+    """
+    candidate = _count(candidate_params, "candidate_params")
+    client = _count(client_params, "client_params", minimum=1)
+    if isinstance(eta, bool) or not isinstance(eta, (int, float)):
+        raise TypeError(f"eta must be a number, got {eta!r}")
+    if not math.isfinite(eta) or eta <= -1:
+        raise ValueError(f"eta must be a finite number > -1 (pFedClub §4.4), got {eta!r}")
+    return candidate <= (1 + Fraction(repr(float(eta)))) * client
+
+
+def compatible_models(models: Mapping[str, SizedModel], profile: DeviceProfile) -> list[str]:
+    """Names of the models with MAC(M) <= T_c, cheapest first (FedTrans, MLSys 2024, §4.2).
+
+    FedTrans Alg. 1 line 7 counts the "compatible models" {M | MAC(M) <= T_c}; here
+    T_c = profile.max_macs. Ties in MACs are ordered by name. An empty list means no
+    model fits; the caller decides the fallback (the authors' code falls back to
+    model 0). Raises like fits() for a model without valid `macs`.
+    """
+    macs = {name: _count(m.macs, f"models[{name!r}].macs") for name, m in models.items()}
+    ok = [name for name, m in macs.items() if m <= profile.max_macs]
+    return sorted(ok, key=lambda name: (macs[name], name))
+
+
+def train_seconds(
+    forward_macs_per_sample: int, samples: int, epochs: int, profile: DeviceProfile
+) -> float:
+    """Simulated local-training time: 3 x forward MACs x samples x epochs / train_macs_per_s.
+
+    The factor 3 is FedScale's rule (backward ~ 2x forward; fedscale/cloud/internal/
+    client_metadata.py). train_macs_per_s is the device's MAC rate while training, so the
+    3x is applied here only once. Raises TypeError/ValueError for negative or
+    non-integer inputs.
+    """
+    work = (TRAIN_COST_FACTOR * _count(forward_macs_per_sample, "forward_macs_per_sample")
+            * _count(samples, "samples") * _count(epochs, "epochs"))
+    return work / profile.train_macs_per_s
+
+
+def transfer_seconds(num_bytes: int, profile: DeviceProfile, direction: str) -> float:
+    """Simulated time to move `num_bytes`: rtt_s + num_bytes * 8 / bandwidth.
+
+    `direction` is "up" (device to server, uplink_bps) or "down" (downlink_bps). Raises
+    ValueError for another direction or negative num_bytes, TypeError for non-ints.
+    """
+    size = _count(num_bytes, "num_bytes")
+    if direction == DIRECTION_UP:
+        bandwidth = profile.uplink_bps
+    elif direction == DIRECTION_DOWN:
+        bandwidth = profile.downlink_bps
+    else:
+        raise ValueError(f"direction must be {DIRECTION_UP!r} or {DIRECTION_DOWN!r}, "
+                         f"got {direction!r}")
+    return profile.rtt_s + size * 8 / bandwidth

@@ -1,0 +1,28 @@
+"""Every default, limit and factor of the device_profiles package, in one place."""
+
+# Runtimes a device can train with: eager PyTorch (Raspberry Pi, Jetson, servers) or an
+# ExecuTorch training program (Android; see DESIGN.md "Strategies").
+ALLOWED_RUNTIMES: frozenset[str] = frozenset({"torch", "executorch"})
+
+# Users add profile directories here, separated by os.pathsep (like PATH).
+PROFILE_PATH_ENV = "FEDGE_PROFILE_PATH"
+
+# A profile file is <name>.toml; the name must match this pattern (it ends up in logs and
+# MQTT topics, so no spaces or path separators).
+PROFILE_SUFFIX = ".toml"
+PROFILE_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]*"
+
+# FedScale's round-time model: training one sample costs about 3x its forward pass
+# (backward ~ 2x forward); FedScale fedscale/cloud/internal/client_metadata.py,
+# ecosystem-notes §1.3 [S2]. Applied once, in capability.train_seconds.
+TRAIN_COST_FACTOR = 3
+
+# Training-memory estimate: fp32 weights (4 bytes) held 4 times -- weights, gradients and
+# Adam's two moments. Activations and runtime overhead are NOT included; the profiles'
+# memory_bytes already subtract the OS and runtime (see each profile's comment).
+BYTES_PER_PARAM = 4
+TRAINING_COPIES = 4
+
+# Transfer directions accepted by capability.transfer_seconds.
+DIRECTION_UP = "up"
+DIRECTION_DOWN = "down"

@@ -1,0 +1,3 @@
+"""The edge device agent: holds a client's model and data, and executes the server's tasks."""
+
+from edge_client import tasks  # noqa: F401  (registers the task handlers)

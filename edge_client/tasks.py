@@ -1,0 +1,46 @@
+"""Client task handlers shared by the classic strategies: `train` (local / FedAvg) and `evaluate`."""
+
+from __future__ import annotations
+
+import time
+
+from edge_client.agent import ClientAgent, TaskError, register_task
+from edge_client.training import TrainConfig, evaluate, train
+from fedge.messages import Result, Task
+from fedge.seeding import derive_seed
+
+
+def train_config(agent: ClientAgent, task: Task) -> TrainConfig:
+    """The TrainConfig a task asks for; a missing or non-positive setting raises TaskError."""
+    try:
+        cfg = TrainConfig(epochs=int(task.config["epochs"]), batch_size=int(task.config["batch_size"]),
+                          lr=float(task.config["lr"]),
+                          seed=derive_seed(int(task.config["seed"]), "train", agent.client_id, task.round))
+    except (KeyError, TypeError, ValueError) as e:
+        raise TaskError(f"task {task.type} of round {task.round}: bad or missing config {e}") from None
+    if cfg.epochs < 1 or cfg.batch_size < 1 or not cfg.lr > 0:
+        raise TaskError(f"task {task.type}: epochs, batch_size and lr must be positive, got {cfg}")
+    return cfg
+
+
+@register_task("train")
+def train_task(agent: ClientAgent, task: Task) -> Result:
+    """Optionally adopt the server's `global` model, train locally, and upload weights if asked."""
+    if "global" in task.models:
+        agent.adopt(task.models["global"])
+    cfg = train_config(agent, task)
+    start = time.perf_counter()
+    loss = train(agent.model, agent.data.x_train, agent.data.y_train, cfg)
+    seconds = time.perf_counter() - start
+    models = {"local": agent.weights()} if task.config.get("upload") else {}
+    return Result(agent.client_id, task.round, task.type, len(agent.data.y_train),
+                  {"train_loss": loss, "train_seconds": seconds}, models)
+
+
+@register_task("evaluate")
+def evaluate_task(agent: ClientAgent, task: Task) -> Result:
+    """Accuracy and loss on the client's own test set, of its own model or of a sent `global` one."""
+    model = agent.module_for(task.models["global"]) if "global" in task.models else agent.model
+    accuracy, loss = evaluate(model, agent.data.x_test, agent.data.y_test)
+    return Result(agent.client_id, task.round, task.type, len(agent.data.y_test),
+                  {"accuracy": accuracy, "loss": loss})

@@ -1,0 +1,1 @@
+"""ONNX and ExecuTorch exporters with load-back parity checks."""

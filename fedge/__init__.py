@@ -1,0 +1,1 @@
+"""fedge shared core: model specs, layer registry, zoo, weights, data, partitions, config, transport."""

@@ -1,0 +1,118 @@
+"""The run configuration: one frozen dataclass, loaded from TOML plus checked `key=value` overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from fedge import constants as C
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration key or value is invalid; the message names it and what is allowed."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything that defines a run; saved in the run folder and printed at start."""
+
+    strategy: str = "local"
+    dataset: str = C.DEFAULT_DATASET
+    data: str | None = None
+    zoo: str = C.DEFAULT_ZOO
+    clients: int = C.DEFAULT_CLIENTS
+    active: int = C.DEFAULT_ACTIVE
+    rounds: int = C.DEFAULT_ROUNDS
+    local_epochs: int = C.DEFAULT_RUN_LOCAL_EPOCHS
+    batch_size: int = C.DEFAULT_BATCH_SIZE
+    lr: float = C.DEFAULT_LR
+    seed: int = C.DEFAULT_SEED
+    partition: str = "noniid"
+    classes_per_client: int = C.CLASSES_PER_CLIENT
+    alpha: float = C.DIRICHLET_ALPHA
+    max_samples_per_client: int | None = None
+    profiles: tuple[str, ...] = C.DEFAULT_FLEET_PROFILES
+    device: str = "auto"
+    out: str | None = None
+
+    def __post_init__(self) -> None:
+        positive = ("clients", "active", "rounds", "local_epochs", "batch_size", "classes_per_client")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if self.active > self.clients:
+            raise ConfigError(f"active ({self.active}) cannot exceed clients ({self.clients})")
+        if not self.lr > 0 or not self.alpha > 0:
+            raise ConfigError(f"lr and alpha must be positive, got lr={self.lr}, alpha={self.alpha}")
+        if not self.profiles:
+            raise ConfigError("profiles must name at least one device profile")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+
+def _coerce(name: str, kind: Any, value: Any) -> Any:
+    """Convert a TOML or command-line value to the field's declared type, or raise ConfigError."""
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    if value is None or (isinstance(value, str) and value.lower() == "none"):
+        if type(None) in typing.get_args(kind):
+            return None
+        raise ConfigError(f"{name} cannot be empty")
+    base = args[0] if typing.get_origin(kind) in (typing.Union, types.UnionType) else kind
+    try:
+        if typing.get_origin(base) is tuple:
+            items = value.split(",") if isinstance(value, str) else list(value)
+            return tuple(str(v).strip() for v in items if str(v).strip())
+        if base is bool:
+            raise TypeError
+        if base is int and isinstance(value, float):
+            raise ValueError(f"{value} is not an integer")
+        return base(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}={value!r} is not a valid {getattr(base, '__name__', base)}") from None
+
+
+def config_from(values: Mapping[str, Any], base: RunConfig | None = None) -> RunConfig:
+    """Apply `values` over `base` (defaults if None); unknown keys raise ConfigError listing valid keys."""
+    hints = typing.get_type_hints(RunConfig)
+    unknown = sorted(set(values) - set(hints))
+    if unknown:
+        raise ConfigError(f"unknown config key(s) {unknown}; valid keys: {', '.join(f.name for f in fields(RunConfig))}")
+    changes = {k: _coerce(k, hints[k], v) for k, v in values.items()}
+    return dataclasses.replace(base or RunConfig(), **changes)
+
+
+def parse_overrides(pairs: Sequence[str]) -> dict[str, str]:
+    """`["rounds=3", "lr=0.01"]` → dict; an item without '=' raises ConfigError."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set expects key=value, got {pair!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def load_config(path: str | Path | None, overrides: Mapping[str, Any]) -> RunConfig:
+    """Defaults, then the TOML file (if any), then overrides; every layer is checked."""
+    cfg = RunConfig()
+    if path is not None:
+        try:
+            cfg = config_from(tomllib.loads(Path(path).read_text()), cfg)
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    return config_from(overrides, cfg)

@@ -1,0 +1,35 @@
+"""Every default, limit and timeout of fedge's shared core, in one place."""
+
+SPEC_SCHEMA_VERSION = 1
+SPEC_METADATA_KEY = "fedge.spec"
+
+# Local training (pFedClub §4.1: Adam, lr 1e-3, 10 local epochs).
+DEFAULT_LR = 1e-3
+DEFAULT_LOCAL_EPOCHS = 10
+DEFAULT_BATCH_SIZE = 16
+EVAL_BATCH_SIZE = 512
+
+# Partitioning (pFedClub §4.1: 72 % train / 20 % test / 8 % public; 2 classes per client).
+PUBLIC_FRACTION = 0.08
+TEST_FRACTION_OF_CLIENT = 0.20 / 0.92
+CLASSES_PER_CLIENT = 2
+DIRICHLET_ALPHA = 0.5
+
+# The embedded default run: small enough for a laptop, heterogeneous enough to mean something.
+DEFAULT_DATASET = "mnist-5k"
+DEFAULT_ZOO = "I"
+DEFAULT_CLIENTS = 8
+DEFAULT_ACTIVE = 4
+DEFAULT_ROUNDS = 5
+DEFAULT_RUN_LOCAL_EPOCHS = 5
+DEFAULT_SEED = 0
+DEFAULT_RUNS_DIR = "runs"
+# Device profiles the simulated fleet cycles through (all run eager PyTorch).
+DEFAULT_FLEET_PROFILES = ("rpi-4", "rpi-5", "jetson-orin-nano")
+
+# Data.
+DATA_CACHE_DIR = "~/.cache/fedge"
+DIRICHLET_MIN_CLIENT_SAMPLES = 10
+DIRICHLET_MAX_DRAWS = 100
+CIFAR10_BINARY_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz"
+CIFAR10_BINARY_MD5 = "c32a1d4ab5d03f1284b67883e8d87530"

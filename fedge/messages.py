@@ -1,0 +1,50 @@
+"""The transport-neutral messages of a round: client registration, tasks, and results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fedge.spec import ModelSpec
+from fedge.weights import State
+
+
+@dataclass(frozen=True)
+class Weights:
+    """A model as it travels: its spec and its tensors keyed by parameter name."""
+
+    spec: ModelSpec
+    state: State
+
+
+@dataclass(frozen=True)
+class ClientInfo:
+    """What a client tells the server when it registers."""
+
+    client_id: str
+    spec: ModelSpec
+    profile: str
+    num_train: int
+    num_test: int
+
+
+@dataclass(frozen=True)
+class Task:
+    """An instruction for one client: a handler name, the round, JSON config, and models by role."""
+
+    type: str
+    round: int
+    config: dict[str, Any] = field(default_factory=dict)
+    models: dict[str, Weights] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Result:
+    """A client's reply to a Task: example count, scalar metrics, and models by role."""
+
+    client_id: str
+    round: int
+    type: str
+    num_examples: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    models: dict[str, Weights] = field(default_factory=dict)

@@ -1,0 +1,79 @@
+"""The simulation launcher: builds a fleet of edge clients and the server for one run, in one process.
+
+Like the CLI, this module may import every package (server, edge_client, device_profiles).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from device_profiles import fits, get_profile
+from edge_client.agent import ClientAgent, ClientData
+from fedge.config import ConfigError, RunConfig
+from fedge.data import Dataset, load_dataset
+from fedge.partition import ClientShard, PartitionConfig, make_partition
+from fedge.transport import InProcTransport
+from fedge.zoo import assign_models, create
+from server.coordinator import Coordinator, LoopConfig
+from server.plots import plot_accuracy
+from server.runlog import RunLog
+from server.strategy import StrategyConfig, create_strategy
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(device: str) -> str:
+    """'auto' → cuda when available, else cpu; asking for cuda without one raises ConfigError."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda was requested but no CUDA device is available; use --set device=cpu")
+    return device
+
+
+def partition_config(cfg: RunConfig) -> PartitionConfig:
+    return PartitionConfig(scheme=cfg.partition, num_clients=cfg.clients, classes_per_client=cfg.classes_per_client,
+                           alpha=cfg.alpha, seed=cfg.seed, max_samples_per_client=cfg.max_samples_per_client)
+
+
+def make_agent(cfg: RunConfig, ds: Dataset, shard: ClientShard, model: str, profile_name: str) -> ClientAgent:
+    """One simulated client; its model must fit its device profile (ConfigError says which limit fails)."""
+    spec = create(model, ds.input_shape, ds.num_classes)
+    verdict = fits(spec, get_profile(profile_name))
+    if not verdict.ok:
+        raise ConfigError(f"client {shard.client_id}: model {model} does not fit device profile {profile_name}: "
+                          f"{'; '.join(verdict.failures)}. Choose other --set profiles=... or another zoo")
+    x_train, y_train = ds.tensors(shard.train)
+    x_test, y_test = ds.tensors(shard.test)
+    return ClientAgent(str(shard.client_id), spec, ClientData(x_train, y_train, x_test, y_test), profile_name, cfg.seed)
+
+
+def default_out(cfg: RunConfig) -> Path:
+    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.strategy}-{cfg.dataset}"
+
+
+def run_simulation(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
+    """Run a whole federation in this process; writes the run folder and returns the summary."""
+    out = Path(cfg.out) if cfg.out else default_out(cfg)
+    ds = load_dataset(cfg.dataset, cfg.data)
+    partition = make_partition(ds.y, ds.num_classes, partition_config(cfg))
+    models = assign_models(cfg.zoo, cfg.clients, cfg.seed)
+    agents = [make_agent(cfg, ds, shard, models[i], cfg.profiles[i % len(cfg.profiles)])
+              for i, shard in enumerate(partition.clients)]
+    strategy = create_strategy(cfg.strategy, StrategyConfig(cfg.local_epochs, cfg.batch_size, cfg.lr, cfg.seed,
+                                                            resolve_device(cfg.device)))
+    runlog = RunLog(out, cfg.to_dict() | {"out": str(out)})
+    loop = LoopConfig(cfg.rounds, cfg.active, cfg.seed, cfg.local_epochs, progress)
+    coordinator = Coordinator(strategy, InProcTransport({a.client_id: a.handle for a in agents}),
+                              {a.client_id: a.info() for a in agents}, loop, runlog)
+    start = time.perf_counter()
+    summary = coordinator.run() | {"dataset": cfg.dataset, "zoo": cfg.zoo, "out": str(out),
+                                   "wall_seconds": time.perf_counter() - start}
+    runlog.write_json("summary.json", summary)
+    plot_accuracy(runlog.rows(), out / "accuracy.png", f"{cfg.strategy} on {cfg.dataset}, zoo {cfg.zoo}")
+    return summary

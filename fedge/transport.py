@@ -1,0 +1,39 @@
+"""The transport interface the round loop talks to, and the in-process transport for simulation."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Mapping, Protocol
+
+from fedge.messages import Result, Task
+
+log = logging.getLogger(__name__)
+Handler = Callable[[Task], Result]
+
+
+class Transport(Protocol):
+    """Delivers tasks to clients and returns the replies that arrived (a missing client is simply absent)."""
+
+    def exchange(self, tasks: Mapping[str, Task]) -> dict[str, Result]: ...
+
+
+class InProcTransport:
+    """Calls each client's handler directly, one after another, in this process.
+
+    A handler that raises is logged and treated as a client that did not reply, as a real transport would.
+    """
+
+    def __init__(self, handlers: Mapping[str, Handler]) -> None:
+        self.handlers = dict(handlers)
+
+    def exchange(self, tasks: Mapping[str, Task]) -> dict[str, Result]:
+        results = {}
+        for cid, task in tasks.items():
+            if cid not in self.handlers:
+                log.warning("no client %s registered; task %s dropped", cid, task.type)
+                continue
+            try:
+                results[cid] = self.handlers[cid](task)
+            except Exception:  # a crashing client is a missing reply, not a crashed server
+                log.exception("client %s failed on task %s of round %d", cid, task.type, task.round)
+        return results

@@ -1,0 +1,108 @@
+"""Weights on disk and on the wire: a ModelSpec (JSON) plus its tensors (safetensors), never pickle."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from fedge.constants import SPEC_METADATA_KEY
+from fedge.spec import ModelSpec, SpecError, tensor_shapes
+
+State = dict[str, torch.Tensor]
+ALLOWED_DTYPES = (torch.float32, torch.int64)
+
+
+class WeightsError(ValueError):
+    """A weights blob or file is malformed or does not match its spec; the message says what."""
+
+
+def check_state(spec: ModelSpec, state: State) -> None:
+    """Require exactly the spec's keys, shapes (no broadcasting), dtypes, and finite values.
+
+    Raises WeightsError naming the first offending tensor.
+    """
+    expected = tensor_shapes(spec)
+    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or extra:
+        raise WeightsError(f"weights do not match spec {spec.name!r}: missing {missing[:5]}, unexpected {extra[:5]}")
+    for name, (shape, dtype) in expected.items():
+        t = state[name]
+        if tuple(t.shape) != shape:
+            raise WeightsError(f"tensor {name!r} has shape {list(t.shape)}, spec says {list(shape)}")
+        if t.dtype != dtype:
+            raise WeightsError(f"tensor {name!r} has dtype {t.dtype}, spec says {dtype}")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise WeightsError(f"tensor {name!r} contains NaN or Inf")
+
+
+def to_bytes(spec: ModelSpec, state: State) -> bytes:
+    """Serialise spec + weights into one safetensors blob (spec JSON in the header metadata)."""
+    check_state(spec, state)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    return st_save(tensors, metadata={SPEC_METADATA_KEY: spec.to_json()})
+
+
+def _header_metadata(data: bytes) -> dict[str, str]:
+    if len(data) < 8:
+        raise WeightsError("weights blob is shorter than a safetensors header")
+    n = int.from_bytes(data[:8], "little")
+    if n > len(data) - 8:
+        raise WeightsError(f"safetensors header length {n} exceeds the blob ({len(data)} bytes)")
+    try:
+        return json.loads(data[8:8 + n]).get("__metadata__") or {}
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        raise WeightsError(f"safetensors header is not a JSON object: {e}") from None
+
+
+def from_bytes(data: bytes) -> tuple[ModelSpec, State]:
+    """Parse a blob written by to_bytes; any malformation raises WeightsError (or SpecError for the spec)."""
+    meta = _header_metadata(data)
+    if SPEC_METADATA_KEY not in meta:
+        raise WeightsError(f"weights blob has no {SPEC_METADATA_KEY!r} metadata: not written by fedge")
+    spec = ModelSpec.from_json(meta[SPEC_METADATA_KEY])
+    try:
+        state = st_load(data)
+    except (SafetensorError, ValueError, RuntimeError) as e:
+        raise WeightsError(f"malformed safetensors payload: {e}") from None
+    check_state(spec, state)
+    return spec, state
+
+
+def atomic_write(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write bytes so that a crash leaves either the old file or the new one, never a torn one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_model(path: str | os.PathLike[str], spec: ModelSpec, state: State) -> None:
+    """Save spec + weights atomically to one .safetensors file."""
+    atomic_write(path, to_bytes(spec, state))
+
+
+def load_model(path: str | os.PathLike[str]) -> tuple[ModelSpec, State]:
+    """Load a file written by save_model; a missing or malformed file raises WeightsError."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise WeightsError(f"cannot read weights file {path}: {e.strerror}") from None
+    try:
+        return from_bytes(data)
+    except (WeightsError, SpecError) as e:
+        raise WeightsError(f"{path}: {e}") from None

@@ -1,0 +1,135 @@
+"""The round loop, in exactly one place: sample → plan → dispatch → collect → aggregate → evaluate → record."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+from tqdm import tqdm
+
+from device_profiles import get_profile, train_seconds
+from fedge.messages import ClientInfo, Result, Task
+from fedge.seeding import derive_seed
+from fedge.transport import Transport
+from server.runlog import RunLog
+from server.strategy import Strategy, StrategyError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """How many rounds, how many clients per round, the seed, and whether to draw a progress bar."""
+
+    rounds: int
+    active: int
+    seed: int
+    local_epochs: int
+    progress: bool = True
+
+
+def client_order(cid: str) -> tuple[int, str]:
+    """Sort key that puts numeric client ids in numeric order ("2" before "10")."""
+    return len(cid), cid
+
+
+def sample_clients(client_ids: Sequence[str], active: int, seed: int, rnd: int) -> list[str]:
+    """M of the N clients for a round, without replacement, deterministic in (seed, round)."""
+    ids = sorted(client_ids, key=client_order)
+    rng = np.random.default_rng(derive_seed(seed, "sample", rnd))
+    picked = rng.choice(len(ids), size=min(active, len(ids)), replace=False)
+    return [ids[i] for i in sorted(picked)]
+
+
+def accepted(results: Mapping[str, Result], tasks: Mapping[str, Task]) -> dict[str, Result]:
+    """Keep only replies that answer a task sent this round to that client; log the rest."""
+    keep = {}
+    for cid, res in results.items():
+        task = tasks.get(cid)
+        if task is None or res.client_id != cid or res.round != task.round or res.type != task.type:
+            log.warning("discarding reply from %s (round %s, type %s): it answers no open task",
+                        cid, res.round, res.type)
+            continue
+        keep[cid] = res
+    return keep
+
+
+class Coordinator:
+    """Drives a strategy over a transport for a number of rounds and records the run."""
+
+    def __init__(self, strategy: Strategy, transport: Transport, clients: Mapping[str, ClientInfo],
+                 loop: LoopConfig, runlog: RunLog) -> None:
+        if not clients:
+            raise StrategyError("no clients registered: a federation needs at least one client")
+        self.strategy, self.transport, self.loop, self.runlog = strategy, transport, loop, runlog
+        self.clients = dict(clients)
+        self.profiles = {cid: get_profile(info.profile) for cid, info in clients.items()}
+        self.server_seconds: list[float] = []
+        self.participated: set[str] = set()
+        self.final: dict[str, float] = {}
+
+    def run(self) -> dict[str, Any]:
+        """Run every round and return the summary (also written to summary.json)."""
+        self.strategy.setup(self.clients)
+        bar = tqdm(range(self.loop.rounds), desc=self.strategy.name, unit="round",
+                   disable=not self.loop.progress, dynamic_ncols=True)
+        for rnd in bar:
+            mean = self.run_round(rnd)
+            bar.set_postfix(acc=f"{mean:.3f}" if mean == mean else "n/a")
+        return self.summary()
+
+    def run_round(self, rnd: int) -> float:
+        """One round; returns the mean accuracy of the clients evaluated (NaN if none replied)."""
+        active = sample_clients(list(self.clients), self.loop.active, self.loop.seed, rnd)
+        start = time.perf_counter()
+        tasks = self.strategy.plan(rnd, active)
+        server = time.perf_counter() - start
+        results = accepted(self.transport.exchange(tasks), tasks)
+        self.participated |= set(results)
+        if len(results) < len(tasks):
+            log.warning("round %d: %d of %d clients replied", rnd, len(results), len(tasks))
+        start = time.perf_counter()
+        self.strategy.aggregate(rnd, results)
+        last = rnd == self.loop.rounds - 1
+        final = self.participated if self.strategy.personalized else self.clients
+        eval_tasks = self.strategy.evaluation(rnd, sorted(final) if last else active)
+        server += time.perf_counter() - start
+        evals = accepted(self.transport.exchange(eval_tasks), eval_tasks)
+        self.server_seconds.append(server)
+        self.runlog.append_rows([self.row(rnd, cid, results.get(cid), evals.get(cid))
+                                 for cid in sorted(set(tasks) | set(eval_tasks), key=client_order)])
+        if last:
+            self.final = {cid: r.metrics["accuracy"] for cid, r in evals.items()}
+        accs = [r.metrics["accuracy"] for r in evals.values()]
+        return statistics.fmean(accs) if accs else float("nan")
+
+    def row(self, rnd: int, cid: str, trained: Result | None, evaluated: Result | None) -> dict[str, Any]:
+        info = self.clients[cid]
+        row: dict[str, Any] = {"round": rnd, "client": cid, "model": info.spec.name, "profile": info.profile,
+                               "params": info.spec.params, "macs": info.spec.macs, "trained": trained is not None}
+        if trained is not None:
+            row.update(train_loss=trained.metrics.get("train_loss"), train_seconds=trained.metrics.get("train_seconds"),
+                       num_examples=trained.num_examples,
+                       sim_train_seconds=train_seconds(info.spec.macs, trained.num_examples, self.loop.local_epochs,
+                                                       self.profiles[cid]))
+        if evaluated is not None:
+            row.update(accuracy=evaluated.metrics["accuracy"], loss=evaluated.metrics["loss"])
+        return row | self.strategy.record(rnd, cid)
+
+    def summary(self) -> dict[str, Any]:
+        per_client = {cid: self.final[cid] for cid in sorted(self.final, key=client_order)}
+        return {
+            "strategy": self.strategy.name,
+            "rounds": self.loop.rounds,
+            "clients": len(self.clients),
+            "active": self.loop.active,
+            "final_accuracy": {"mean": statistics.fmean(per_client.values()) if per_client else None,
+                               "per_client": per_client},
+            "server_seconds": self.server_seconds,
+            "never_trained": sorted(set(self.clients) - self.participated, key=client_order),
+            "models": {cid: info.spec.name for cid, info in self.clients.items()},
+        }

@@ -1,0 +1,82 @@
+"""The server half of a strategy (plan and aggregate hooks) and the strategy registry."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+from fedge.messages import ClientInfo, Result, Task
+
+
+class StrategyError(ValueError):
+    """A strategy cannot run on this fleet or configuration; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class StrategyConfig:
+    """What every strategy gets from the run configuration."""
+
+    local_epochs: int
+    batch_size: int
+    lr: float
+    seed: int
+    device: str = "cpu"
+
+
+class Strategy:
+    """Hooks the round loop calls. Strategies never loop over rounds and never touch the transport."""
+
+    name = "base"
+    # A personalized strategy's final accuracy covers only clients that trained at least once
+    # (a never-selected client has no personalized model); a global-model strategy covers all.
+    personalized = True
+
+    def __init__(self, config: StrategyConfig) -> None:
+        self.config = config
+        self.clients: dict[str, ClientInfo] = {}
+
+    def setup(self, clients: Mapping[str, ClientInfo]) -> None:
+        """Called once with the registered fleet; raise StrategyError if the fleet does not fit."""
+        self.clients = dict(clients)
+
+    def train_config(self, upload: bool) -> dict[str, Any]:
+        c = self.config
+        return {"epochs": c.local_epochs, "batch_size": c.batch_size, "lr": c.lr, "seed": c.seed, "upload": upload}
+
+    def plan(self, rnd: int, active: Sequence[str]) -> dict[str, Task]:
+        """The task for each active client this round."""
+        raise NotImplementedError
+
+    def aggregate(self, rnd: int, results: Mapping[str, Result]) -> None:
+        """Fold the replies that arrived (possibly none) into the server state."""
+        raise NotImplementedError
+
+    def evaluation(self, rnd: int, clients: Sequence[str]) -> dict[str, Task]:
+        """Evaluation tasks; by default each client evaluates its own current model."""
+        return {cid: Task("evaluate", rnd) for cid in clients}
+
+    def record(self, rnd: int, client: str) -> dict[str, Any]:
+        """Extra per-client fields for metrics.jsonl (e.g. teacher size); none by default."""
+        return {}
+
+
+StrategyFactory = Callable[[StrategyConfig], Strategy]
+STRATEGIES: dict[str, StrategyFactory] = {}
+
+
+def register_strategy(name: str) -> Callable[[type[Strategy]], type[Strategy]]:
+    """Class decorator adding a strategy under `name`."""
+    def add(cls: type[Strategy]) -> type[Strategy]:
+        if name in STRATEGIES:
+            raise ValueError(f"strategy {name!r} is already registered")
+        cls.name = name
+        STRATEGIES[name] = cls
+        return cls
+    return add
+
+
+def create_strategy(name: str, config: StrategyConfig) -> Strategy:
+    """Instantiate a registered strategy; an unknown name raises StrategyError listing the known ones."""
+    if name not in STRATEGIES:
+        raise StrategyError(f"unknown strategy {name!r}; available: {', '.join(sorted(STRATEGIES))}")
+    return STRATEGIES[name](config)

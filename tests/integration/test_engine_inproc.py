@@ -1,0 +1,120 @@
+"""The run engine end to end in one process: both strategies, the run folder contract, failures."""
+
+import json
+
+import pytest
+
+from edge_client.agent import ClientAgent
+from fedge.config import RunConfig
+from fedge.data import load_dataset
+from fedge.messages import Task
+from fedge.partition import make_partition
+from fedge.simulation import make_agent, partition_config, run_simulation
+from fedge.transport import InProcTransport
+from fedge.zoo import assign_models
+from server.coordinator import Coordinator, LoopConfig, sample_clients
+from server.runlog import RunLog
+from server.strategy import StrategyConfig, StrategyError, create_strategy
+
+pytestmark = pytest.mark.timeout(300)
+ROW_KEYS = {"round", "client", "model", "params", "macs", "accuracy", "loss", "train_loss", "train_seconds"}
+
+
+def config(tmp_path, **kw) -> RunConfig:
+    base = dict(dataset="digits", zoo="I", clients=7, active=3, rounds=2, local_epochs=1, batch_size=16,
+                out=str(tmp_path / "run"), seed=3)
+    return RunConfig(**(base | kw))
+
+
+def test_local_run_writes_the_contract(tmp_path):
+    summary = run_simulation(config(tmp_path), progress=False)
+    out = tmp_path / "run"
+    on_disk = json.loads((out / "summary.json").read_text())
+    assert on_disk["strategy"] == "local" and on_disk["dataset"] == "digits"
+    assert (on_disk["rounds"], on_disk["clients"]) == (2, 7)
+    assert len(on_disk["server_seconds"]) == 2
+    per_client = on_disk["final_accuracy"]["per_client"]
+    trained = {r["client"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+               if r["trained"]}
+    assert set(per_client) == trained and set(on_disk["never_trained"]) == {str(i) for i in range(7)} - trained
+    assert on_disk["final_accuracy"]["mean"] == pytest.approx(sum(per_client.values()) / len(per_client))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    trained_rows = [r for r in rows if r["trained"]]
+    assert len(trained_rows) == 2 * 3 and all(ROW_KEYS <= set(r) for r in trained_rows)
+    assert (out / "accuracy.png").stat().st_size > 0
+    assert json.loads((out / "config.json").read_text())["zoo"] == "I"
+    assert summary["final_accuracy"] == on_disk["final_accuracy"]
+
+
+def test_same_seed_same_numbers(tmp_path):
+    a = run_simulation(config(tmp_path, out=str(tmp_path / "a")), progress=False)
+    b = run_simulation(config(tmp_path, out=str(tmp_path / "b")), progress=False)
+    assert a["final_accuracy"] == b["final_accuracy"]
+
+
+def test_fedavg_learns_a_shared_model(tmp_path):
+    summary = run_simulation(config(tmp_path, strategy="fedavg", zoo="cnn1", partition="iid", rounds=3,
+                                    local_epochs=2), progress=False)
+    per_client = summary["final_accuracy"]["per_client"]
+    assert set(per_client) == {str(i) for i in range(7)}  # the global model is evaluated on everyone
+    assert summary["final_accuracy"]["mean"] > 0.5  # 10 classes: chance is 0.1
+
+
+def test_fedavg_refuses_a_heterogeneous_zoo(tmp_path):
+    with pytest.raises(StrategyError, match="same model"):
+        run_simulation(config(tmp_path, strategy="fedavg"), progress=False)
+
+
+def fleet(tmp_path, cfg):
+    ds = load_dataset(cfg.dataset)
+    part = make_partition(ds.y, ds.num_classes, partition_config(cfg))
+    models = assign_models(cfg.zoo, cfg.clients, cfg.seed)
+    return [make_agent(cfg, ds, s, models[i], "rpi-4") for i, s in enumerate(part.clients)]
+
+
+class Crashing:
+    """A real client whose training task raises (as a device bug would); evaluation still works."""
+
+    def __init__(self, agent: ClientAgent) -> None:
+        self.agent = agent
+
+    def handle(self, task: Task):
+        if task.type == "train":
+            raise RuntimeError("device fell over")
+        return self.agent.handle(task)
+
+
+def test_a_crashing_client_does_not_stop_the_round(tmp_path, caplog):
+    cfg = config(tmp_path, clients=4, active=4, rounds=1)
+    agents = fleet(tmp_path, cfg)
+    handlers = {a.client_id: a.handle for a in agents} | {"1": Crashing(agents[1]).handle}
+    strategy = create_strategy("local", StrategyConfig(1, 16, 1e-3, 0))
+    coord = Coordinator(strategy, InProcTransport(handlers), {a.client_id: a.info() for a in agents},
+                        LoopConfig(1, 4, 0, 1, progress=False), RunLog(tmp_path / "r", {}))
+    summary = coord.run()
+    assert set(summary["final_accuracy"]["per_client"]) == {"0", "2", "3"}
+    assert summary["never_trained"] == ["1"]
+    assert "device fell over" in caplog.text
+
+
+def test_a_round_with_no_replies_is_survived(tmp_path):
+    cfg = config(tmp_path, clients=3, active=2, rounds=2)
+    agents = fleet(tmp_path, cfg)
+    strategy = create_strategy("fedavg", StrategyConfig(1, 16, 1e-3, 0))
+    with pytest.raises(StrategyError):  # zoo I is heterogeneous; use cnn1 agents below
+        strategy.setup({a.client_id: a.info() for a in agents})
+    cfg = config(tmp_path, clients=3, active=2, rounds=2, zoo="cnn1")
+    agents = fleet(tmp_path, cfg)
+    dead = {a.client_id: Crashing(a).handle for a in agents}
+    coord = Coordinator(strategy, InProcTransport(dead), {a.client_id: a.info() for a in agents},
+                        LoopConfig(2, 2, 0, 1, progress=False), RunLog(tmp_path / "r", {}))
+    summary = coord.run()
+    assert summary["never_trained"] == ["0", "1", "2"]
+    assert set(summary["final_accuracy"]["per_client"]) == {"0", "1", "2"}  # the unchanged global model
+
+
+def test_sampling_is_deterministic_and_without_replacement():
+    ids = [str(i) for i in range(12)]
+    a = sample_clients(ids, 4, seed=1, rnd=5)
+    assert a == sample_clients(ids, 4, seed=1, rnd=5) and len(set(a)) == 4
+    assert any(sample_clients(ids, 4, seed=1, rnd=r) != a for r in range(5))

@@ -1,0 +1,47 @@
+"""FedAvg's aggregation by hand, and its refusal of heterogeneous fleets."""
+
+import pytest
+import torch
+
+from fedge.messages import ClientInfo, Result, Weights
+from fedge.zoo import create
+from server.fedavg import FedAvg, weighted_average
+from server.strategy import StrategyConfig, StrategyError
+
+pytestmark = pytest.mark.timeout(60)
+CONFIG = StrategyConfig(local_epochs=1, batch_size=8, lr=1e-3, seed=0)
+
+
+def test_weighted_average_by_hand():
+    a = {"w": torch.tensor([1.0, 2.0]), "n": torch.tensor(3)}
+    b = {"w": torch.tensor([4.0, 8.0]), "n": torch.tensor(5)}
+    out = weighted_average([a, b], [1, 2])
+    assert torch.allclose(out["w"], torch.tensor([3.0, 6.0]))
+    assert out["w"].dtype == torch.float32 and int(out["n"]) == 5
+    with pytest.raises(ValueError):
+        weighted_average([], [])
+
+
+def info(cid, model):
+    spec = create(model, (1, 8, 8), 10).with_origin(cid)
+    return ClientInfo(cid, spec, "rpi-4", 10, 5)
+
+
+def test_heterogeneous_fleet_is_refused_with_advice():
+    with pytest.raises(StrategyError, match=r"same model.*\['cnn1', 'cnn2'\].*--zoo cnn1"):
+        FedAvg(CONFIG).setup({"0": info("0", "cnn1"), "1": info("1", "cnn2")})
+
+
+def test_aggregate_weights_by_examples_and_tolerates_no_replies():
+    strategy = FedAvg(CONFIG)
+    strategy.setup({"0": info("0", "cnn1"), "1": info("1", "cnn1")})
+    before = strategy.global_model
+    strategy.aggregate(0, {})
+    assert strategy.global_model is before
+    spec = before.spec
+    ones = {k: torch.ones_like(v) for k, v in before.state.items()}
+    threes = {k: torch.full_like(v, 3) for k, v in before.state.items()}
+    strategy.aggregate(1, {"0": Result("0", 1, "train", 30, models={"local": Weights(spec, ones)}),
+                           "1": Result("1", 1, "train", 10, models={"local": Weights(spec, threes)})})
+    w = strategy.global_model.state["blocks.0.0.weight"]
+    assert torch.allclose(w, torch.full_like(w, 1.5))
