@@ -60,13 +60,13 @@ def default_out(cfg: RunConfig) -> Path:
 def run_simulation(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
     """Run a whole federation in this process; writes the run folder and returns the summary."""
     out = Path(cfg.out) if cfg.out else default_out(cfg)
+    strategy = create_strategy(cfg.strategy, StrategyConfig(cfg.local_epochs, cfg.batch_size, cfg.lr, cfg.seed,
+                                                            resolve_device(cfg.device)))
     ds = load_dataset(cfg.dataset, cfg.data)
     partition = make_partition(ds.y, ds.num_classes, partition_config(cfg))
     models = assign_models(cfg.zoo, cfg.clients, cfg.seed)
     agents = [make_agent(cfg, ds, shard, models[i], cfg.profiles[i % len(cfg.profiles)])
               for i, shard in enumerate(partition.clients)]
-    strategy = create_strategy(cfg.strategy, StrategyConfig(cfg.local_epochs, cfg.batch_size, cfg.lr, cfg.seed,
-                                                            resolve_device(cfg.device)))
     runlog = RunLog(out, cfg.to_dict() | {"out": str(out)})
     loop = LoopConfig(cfg.rounds, cfg.active, cfg.seed, cfg.local_epochs, progress)
     coordinator = Coordinator(strategy, InProcTransport({a.client_id: a.handle for a in agents}),

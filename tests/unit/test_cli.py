@@ -1,0 +1,95 @@
+"""The CLI's contracts (JSON outputs) and its one-line errors for bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fedge.cli import main
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_zoo_json_contract(capsys):
+    code, out, _ = run(capsys, "zoo", "--json", "--input", "1x28x28")
+    rows = json.loads(out)
+    assert code == 0
+    assert [r["name"] for r in rows] == ["cnn1", "cnn2", "cnn3", "cnn4", "mobilenet_v1", "mobilenet_v2",
+                                         "mobilenet_v3"]
+    assert all(isinstance(r["params"], int) and isinstance(r["macs"], int) and r["blocks"] > 0 for r in rows)
+
+
+def test_profiles_json_contract(capsys):
+    code, out, _ = run(capsys, "profiles", "--json")
+    rows = json.loads(out)
+    names = {r["name"] for r in rows}
+    assert code == 0 and {"rpi-zero-2w", "rpi-4", "rpi-5", "jetson-orin-nano", "android-low-end",
+                          "android-mid-range", "android-flagship", "gpu-server"} <= names
+    assert all({"name", "runtime", "max_params", "max_macs"} <= set(r) for r in rows)
+
+
+def test_data_describes_a_partition(capsys):
+    code, out, _ = run(capsys, "data", "--dataset", "digits", "--clients", "5", "--json")
+    info = json.loads(out)
+    assert code == 0 and info["samples"] == 1797 and len(info["clients"]) == 5
+    assert all(len(c["classes"]) == 2 for c in info["clients"])
+
+
+def test_run_prints_per_client_accuracy(capsys, tmp_path):
+    code, out, _ = run(capsys, "run", "--dataset", "digits", "--zoo", "cnn1", "--clients", "3", "--active", "3",
+                       "--rounds", "1", "--local-epochs", "1", "--out", str(tmp_path / "r"), "--no-progress")
+    assert code == 0 and "mean final accuracy" in out
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["clients"] == 3
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "--strategy", "nope"], "unknown strategy 'nope'; available: fedavg, local"),
+    (["run", "--set", "bogus=1"], "unknown config key(s) ['bogus']"),
+    (["run", "--set", "rounds"], "--set expects key=value"),
+    (["run", "--clients", "2", "--active", "5"], "active (5) cannot exceed clients (2)"),
+    (["run", "--zoo", "IV"], "unknown zoo 'IV'"),
+    (["run", "--dataset", "imagenet"], "unknown dataset"),
+    (["run", "--config", "/nonexistent.toml"], "cannot read config file"),
+    (["data", "--dataset", "mnist", "--data", "/nonexistent"], "/nonexistent"),
+    (["profiles", "--validate", "/nonexistent.toml"], "nonexistent"),
+])
+def test_bad_input_gives_one_clear_line(capsys, tmp_path, argv, message):
+    code, out, err = run(capsys, *argv, *(["--out", str(tmp_path / "r"), "--no-progress"] if argv[0] == "run" else []))
+    last = err.strip().splitlines()[-1]
+    assert code == 2
+    assert last.startswith("fedge: error:") and message in last
+    assert "Traceback" not in err
+
+
+def test_bad_toml_config(capsys, tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("rounds = [\n")
+    code, _, err = run(capsys, "run", "--config", str(path))
+    assert code == 2 and "not valid TOML" in err
+
+
+def test_toml_config_with_overrides_on_top(capsys, tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('dataset = "digits"\nzoo = "cnn1"\nclients = 2\nactive = 2\nrounds = 3\nlocal_epochs = 1\n')
+    code, _, err = run(capsys, "run", "--config", str(path), "--rounds", "1", "--out", str(tmp_path / "r"),
+                       "--no-progress")
+    assert code == 0 and json.loads((tmp_path / "r" / "config.json").read_text())["rounds"] == 1
+
+
+def test_bad_input_shape_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["zoo", "--input", "28x28"])
+    assert exit_info.value.code == 2 and "expected CxHxW" in capsys.readouterr().err
+
+
+def test_console_script_help():
+    result = subprocess.run([sys.executable, "-m", "fedge.cli", "run", "--help"], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0 and "--local-epochs" in result.stdout and "--set KEY=VALUE" in result.stdout
