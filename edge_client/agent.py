@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from fedge.messages import ClientInfo, Result, Task, Weights
+from fedge.registry import Registry
 from fedge.seeding import derive_seed
 from fedge.spec import ModelSpec, SpecModel, build
 from fedge.weights import WeightsError, check_state
@@ -28,17 +29,8 @@ class ClientData:
 
 
 TaskHandler = Callable[["ClientAgent", Task], Result]
-TASKS: dict[str, TaskHandler] = {}
-
-
-def register_task(name: str) -> Callable[[TaskHandler], TaskHandler]:
-    """Decorator registering the client half of a strategy under a task type name."""
-    def add(fn: TaskHandler) -> TaskHandler:
-        if name in TASKS:
-            raise ValueError(f"task type {name!r} is already registered")
-        TASKS[name] = fn
-        return fn
-    return add
+TASKS: Registry[TaskHandler] = Registry("task type", TaskError)
+register_task = TASKS.register  # decorator: the client half of a strategy, under a task type name
 
 
 class ClientAgent:
@@ -77,6 +69,4 @@ class ClientAgent:
 
     def handle(self, task: Task) -> Result:
         """Run the handler registered for task.type; an unknown type raises TaskError."""
-        if task.type not in TASKS:
-            raise TaskError(f"client {self.client_id}: unknown task type {task.type!r}; known: {sorted(TASKS)}")
-        return TASKS[task.type](self, task)
+        return TASKS.get(task.type)(self, task)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from fedge.constants import CIFAR10_BINARY_MD5, CIFAR10_BINARY_URL, DATA_CACHE_DIR
+from fedge.registry import Registry
 
 logger = logging.getLogger(__name__)
 
@@ -110,22 +111,13 @@ def make_dataset(name: str, x: np.ndarray, y: np.ndarray, classes: tuple[str, ..
 
 
 Loader = Callable[[str | None], Dataset]
-_REGISTRY: dict[str, Loader] = {}
-
-
-def register_dataset(name: str) -> Callable[[Loader], Loader]:
-    """Decorator registering `loader(root) -> Dataset` under `name`; a duplicate name raises DatasetError."""
-    def wrap(loader: Loader) -> Loader:
-        if name in _REGISTRY:
-            raise DatasetError(f"dataset {name!r} is already registered")
-        _REGISTRY[name] = loader
-        return loader
-    return wrap
+DATASETS: Registry[Loader] = Registry("dataset", DatasetError)
+register_dataset = DATASETS.register  # decorator: `loader(root) -> Dataset` under a name
 
 
 def list_datasets() -> list[str]:
     """Names of all registered datasets, sorted."""
-    return sorted(_REGISTRY)
+    return sorted(DATASETS)
 
 
 def load_dataset(name: str, root: str | os.PathLike[str] | None = None) -> Dataset:
@@ -135,8 +127,7 @@ def load_dataset(name: str, root: str | os.PathLike[str] | None = None) -> Datas
     An unknown name raises DatasetError listing the available names; a missing or invalid
     root raises DatasetError naming the path, the files expected and how to get them.
     """
-    if name not in _REGISTRY:
-        raise DatasetError(f"unknown dataset {name!r}; available: {', '.join(list_datasets())}")
+    DATASETS.get(name)
     resolved = None if root is None else str(Path(root).expanduser().resolve())
     return _load_cached(name, resolved)
 
@@ -148,7 +139,7 @@ def clear_dataset_cache() -> None:
 
 @functools.lru_cache(maxsize=None)
 def _load_cached(name: str, root: str | None) -> Dataset:
-    dataset = _REGISTRY[name](root)
+    dataset = DATASETS.get(name)(root)
     logger.info("loaded dataset %s: %d images %s, %d classes", name, len(dataset), dataset.input_shape,
                 dataset.num_classes)
     return dataset

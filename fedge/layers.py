@@ -10,6 +10,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from fedge.registry import Registry
+
 Shape = tuple[int, ...]
 
 
@@ -43,22 +45,9 @@ class LayerType:
     macs: Callable[[dict[str, Any], Shape], int] = lambda a, s: 0
 
 
-LAYER_TYPES: dict[str, LayerType] = {}
-
-
-def register_layer(name: str, layer_type: LayerType) -> None:
-    """Add a layer type; registering a name twice is a programming error (ValueError)."""
-    if name in LAYER_TYPES:
-        raise ValueError(f"layer type {name!r} is already registered")
-    LAYER_TYPES[name] = layer_type
-
-
-def layer_type(name: str) -> LayerType:
-    """Look up a layer type; an unknown name raises SpecError listing the known ones."""
-    try:
-        return LAYER_TYPES[name]
-    except KeyError:
-        raise SpecError(f"unknown layer type {name!r}; known: {', '.join(sorted(LAYER_TYPES))}") from None
+LAYER_TYPES: Registry[LayerType] = Registry("layer type", SpecError)
+register_layer = LAYER_TYPES.add
+layer_type = LAYER_TYPES.get  # an unknown name raises SpecError listing the known ones
 
 
 def _need(shape: Shape, rank: int, what: str) -> None:

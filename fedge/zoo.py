@@ -19,34 +19,27 @@ from typing import Callable, Sequence
 import numpy as np
 
 from fedge.layers import LayerSpec as L
+from fedge.registry import Registry
 from fedge.spec import ModelSpec, make_spec
 
 Factory = Callable[[int, int, int], ModelSpec]
-MODELS: dict[str, Factory] = {}
 
 
 class ZooError(ValueError):
     """Unknown model or zoo name, or an input the model cannot take; the message lists valid names."""
 
 
-def register_model(name: str) -> Callable[[Factory], Factory]:
-    """Decorator registering a factory `(in_channels, image_size, num_classes) -> ModelSpec`."""
-    def add(fn: Factory) -> Factory:
-        if name in MODELS:
-            raise ValueError(f"model {name!r} is already registered")
-        MODELS[name] = fn
-        return fn
-    return add
+MODELS: Registry[Factory] = Registry("model", ZooError)
+register_model = MODELS.register  # decorator: `(in_channels, image_size, num_classes) -> ModelSpec`
 
 
 def create(name: str, input_shape: Sequence[int], num_classes: int) -> ModelSpec:
     """Build the spec of a zoo model for a (C, H, W) input; unknown names raise ZooError."""
-    if name not in MODELS:
-        raise ZooError(f"unknown model {name!r}; available: {', '.join(MODELS)}")
+    factory = MODELS.get(name)
     c, h, w = input_shape
     if h != w:
         raise ZooError(f"zoo models take square images, got {h}x{w}")
-    return MODELS[name](c, h, num_classes)
+    return factory(c, h, num_classes)
 
 
 def _conv(out: int, k: int, stride: int = 1, bias: bool = True) -> L:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from fedge.messages import ClientInfo, Result, Task
+from fedge.registry import Registry
 
 
 class StrategyError(ValueError):
@@ -60,23 +61,17 @@ class Strategy:
         return {}
 
 
-StrategyFactory = Callable[[StrategyConfig], Strategy]
-STRATEGIES: dict[str, StrategyFactory] = {}
+STRATEGIES: Registry[type[Strategy]] = Registry("strategy", StrategyError)
 
 
 def register_strategy(name: str) -> Callable[[type[Strategy]], type[Strategy]]:
-    """Class decorator adding a strategy under `name`."""
+    """Class decorator adding a strategy under `name` (which becomes its `name` attribute)."""
     def add(cls: type[Strategy]) -> type[Strategy]:
-        if name in STRATEGIES:
-            raise ValueError(f"strategy {name!r} is already registered")
         cls.name = name
-        STRATEGIES[name] = cls
-        return cls
+        return STRATEGIES.add(name, cls)
     return add
 
 
 def create_strategy(name: str, config: StrategyConfig) -> Strategy:
     """Instantiate a registered strategy; an unknown name raises StrategyError listing the known ones."""
-    if name not in STRATEGIES:
-        raise StrategyError(f"unknown strategy {name!r}; available: {', '.join(sorted(STRATEGIES))}")
-    return STRATEGIES[name](config)
+    return STRATEGIES.get(name)(config)

@@ -1,0 +1,42 @@
+"""One small registry type behind every name → thing table (layers, models, datasets, strategies, tasks)."""
+
+from __future__ import annotations
+
+from typing import Callable, Generic, Iterator, TypeVar
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """Names mapped to entries, in registration order; lookups of unknown names raise `error`."""
+
+    def __init__(self, kind: str, error: type[Exception]) -> None:
+        self.kind, self.error = kind, error
+        self.entries: dict[str, T] = {}
+
+    def add(self, name: str, entry: T) -> T:
+        """Register `entry`; a duplicate name is a programming error (ValueError)."""
+        if name in self.entries:
+            raise ValueError(f"{self.kind} {name!r} is already registered")
+        self.entries[name] = entry
+        return entry
+
+    def register(self, name: str) -> Callable[[T], T]:
+        """Decorator form of add()."""
+        return lambda entry: self.add(name, entry)
+
+    def get(self, name: str) -> T:
+        """The entry for `name`; an unknown name raises self.error listing the known ones."""
+        try:
+            return self.entries[name]
+        except KeyError:
+            raise self.error(f"unknown {self.kind} {name!r}; available: {', '.join(self.entries)}") from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
