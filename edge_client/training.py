@@ -22,31 +22,112 @@ class TrainConfig:
     seed: int
 
 
+@dataclass(frozen=True)
+class Distillation:
+    """A distillation target for `fit`: the teacher's logits on every training sample (row i ↔ x[i]).
+
+    `kd_lambda` is λ of pFedClub Eq. (5) / pFedHR Eq. (6) (the papers use 0.2); `temperature` T softens
+    both distributions (1.0 = the papers' plain softmax).
+    """
+
+    teacher_logits: torch.Tensor
+    kd_lambda: float = 0.2
+    temperature: float = 1.0
+
+
+@dataclass(frozen=True)
+class TrainStats:
+    """Mean losses of the last epoch: the optimised total, its CE part, and the (unweighted) KL part."""
+
+    loss: float
+    ce: float
+    kd: float
+
+
+def kd_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """KL(q_student ‖ p_teacher) of softmax(logits / T), averaged over the batch, times T² (Hinton et al.).
+
+    pFedClub Eq. (5) writes KL(β_m(x), β̂_m(x)) with the student first; we read it literally as
+    D_KL(student ‖ teacher), as issue 3 states. (Deep Mutual Learning [36], which the paper cites,
+    uses the reverse direction; swapping the two log-probabilities below gives it.) Shapes must be
+    equal (never broadcast), else ValueError.
+    """
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(f"student logits {list(student_logits.shape)} and teacher logits "
+                         f"{list(teacher_logits.shape)} differ in shape")
+    log_q = F.log_softmax(student_logits / temperature, dim=1)
+    log_p = F.log_softmax(teacher_logits / temperature, dim=1)
+    return F.kl_div(log_p, log_q, reduction="batchmean", log_target=True) * temperature ** 2
+
+
 def train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig) -> float:
     """Train in place with Adam and cross-entropy; returns the mean loss of the last epoch.
 
     Raises ValueError when the data are empty or the loss becomes non-finite.
     """
+    return fit(model, x, y, cfg).loss
+
+
+def _check_kd(kd: Distillation, x: torch.Tensor) -> None:
+    if kd.teacher_logits.dim() != 2 or len(kd.teacher_logits) != len(x):
+        raise ValueError(f"teacher logits must be (num_samples={len(x)}, classes), "
+                         f"got {list(kd.teacher_logits.shape)}")
+    if not (math.isfinite(kd.kd_lambda) and kd.kd_lambda >= 0):
+        raise ValueError(f"kd_lambda must be finite and >= 0, got {kd.kd_lambda}")
+    if not (math.isfinite(kd.temperature) and kd.temperature > 0):
+        raise ValueError(f"temperature must be finite and > 0, got {kd.temperature}")
+
+
+def fit(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
+        kd: Distillation | None = None) -> TrainStats:
+    """Train in place with Adam on CE, plus λ·KL to a teacher when `kd` is given (pFedClub Eq. (5)).
+
+    Without `kd` (or with λ = 0) the updates are exactly those of plain CE training; the KL is then
+    still measured (without gradient) when teacher logits are given. Raises ValueError when the data
+    are empty, the teacher logits do not match the data, λ < 0, T ≤ 0, or the loss becomes non-finite.
+    """
     if len(x) == 0:
         raise ValueError("no training data")
+    if kd is not None:
+        _check_kd(kd, x)
     gen = torch.Generator().manual_seed(cfg.seed)
     torch.manual_seed(cfg.seed)  # dropout draws from the global generator
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     model.train()
-    last = math.nan
+    stats = TrainStats(math.nan, math.nan, 0.0)
     for _ in range(cfg.epochs):
-        total, count = 0.0, 0
+        total, ce_sum, kd_sum, count = 0.0, 0.0, 0.0, 0
         for idx in torch.randperm(len(x), generator=gen).split(cfg.batch_size):
             opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(x[idx]), y[idx])
+            logits = model(x[idx])
+            loss = ce = F.cross_entropy(logits, y[idx])
+            kl = torch.zeros(())
+            if kd is not None:
+                if kd.kd_lambda > 0:
+                    kl = kd_kl(logits, kd.teacher_logits[idx], kd.temperature)
+                    loss = ce + kd.kd_lambda * kl
+                else:
+                    with torch.no_grad():
+                        kl = kd_kl(logits, kd.teacher_logits[idx], kd.temperature)
             loss.backward()
             opt.step()
             total += float(loss.detach()) * len(idx)
+            ce_sum += float(ce.detach()) * len(idx)
+            kd_sum += float(kl.detach()) * len(idx)
             count += len(idx)
-        last = total / count
-        if not math.isfinite(last):
-            raise ValueError(f"training diverged: loss is {last}")
-    return last
+        stats = TrainStats(total / count, ce_sum / count, kd_sum / count)
+        if not math.isfinite(stats.loss):
+            raise ValueError(f"training diverged: loss is {stats.loss}")
+    return stats
+
+
+@torch.no_grad()
+def predict(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The model's logits on x in eval mode, in batches; empty data raise ValueError."""
+    if len(x) == 0:
+        raise ValueError("no data to predict on")
+    model.eval()
+    return torch.cat([model(xb) for xb in x.split(EVAL_BATCH_SIZE)])
 
 
 @torch.no_grad()

@@ -98,7 +98,7 @@ def cmd_data(args: argparse.Namespace) -> None:
 
 
 RUN_FLAGS = ("strategy", "dataset", "data", "zoo", "clients", "active", "rounds", "local_epochs", "batch_size",
-             "lr", "seed", "partition", "out")
+             "lr", "seed", "partition", "out", "eta", "clusters", "public", "ablation")
 
 
 def cmd_run(args: argparse.Namespace) -> None:
@@ -161,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, help="client learning rate (Adam)")
     p.add_argument("--seed", type=int, help="run seed")
     p.add_argument("--partition", choices=["iid", "noniid", "dirichlet"], help="how data is split")
+    p.add_argument("--eta", type=float, help="pFedClub+ size bound: teacher params <= (1+eta)·own (default 0.1)")
+    p.add_argument("--clusters", type=int, help="pFedClub/pFedHR functional groups K (default 4)")
+    p.add_argument("--public", choices=["labeled", "unlabeled"], help="server public data: CE or NT-Xent stitching")
+    p.add_argument("--ablation", choices=list(C.ABLATIONS), help="pFedClub ablation (paper Table 3)")
     p.add_argument("--out", help="run folder (default runs/<time>-<strategy>-<dataset>)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any config key (repeatable)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="show a progress bar")

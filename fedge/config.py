@@ -42,11 +42,19 @@ class RunConfig:
     alpha: float = C.DIRICHLET_ALPHA
     max_samples_per_client: int | None = None
     profiles: tuple[str, ...] = C.DEFAULT_FLEET_PROFILES
+    eta: float = C.PFEDCLUB_PLUS_ETA
+    clusters: int = C.CLUSTERS
+    public: str = "labeled"
+    ablation: str = "none"
+    kd_lambda: float = C.KD_LAMBDA
+    finetune_epochs: int = C.FINETUNE_EPOCHS
+    max_candidates: int = C.MAX_CANDIDATES
     device: str = "auto"
     out: str | None = None
 
     def __post_init__(self) -> None:
-        positive = ("clients", "active", "rounds", "local_epochs", "batch_size", "classes_per_client")
+        positive = ("clients", "active", "rounds", "local_epochs", "batch_size", "classes_per_client", "clusters",
+                    "finetune_epochs", "max_candidates")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}")
@@ -56,6 +64,14 @@ class RunConfig:
             raise ConfigError(f"lr and alpha must be positive, got lr={self.lr}, alpha={self.alpha}")
         if not self.profiles:
             raise ConfigError("profiles must name at least one device profile")
+        if not self.eta > -1:
+            raise ConfigError(f"eta must be > -1 (pFedClub §4.4), got {self.eta}")
+        if self.kd_lambda < 0:
+            raise ConfigError(f"kd_lambda must be >= 0, got {self.kd_lambda}")
+        if self.public not in ("labeled", "unlabeled"):
+            raise ConfigError(f"public must be labeled or unlabeled, got {self.public!r}")
+        if self.ablation not in C.ABLATIONS:
+            raise ConfigError(f"ablation must be one of {', '.join(C.ABLATIONS)}, got {self.ablation!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
 

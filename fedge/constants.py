@@ -33,3 +33,12 @@ DIRICHLET_MIN_CLIENT_SAMPLES = 10
 DIRICHLET_MAX_DRAWS = 100
 CIFAR10_BINARY_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz"
 CIFAR10_BINARY_MD5 = "c32a1d4ab5d03f1284b67883e8d87530"
+
+# pFedClub / pFedHR (pFedClub §4.1 and §4.4: K = 4, λ = 0.2, τ = 0.07, 3 fine-tuning epochs, η = 0.1).
+CLUSTERS = 4
+KD_LAMBDA = 0.2
+NT_XENT_TAU = 0.07
+FINETUNE_EPOCHS = 3
+PFEDCLUB_PLUS_ETA = 0.1
+MAX_CANDIDATES = 4
+ABLATIONS = ("none", "max", "min", "noc", "nbc")

@@ -9,6 +9,11 @@ from fedge.spec import ModelSpec
 from fedge.weights import State
 
 
+def client_order(cid: str) -> tuple[int, str]:
+    """Sort key that puts numeric client ids in numeric order ("2" before "10")."""
+    return len(cid), cid
+
+
 @dataclass(frozen=True)
 class Weights:
     """A model as it travels: its spec and its tensors keyed by parameter name."""

@@ -22,7 +22,7 @@ from fedge.zoo import assign_models, create
 from server.coordinator import Coordinator, LoopConfig
 from server.plots import plot_accuracy
 from server.runlog import RunLog
-from server.strategy import StrategyConfig, create_strategy
+from server.strategy import STRATEGIES, PublicData, StrategyConfig
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,13 @@ def make_agent(cfg: RunConfig, ds: Dataset, shard: ClientShard, model: str, prof
     return ClientAgent(str(shard.client_id), spec, ClientData(x_train, y_train, x_test, y_test), profile_name, cfg.seed)
 
 
+def strategy_config(cfg: RunConfig) -> StrategyConfig:
+    return StrategyConfig(local_epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr, seed=cfg.seed,
+                          device=resolve_device(cfg.device), eta=cfg.eta, clusters=cfg.clusters,
+                          public_labeled=cfg.public == "labeled", ablation=cfg.ablation, kd_lambda=cfg.kd_lambda,
+                          finetune_epochs=cfg.finetune_epochs, max_candidates=cfg.max_candidates)
+
+
 def default_out(cfg: RunConfig) -> Path:
     return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.strategy}-{cfg.dataset}"
 
@@ -60,10 +67,11 @@ def default_out(cfg: RunConfig) -> Path:
 def run_simulation(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
     """Run a whole federation in this process; writes the run folder and returns the summary."""
     out = Path(cfg.out) if cfg.out else default_out(cfg)
-    strategy = create_strategy(cfg.strategy, StrategyConfig(cfg.local_epochs, cfg.batch_size, cfg.lr, cfg.seed,
-                                                            resolve_device(cfg.device)))
+    strategy_cls = STRATEGIES.get(cfg.strategy)  # fail fast, before loading data
     ds = load_dataset(cfg.dataset, cfg.data)
     partition = make_partition(ds.y, ds.num_classes, partition_config(cfg))
+    x_public, y_public = ds.tensors(partition.public)
+    strategy = strategy_cls(strategy_config(cfg), PublicData(x_public, y_public if cfg.public == "labeled" else None))
     models = assign_models(cfg.zoo, cfg.clients, cfg.seed)
     agents = [make_agent(cfg, ds, shard, models[i], cfg.profiles[i % len(cfg.profiles)])
               for i, shard in enumerate(partition.clients)]

@@ -12,7 +12,7 @@ import numpy as np
 from tqdm import tqdm
 
 from device_profiles import get_profile, train_seconds
-from fedge.messages import ClientInfo, Result, Task
+from fedge.messages import ClientInfo, Result, Task, client_order
 from fedge.seeding import derive_seed
 from fedge.transport import Transport
 from server.runlog import RunLog
@@ -30,11 +30,6 @@ class LoopConfig:
     seed: int
     local_epochs: int
     progress: bool = True
-
-
-def client_order(cid: str) -> tuple[int, str]:
-    """Sort key that puts numeric client ids in numeric order ("2" before "10")."""
-    return len(cid), cid
 
 
 def sample_clients(client_ids: Sequence[str], active: int, seed: int, rnd: int) -> list[str]:
@@ -112,8 +107,8 @@ class Coordinator:
         row: dict[str, Any] = {"round": rnd, "client": cid, "model": info.spec.name, "profile": info.profile,
                                "params": info.spec.params, "macs": info.spec.macs, "trained": trained is not None}
         if trained is not None:
-            row.update(train_loss=trained.metrics.get("train_loss"), train_seconds=trained.metrics.get("train_seconds"),
-                       num_examples=trained.num_examples,
+            row.update(trained.metrics)
+            row.update(num_examples=trained.num_examples,
                        sim_train_seconds=train_seconds(info.spec.macs, trained.num_examples, self.loop.local_epochs,
                                                        self.profiles[cid]))
         if evaluated is not None:
@@ -132,4 +127,4 @@ class Coordinator:
             "server_seconds": self.server_seconds,
             "never_trained": sorted(set(self.clients) - self.participated, key=client_order),
             "models": {cid: info.spec.name for cid, info in self.clients.items()},
-        }
+        } | self.strategy.summary()

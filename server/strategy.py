@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
+import torch
+
+from fedge import constants as C
 from fedge.messages import ClientInfo, Result, Task
 from fedge.registry import Registry
 
@@ -15,13 +18,28 @@ class StrategyError(ValueError):
 
 @dataclass(frozen=True)
 class StrategyConfig:
-    """What every strategy gets from the run configuration."""
+    """What every strategy gets from the run configuration (each strategy reads the fields it needs)."""
 
     local_epochs: int
     batch_size: int
     lr: float
     seed: int
     device: str = "cpu"
+    eta: float = C.PFEDCLUB_PLUS_ETA
+    clusters: int = C.CLUSTERS
+    public_labeled: bool = True
+    ablation: str = "none"
+    kd_lambda: float = C.KD_LAMBDA
+    finetune_epochs: int = C.FINETUNE_EPOCHS
+    max_candidates: int = C.MAX_CANDIDATES
+
+
+@dataclass(frozen=True)
+class PublicData:
+    """The server's public set (pFedClub: 8 % of the data); labels are None for the unlabeled setting."""
+
+    x: torch.Tensor
+    y: torch.Tensor | None
 
 
 class Strategy:
@@ -32,8 +50,9 @@ class Strategy:
     # (a never-selected client has no personalized model); a global-model strategy covers all.
     personalized = True
 
-    def __init__(self, config: StrategyConfig) -> None:
+    def __init__(self, config: StrategyConfig, public: PublicData | None = None) -> None:
         self.config = config
+        self.public = public
         self.clients: dict[str, ClientInfo] = {}
 
     def setup(self, clients: Mapping[str, ClientInfo]) -> None:
@@ -60,6 +79,10 @@ class Strategy:
         """Extra per-client fields for metrics.jsonl (e.g. teacher size); none by default."""
         return {}
 
+    def summary(self) -> dict[str, Any]:
+        """Extra fields for summary.json; none by default."""
+        return {}
+
 
 STRATEGIES: Registry[type[Strategy]] = Registry("strategy", StrategyError)
 
@@ -72,6 +95,6 @@ def register_strategy(name: str) -> Callable[[type[Strategy]], type[Strategy]]:
     return add
 
 
-def create_strategy(name: str, config: StrategyConfig) -> Strategy:
+def create_strategy(name: str, config: StrategyConfig, public: PublicData | None = None) -> Strategy:
     """Instantiate a registered strategy; an unknown name raises StrategyError listing the known ones."""
-    return STRATEGIES.get(name)(config)
+    return STRATEGIES.get(name)(config, public)

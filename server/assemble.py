@@ -1,0 +1,142 @@
+"""Candidate models from pool blocks: stitches where shapes differ, sizes from specs, the pFedClub+ size filter.
+
+A stitch is the registered `stitch` layer, ReLU(Wᵀx + b) (pFedHR §3.1.3, pFedClub §3.2.3), kept small
+(a 1×1 conv between feature maps); its parameters count in ModelSpec.params, hence in |w*|. Stitches
+are the only blocks trained during server fine-tuning; `assemble` says where they are.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Sequence, TypeVar
+
+import numpy as np
+import torch
+
+from device_profiles import DeviceProfile, fits, within_size_bound
+from fedge.layers import LayerSpec, Shape, layer_type
+from fedge.messages import Weights
+from fedge.spec import BlockSpec, ModelSpec, Origin, make_block
+from fedge.weights import State, check_state
+from server.blocks import PoolBlock, model_of
+
+STITCH_MODEL = "stitch"  # Origin.model of a stitch block; its Origin.client is None and block -1
+Part = PoolBlock | BlockSpec
+C = TypeVar("C", bound=Sequence[Part])
+
+
+def _spec_of(part: Part) -> BlockSpec:
+    """A pool block's spec with its origin naming the client and index it came from."""
+    if isinstance(part, BlockSpec):
+        return part
+    return replace(part.spec, origin=replace(part.spec.origin, client=part.client, block=part.index))
+
+
+def stitch_block(number: int, in_shape: Shape, out_shape: Shape) -> BlockSpec:
+    """Block "stitch<number>": one `stitch` layer mapping in_shape to out_shape (SpecError if impossible)."""
+    layers = [LayerSpec("stitch", {"out_shape": list(out_shape)})]
+    return make_block(f"stitch{number}", layers, tuple(in_shape), Origin(STITCH_MODEL, None, -1))
+
+
+def candidate_spec(name: str, blocks: Sequence[Part], input_shape: Shape,
+                   num_classes: int) -> tuple[ModelSpec, tuple[int, ...]]:
+    """The stitched spec of `blocks` in order, and the positions of its stitch blocks; no tensors.
+
+    A stitch goes wherever consecutive shapes differ: model input vs the first block's in_shape,
+    between blocks, and the last out_shape vs (num_classes,); nowhere else. Pool blocks keep
+    their spec, with origin (model, client, index). Raises ValueError for no blocks and SpecError
+    for a shape no stitch can produce.
+    """
+    if not blocks:
+        raise ValueError(f"candidate {name!r} has no blocks; a candidate needs at least one")
+    specs = [_spec_of(b) for b in blocks]
+    out: list[BlockSpec] = []
+    stitches: list[int] = []
+    shape = tuple(input_shape)
+    for j, target in enumerate([s.in_shape for s in specs] + [(num_classes,)]):
+        if shape != tuple(target):
+            stitches.append(len(out))
+            out.append(stitch_block(len(stitches) - 1, shape, tuple(target)))
+        if j < len(specs):
+            out.append(specs[j])
+            shape = specs[j].out_shape
+    return ModelSpec(name, tuple(input_shape), num_classes, tuple(out)), tuple(stitches)
+
+
+def stitched_params(blocks: Sequence[Part], input_shape: Shape, num_classes: int) -> int:
+    """|w*|: parameters of the assembled candidate, stitches included, from specs alone (no tensors)."""
+    return candidate_spec("candidate", blocks, input_shape, num_classes)[0].params
+
+
+def init_stitch(block: BlockSpec, rng: np.random.Generator) -> State:
+    """Fresh weights for a stitch block, drawn from `rng` (no global RNG).
+
+    PyTorch's default Linear/Conv2d initialisation: weight and bias ~ U(±1/√fan_in), fan_in =
+    the weight's in-features × kernel area. State keys are block-relative ("0.proj.weight").
+    """
+    state: State = {}
+    shape = block.in_shape
+    for i, layer in enumerate(block.layers):
+        kind = layer_type(layer.type)
+        with torch.device("meta"):
+            shapes = {k: tuple(v.shape) for k, v in kind.build(layer.args, shape).state_dict().items()}
+        for key, size in shapes.items():
+            prefix = key.rsplit(".", 1)[0]
+            fan_in = math.prod(shapes[f"{prefix}.weight"][1:])
+            bound = 1.0 / math.sqrt(fan_in)
+            state[f"{i}.{key}"] = torch.from_numpy(rng.uniform(-bound, bound, size).astype(np.float32))
+        shape = tuple(kind.out_shape(layer.args, shape))
+    return state
+
+
+def assemble(name: str, blocks: Sequence[PoolBlock], input_shape: Shape, num_classes: int,
+             rng: np.random.Generator) -> tuple[Weights, tuple[int, ...]]:
+    """A candidate model (spec + tensors) from pool blocks, and the positions of its stitch blocks.
+
+    Blocks are placed in order with stitches where shapes differ (`candidate_spec`); stitch
+    weights are fresh from `rng`; block tensors are copied, so training the candidate never
+    changes the pool. Only the stitches are meant to be trained (pFedClub Eq. (2)-(3)).
+    Raises ValueError for no blocks, SpecError for impossible shapes, and WeightsError when a
+    block's tensors do not match its spec.
+    """
+    spec, stitches = candidate_spec(name, blocks, input_shape, num_classes)
+    states = iter(b.state for b in blocks)
+    parts = [(b, init_stitch(b, rng) if i in stitches else next(states)) for i, b in enumerate(spec.blocks)]
+    weights = model_of(name, tuple(input_shape), num_classes, parts)
+    check_state(weights.spec, weights.state)
+    return weights, stitches
+
+
+def _size_problems(spec: ModelSpec, client_params: int, eta: float | None,
+                   profile: DeviceProfile | None) -> list[str]:
+    problems = []
+    if eta is not None and not within_size_bound(spec.params, client_params, eta):
+        problems.append(f"params {spec.params:,} > (1+η)|w| = {(1 + eta) * client_params:,.1f} "
+                        f"(η={eta}, |w|={client_params:,}; pFedClub+ §4.4)")
+    if profile is not None:
+        verdict = fits(spec, profile)
+        problems += [f"does not fit profile {profile.name!r}: {f}" for f in verdict.failures]
+    return problems
+
+
+def filter_by_size(candidates: Sequence[C], client_spec: ModelSpec, eta: float | None,
+                   profile: DeviceProfile | None = None) -> tuple[list[C], list[tuple[C, str]]]:
+    """Split candidates into those within |w*| ≤ (1+η)|w| and the device profile, and the rest with reasons.
+
+    pFedClub+ (§4.4): |w*| is the stitched candidate's parameter count (stitches included, from
+    specs alone), |w| = client_spec.params; the model's input shape and classes are the client's.
+    eta=None skips the bound (plain pFedClub); profile=None skips `fits` (params, MACs, memory).
+    Order is kept. Raises like `within_size_bound` for eta <= -1 or not finite, and like
+    `candidate_spec` for an empty candidate.
+    """
+    kept: list[C] = []
+    rejected: list[tuple[C, str]] = []
+    for candidate in candidates:
+        spec, _ = candidate_spec("candidate", candidate, client_spec.input_shape, client_spec.num_classes)
+        problems = _size_problems(spec, client_spec.params, eta, profile)
+        if problems:
+            rejected.append((candidate, "; ".join(problems)))
+        else:
+            kept.append(candidate)
+    return kept, rejected

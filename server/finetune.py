@@ -1,0 +1,300 @@
+"""Stitch fine-tuning of reassembled candidates on public data, and teacher matching (pFedClub §3.2.3)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch.nn import functional as F
+
+from fedge.constants import EVAL_BATCH_SIZE
+from fedge.messages import Weights
+from fedge.spec import ModelSpec, SpecModel, build
+from fedge.weights import check_state
+
+log = logging.getLogger(__name__)
+
+Device = torch.device | str
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    """Stitch fine-tuning settings.
+
+    epochs 3 and Adam lr 1e-3: pFedClub §4.1 / pFedHR §4.1 and the authors' `--sfine`; τ = 0.07: pFedClub
+    §4.1; batch 64 (the authors used 8). `labeled` picks Eq. (2) (CE) or Eq. (3) (NT-Xent on two views).
+    `crop_pad` and `noise_std` define the views of `augment` (no paper value: ours). Invalid values raise
+    ValueError.
+    """
+
+    epochs: int = 3
+    lr: float = 1e-3
+    batch_size: int = 64
+    tau: float = 0.07
+    labeled: bool = True
+    seed: int = 0
+    crop_pad: int = 2
+    noise_std: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.epochs < 0 or self.batch_size < 1 or self.crop_pad < 0:
+            raise ValueError(f"epochs >= 0, batch_size >= 1 and crop_pad >= 0 are required, got {self}")
+        if not (self.lr > 0 and self.tau > 0 and self.noise_std >= 0):
+            raise ValueError(f"lr > 0, tau > 0 and noise_std >= 0 are required, got {self}")
+
+
+def nt_xent(z1: torch.Tensor, z2: torch.Tensor, tau: float) -> torch.Tensor:
+    """NT-Xent of pFedClub Eq. (3) (SimCLR), averaged over all 2N anchors.
+
+    Row i of z1 and row i of z2 are two views of one sample. Over the 2N×2N cosine similarities / τ,
+    each anchor's positive is its other view ((i, i+N) and (i+N, i)) and its self-similarity is excluded
+    from the denominator. Shapes must be equal and (N, D), N ≥ 1, τ > 0, else ValueError.
+    """
+    if z1.shape != z2.shape or z1.dim() != 2 or len(z1) == 0:
+        raise ValueError(f"nt_xent needs two equal (N, D) batches, got {list(z1.shape)} and {list(z2.shape)}")
+    if not tau > 0:
+        raise ValueError(f"nt_xent needs tau > 0, got {tau}")
+    n = len(z1)
+    z = F.normalize(torch.cat([z1, z2]), dim=1)
+    sim = (z @ z.T) / tau
+    self_mask = torch.eye(2 * n, dtype=torch.bool, device=z.device)
+    sim = sim.masked_fill(self_mask, -math.inf)
+    targets = torch.cat([torch.arange(n, 2 * n), torch.arange(0, n)]).to(z.device)
+    return F.cross_entropy(sim, targets)
+
+
+def augment(x: torch.Tensor, gen: torch.Generator, pad: int, noise_std: float) -> torch.Tensor:
+    """One random view per sample for Eq. (3): a random crop of the edge-padded image, plus Gaussian noise.
+
+    For (N, C, H, W) input: pad by `pad` pixels replicating the border (so a digit's background stays
+    background), cut a random H×W window (a shift of up to ±pad pixels), then add N(0, noise_std²) noise
+    (inputs are normalised, so the noise is in units of the per-channel std). No flips: digits and text
+    are not mirror-symmetric. Other inputs get the noise only. All random numbers are drawn on the CPU
+    from `gen`, so CPU and CUDA runs see the same views.
+    """
+    out = x
+    if x.dim() == 4 and pad > 0:
+        n, c, h, w = x.shape
+        dev = x.device
+        oy = torch.randint(0, 2 * pad + 1, (n,), generator=gen).to(dev)
+        ox = torch.randint(0, 2 * pad + 1, (n,), generator=gen).to(dev)
+        padded = F.pad(x, (pad, pad, pad, pad), mode="replicate")
+        rows = (oy[:, None] + torch.arange(h, device=dev))[:, None, :, None]
+        cols = (ox[:, None] + torch.arange(w, device=dev))[:, None, None, :]
+        out = padded[torch.arange(n, device=dev)[:, None, None, None],
+                     torch.arange(c, device=dev)[None, :, None, None], rows, cols]
+    if noise_std > 0:
+        out = out + noise_std * torch.randn(x.shape, generator=gen).to(x.device)
+    return out
+
+
+def stitch_blocks(spec: ModelSpec) -> tuple[int, ...]:
+    """Indices of the blocks that hold a `stitch` layer (the only trainable ones of a candidate)."""
+    return tuple(i for i, b in enumerate(spec.blocks) if any(ly.type == "stitch" for ly in b.layers))
+
+
+# --- shared frozen prefixes -------------------------------------------------------------------
+
+def _prefix_key(weights: Weights, n: int) -> tuple[tuple[str, str | None, int], ...]:
+    return tuple((b.origin.model, b.origin.client, b.origin.block) for b in weights.spec.blocks[:n])
+
+
+def _same_prefix(a: Weights, b: Weights, n: int) -> bool:
+    """Equal block specs and bit-equal tensors for blocks 0..n-1 (origins alone are not trusted)."""
+    if a.spec.blocks[:n] != b.spec.blocks[:n]:
+        return False
+    keys = [k for k in a.state if int(k.split(".")[1]) < n]
+    return all(torch.equal(a.state[k], b.state[k]) for k in keys)
+
+
+def _group_by_prefix(models: Sequence[Weights], lengths: Sequence[int]) -> list[list[int]]:
+    """Indices of models grouped by identical frozen prefix (same origins, then verified bit-equal)."""
+    groups: dict[tuple, list[list[int]]] = {}
+    for i, (w, n) in enumerate(zip(models, lengths)):
+        bucket = groups.setdefault(_prefix_key(w, n), [])
+        for group in bucket:
+            if _same_prefix(models[group[0]], w, n):
+                group.append(i)
+                break
+        else:
+            bucket.append([i])
+    return [g for bucket in groups.values() for g in bucket]
+
+
+def _run(module: SpecModel, lo: int, hi: int, x: torch.Tensor) -> torch.Tensor:
+    for i in range(lo, hi):
+        x = module.run_block(i, x)
+    return x
+
+
+@torch.no_grad()
+def _prefix_outputs(module: SpecModel, n: int, x: torch.Tensor) -> torch.Tensor:
+    """Blocks 0..n-1 (frozen, eval mode) on all of x, in evaluation batches."""
+    return torch.cat([_run(module, 0, n, xb) for xb in x.split(EVAL_BATCH_SIZE)])
+
+
+# --- fine-tuning (Eq. 2 / Eq. 3) --------------------------------------------------------------
+
+def _frozen_module(weights: Weights, trainable: Sequence[int], device: Device) -> SpecModel:
+    """The candidate on `device`: every block outside `trainable` frozen (no grad) and in eval mode."""
+    check_state(weights.spec, weights.state)
+    module = build(weights.spec)
+    module.load_state_dict(weights.state)
+    module.to(device).eval()
+    for i, block in enumerate(module.blocks):
+        block.requires_grad_(i in trainable)
+        if i in trainable:
+            block.train()
+    return module
+
+
+def _check_trainable(weights: Weights, trainable: Sequence[int]) -> tuple[int, ...]:
+    blocks = tuple(sorted(set(trainable)))
+    if any(not 0 <= i < len(weights.spec.blocks) for i in blocks):
+        raise ValueError(f"candidate {weights.spec.name!r} has {len(weights.spec.blocks)} blocks; "
+                         f"trainable block indices {list(trainable)} are out of range")
+    return blocks
+
+
+def _check_public(spec: ModelSpec, x: torch.Tensor, y: torch.Tensor | None, cfg: FinetuneConfig) -> None:
+    if len(x) == 0 or tuple(x.shape[1:]) != tuple(spec.input_shape):
+        raise ValueError(f"public data must be (N >= 1, *{list(spec.input_shape)}), got {list(x.shape)}")
+    if cfg.labeled:
+        if y is None or y.shape != (len(x),):
+            raise ValueError("labeled fine-tuning (Eq. 2) needs y_public of shape (N,); pass labeled=False "
+                             "for unlabeled public data (Eq. 3)")
+        if int(y.min()) < 0 or int(y.max()) >= spec.num_classes:
+            raise ValueError(f"public labels must lie in [0, {spec.num_classes}), got [{int(y.min())}, {int(y.max())}]")
+
+
+def _train_group(modules: list[SpecModel], start: int, x: torch.Tensor, y: torch.Tensor | None,
+                 cfg: FinetuneConfig) -> None:
+    """Train the stitches of candidates sharing frozen blocks 0..start-1, in lockstep on the same batches.
+
+    Labeled (Eq. 2): the shared prefix runs once over the whole public set and its outputs are cached for
+    all epochs and candidates. Unlabeled (Eq. 3): each batch's two views go through the prefix once for
+    the whole group. Candidate results do not depend on the group: batches and views come from cfg.seed,
+    and the global RNG is never used (frozen blocks are in eval mode; stitches have no dropout).
+    """
+    gen = torch.Generator().manual_seed(cfg.seed)
+    base = modules[0]
+    cache = _prefix_outputs(base, start, x) if cfg.labeled else None
+    opts = [torch.optim.Adam([p for p in m.parameters() if p.requires_grad], lr=cfg.lr) for m in modules]
+    for _ in range(cfg.epochs):
+        for idx in torch.randperm(len(x), generator=gen).split(cfg.batch_size):
+            idx = idx.to(x.device)
+            if cache is not None:
+                feats = cache[idx]
+            else:
+                views = torch.cat([augment(x[idx], gen, cfg.crop_pad, cfg.noise_std) for _ in range(2)])
+                with torch.no_grad():
+                    feats = _run(base, 0, start, views)
+            for module, opt in zip(modules, opts):
+                opt.zero_grad(set_to_none=True)
+                out = _run(module, start, len(module.blocks), feats)
+                loss = F.cross_entropy(out, y[idx]) if cache is not None else nt_xent(*out.chunk(2), cfg.tau)
+                if not torch.isfinite(loss):
+                    raise ValueError(f"fine-tuning candidate {module.spec.name!r} diverged: loss is {float(loss)}")
+                loss.backward()
+                opt.step()
+
+
+def finetune_candidates(candidates: Sequence[tuple[Weights, tuple[int, ...]]], x_public: torch.Tensor,
+                        y_public: torch.Tensor | None, cfg: FinetuneConfig = FinetuneConfig(),
+                        device: Device = "cpu") -> list[Weights]:
+    """Fine-tune the stitch blocks of many candidates (pFedClub Eq. (2) labeled / Eq. (3) unlabeled).
+
+    Each item is (candidate, its trainable stitch block indices); every other block stays frozen and
+    bit-identical. Candidates whose blocks before the first stitch have the same origins (and, checked,
+    equal weights) are trained together so that prefix is computed once (see _train_group). Candidates
+    without stitches come back unchanged (the same object). Returns new Weights on the CPU, in input
+    order. Raises ValueError on out-of-range indices, public data that do not fit a candidate, missing or
+    out-of-range labels when cfg.labeled, or divergence; WeightsError when a state does not match its spec.
+    """
+    trainable = [_check_trainable(w, t) for w, t in candidates]
+    out: list[Weights | None] = [w if not t else None for (w, _), t in zip(candidates, trainable)]
+    todo = [i for i, t in enumerate(trainable) if t]
+    for i in todo:
+        _check_public(candidates[i][0].spec, x_public, y_public, cfg)
+    x = x_public.to(device)
+    y = y_public.to(device) if cfg.labeled and y_public is not None else None
+    starts = [trainable[i][0] for i in todo]
+    for group in _group_by_prefix([candidates[i][0] for i in todo], starts):
+        t0 = time.perf_counter()
+        members = [todo[g] for g in group]
+        modules = [_frozen_module(candidates[i][0], trainable[i], device) for i in members]
+        _train_group(modules, trainable[members[0]][0], x, y, cfg)
+        for i, module in zip(members, modules):
+            state = {k: v.detach().to("cpu").clone() for k, v in module.state_dict().items()}
+            out[i] = Weights(candidates[i][0].spec, state)
+        log.debug("fine-tuned %d candidates sharing %d prefix blocks in %.3fs",
+                  len(members), trainable[members[0]][0], time.perf_counter() - t0)
+    return [w for w in out if w is not None]
+
+
+def finetune_stitches(candidate: Weights, trainable_blocks: Sequence[int], x_public: torch.Tensor,
+                      y_public: torch.Tensor | None, cfg: FinetuneConfig = FinetuneConfig(),
+                      device: Device = "cpu") -> Weights:
+    """Fine-tune one candidate's stitches with all block weights frozen (pFedClub Eq. (2) / Eq. (3)).
+
+    Labeled: CE on (x_public, y_public). Unlabeled (cfg.labeled False; y_public is never read): NT-Xent
+    on the candidate's logits for two augmented views. No stitches → the candidate itself. Bad input
+    raises as finetune_candidates does.
+    """
+    return finetune_candidates([(candidate, tuple(trainable_blocks))], x_public, y_public, cfg, device)[0]
+
+
+# --- matching (Eq. 4) -------------------------------------------------------------------------
+
+def match_score(client_logits: torch.Tensor, candidate_logits: torch.Tensor) -> float:
+    """pFedClub Eq. (4): the mean over public samples of cos(client logits, candidate logits).
+
+    Both must be (N, classes) with N ≥ 1 and equal shapes (never broadcast), else ValueError.
+    """
+    if client_logits.shape != candidate_logits.shape or client_logits.dim() != 2 or len(client_logits) == 0:
+        raise ValueError(f"logits must be two equal (N >= 1, classes) tensors, got "
+                         f"{list(client_logits.shape)} and {list(candidate_logits.shape)}")
+    return float(F.cosine_similarity(client_logits, candidate_logits, dim=1).mean())
+
+
+@torch.no_grad()
+def public_logits(models: Sequence[Weights], x_public: torch.Tensor, device: Device = "cpu") -> list[torch.Tensor]:
+    """Each model's logits on x_public (eval mode, CPU result); blocks before the first stitch that several
+    models share (same origins, equal weights) run once per batch. Bad weights raise WeightsError.
+    """
+    lengths = [(stitch_blocks(w.spec) or (len(w.spec.blocks),))[0] for w in models]
+    out: list[torch.Tensor | None] = [None] * len(models)
+    x = x_public.to(device)
+    for group in _group_by_prefix(models, lengths):
+        modules = [_frozen_module(models[i], (), device) for i in group]
+        start = lengths[group[0]]
+        parts: list[list[torch.Tensor]] = [[] for _ in group]
+        for xb in x.split(EVAL_BATCH_SIZE):
+            feats = _run(modules[0], 0, start, xb)
+            for part, module in zip(parts, modules):
+                part.append(_run(module, start, len(module.blocks), feats).cpu())
+        for i, part in zip(group, parts):
+            out[i] = torch.cat(part)
+    return [t for t in out if t is not None]
+
+
+def select_teacher(client: Weights, candidates: Sequence[Weights], x_public: torch.Tensor,
+                   device: Device = "cpu") -> tuple[int, list[float]]:
+    """The candidate whose logits on x_public are most like the client model's (pFedClub Eq. (4)).
+
+    The client model is used as uploaded (pFedClub; pFedHR's code also fine-tuned it first). Returns
+    (index of the best candidate, all scores); ties go to the lowest index, a non-finite score never
+    wins. No candidates, or candidates whose classes differ from the client's, raise ValueError.
+    """
+    if not candidates:
+        raise ValueError("select_teacher needs at least one candidate")
+    if len(x_public) == 0:
+        raise ValueError("select_teacher needs public data")
+    logits = public_logits([client, *candidates], x_public, device)
+    scores = [match_score(logits[0], c) for c in logits[1:]]
+    best = max(range(len(scores)), key=lambda i: (scores[i] if math.isfinite(scores[i]) else -math.inf, -i))
+    return best, scores

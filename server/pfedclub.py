@@ -1,0 +1,110 @@
+"""pFedClub and pFedClub+ (NeurIPS 2024): CMSR candidates per client, stitched, fine-tuned, matched."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import numpy as np
+
+from device_profiles import fits, within_size_bound
+from fedge.messages import Weights
+from fedge.seeding import derive_seed
+from server.assemble import assemble, filter_by_size
+from server.cmsr import CmsrOptions, cmsr_candidates
+from server.reassembly import Key, Pool, ReassemblyStrategy, block_kind
+from server.strategy import StrategyError, register_strategy
+
+log = logging.getLogger(__name__)
+
+# pFedClub Table 3 ablations → CMSR switches (the paper's _max, _min, _noc, _nbc).
+ABLATION_OPTIONS = {
+    "none": CmsrOptions(),
+    "max": CmsrOptions(anchor="max"),
+    "min": CmsrOptions(anchor="min"),
+    "noc": CmsrOptions(order_constraint=False),
+    "nbc": CmsrOptions(completion=False),
+}
+# pFedClub+ filters after generation, so it asks CMSR for this many times more paths than it keeps.
+PLUS_OVERSAMPLE = 4
+
+
+def kind_groups(pool: Pool) -> dict[Key, int]:
+    """The K-means groups split by block kind (conv→conv, conv→vector, vector→vector, vector→conv).
+
+    Deviation: CMSR substitutes a block only by one of its own kind. CKA groups of K = 4 mix kinds
+    (seen on zoo I), and a cross-kind substitution needs a flattened linear stitch of up to millions
+    of weights, which the issue forbids (stitches must stay small).
+    """
+    return {key: 4 * label + block_kind(pool.blocks[key]) for key, label in pool.groups.items()}
+
+
+@register_strategy("pfedclub")
+class PFedClub(ReassemblyStrategy):
+    """Per client: CMSR (Alg. 1) → stitched candidates → stitch fine-tuning (Eq. 2/3) → matching (Eq. 4)."""
+
+    size_bound = False
+
+    def setup(self, clients: Any) -> None:
+        super().setup(clients)
+        if self.config.ablation not in ABLATION_OPTIONS:
+            raise StrategyError(f"unknown ablation {self.config.ablation!r}; use one of {', '.join(ABLATION_OPTIONS)}")
+
+    def make_teachers(self, rnd: int, pool: Pool) -> dict[str, tuple[Weights | None, dict[str, Any]]]:
+        return {cid: self.teacher_for(rnd, cid, pool) for cid in pool.uploads}
+
+    def candidate_keys(self, rnd: int, cid: str, pool: Pool) -> list[tuple[tuple[str, int], ...]]:
+        """CMSR block sequences for one client; pFedClub+ keeps only those within η and the profile."""
+        own = pool.uploads[cid].spec
+        cap = self.config.max_candidates * (PLUS_OVERSAMPLE if self.size_bound else 1)
+        rng = np.random.default_rng(derive_seed(self.config.seed, "cmsr", rnd, cid))
+        keys = cmsr_candidates(cid, len(own.blocks), kind_groups(pool), rng, ABLATION_OPTIONS[self.config.ablation],
+                               similarity=pool.sim, max_candidates=cap,
+                               allow=self.block_budget(pool) if self.size_bound else None)
+        if not self.size_bound:
+            return keys
+        blocks = [[pool.blocks[k] for k in ks] for ks in keys]
+        kept, rejected = filter_by_size(blocks, own, self.config.eta, self.profiles[cid])
+        for _, reason in rejected[:3]:
+            log.debug("round %d client %s: candidate rejected: %s", rnd, cid, reason)
+        kept_keys = [tuple(b.key for b in bs) for bs in kept]
+        if len(kept_keys) > self.config.max_candidates:
+            pick = rng.choice(len(kept_keys), self.config.max_candidates, replace=False)
+            kept_keys = [kept_keys[i] for i in sorted(pick)]
+        return kept_keys
+
+    def block_budget(self, pool: Pool) -> Callable[[Key, Key], bool]:
+        """pFedClub+ inside Step 2: a substitute may have at most (1+η)× the parameters of the block it replaces,
+        so most paths can meet the whole-model bound; the exact bound is still checked after stitching."""
+        def allow(own: Key, sub: Key) -> bool:
+            return within_size_bound(pool.blocks[sub].spec.params, pool.blocks[own].spec.params, self.config.eta)
+        return allow
+
+    def teacher_for(self, rnd: int, cid: str, pool: Pool) -> tuple[Weights | None, dict[str, Any]]:
+        own = pool.uploads[cid]
+        with self.stage("candidates"):
+            keys = self.candidate_keys(rnd, cid, pool)
+            rng = np.random.default_rng(derive_seed(self.config.seed, "stitch-init", rnd, cid))
+            candidates = [assemble(f"teacher-{cid}-r{rnd}-{i}", [pool.blocks[k] for k in ks], own.spec.input_shape,
+                                   own.spec.num_classes, rng) for i, ks in enumerate(keys)]
+        if not candidates:
+            return self.fallback(rnd, cid, own)
+        tuned = self.finetune(rnd, cid, candidates)
+        teacher, scores = self.match(own, tuned)
+        return teacher, {"candidates": len(candidates), "match_score": max(scores), "teacher_fallback": False}
+
+    def fallback(self, rnd: int, cid: str, own: Weights) -> tuple[Weights | None, dict[str, Any]]:
+        """No candidate satisfies pFedClub+'s bound and the profile: the client's own model is the teacher if
+        it qualifies itself (η ≥ 0), else the client trains without a teacher. Never an oversize teacher."""
+        ok = within_size_bound(own.spec.params, own.spec.params, self.config.eta) \
+            and fits(own.spec, self.profiles[cid]).ok
+        log.warning("round %d client %s: no candidate within |w*| <= (1+%g)|w| and profile %s; %s", rnd, cid,
+                    self.config.eta, self.profiles[cid].name, "its own model is the teacher" if ok else "no teacher")
+        return (own if ok else None), {"candidates": 0, "teacher_fallback": True}
+
+
+@register_strategy("pfedclub+")
+class PFedClubPlus(PFedClub):
+    """pFedClub+ (§4.4): candidates must satisfy |w*| ≤ (1+η)|w| and fit the client's device profile."""
+
+    size_bound = True

@@ -1,0 +1,150 @@
+"""What pFedClub and pFedHR share: KD tasks with kept teachers, block features → CKA → groups, fine-tuning,
+matching, and the per-client records (teacher size, ϕ of pFedClub Eq. (6), server time by stage)."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+
+from device_profiles import fits, get_profile
+from fedge import constants as C
+from fedge.messages import ClientInfo, Result, Task, Weights, client_order
+from fedge.seeding import derive_seed
+from server.assemble import STITCH_MODEL
+from server.blocks import PoolBlock, split_blocks
+from server.cka import block_similarity
+from server.features import block_features
+from server.finetune import FinetuneConfig, finetune_candidates, select_teacher
+from server.grouping import group_blocks
+from server.strategy import Strategy, StrategyError
+
+log = logging.getLogger(__name__)
+Key = tuple[str, int]
+STAGES = ("features", "grouping", "candidates", "finetune", "matching")
+
+
+def block_kind(block: PoolBlock) -> int:
+    """0: feature map → feature map, 1: map → vector, 2: vector → vector, 3: vector → map."""
+    return 2 * (len(block.spec.in_shape) == 1) + (len(block.spec.in_shape) != len(block.spec.out_shape))
+
+
+class Pool:
+    """One round's uploaded blocks with their functional groups (pFedClub §3.2.1) and Eq. (1) similarities."""
+
+    def __init__(self, uploads: Mapping[str, Weights], similarity: torch.Tensor, labels: torch.Tensor) -> None:
+        self.uploads = dict(uploads)
+        self.blocks: dict[Key, PoolBlock] = {b.key: b for cid, w in uploads.items() for b in split_blocks(cid, w)}
+        self.index = {key: i for i, key in enumerate(self.blocks)}
+        self.similarity = similarity
+        self.groups = {key: int(labels[i]) for key, i in self.index.items()}
+
+    def sim(self, a: Key, b: Key) -> float:
+        return float(self.similarity[self.index[a], self.index[b]])
+
+
+def origins(spec_blocks: Sequence[Any]) -> list[str]:
+    """Readable block origins of a teacher: "cnn1@3:2" = block 2 of client 3's cnn1; stitches as "stitch"."""
+    return [STITCH_MODEL if b.origin.model == STITCH_MODEL else f"{b.origin.model}@{b.origin.client}:{b.origin.block}"
+            for b in spec_blocks]
+
+
+class ReassemblyStrategy(Strategy):
+    """Base of the block-reassembly strategies; subclasses implement `make_teachers`."""
+
+    def setup(self, clients: Mapping[str, ClientInfo]) -> None:
+        super().setup(clients)
+        if self.public is None or len(self.public.x) == 0:
+            raise StrategyError(f"{self.name} needs the server's public data set; none was given")
+        self.teachers: dict[str, Weights] = {}
+        self.profiles = {cid: get_profile(info.profile) for cid, info in clients.items()}
+        self.rows: dict[tuple[int, str], dict[str, Any]] = {}
+        self.history: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        """Accumulate wall time of one server stage for the current round."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
+
+    def plan(self, rnd: int, active: Sequence[str]) -> dict[str, Task]:
+        """kd_train for every active client, with the teacher kept from its last selection (pFedClub §3.3)."""
+        config = self.train_config(upload=True) | {"kd_lambda": self.config.kd_lambda}
+        return {cid: Task("kd_train", rnd, config, {"teacher": self.teachers[cid]} if cid in self.teachers else {})
+                for cid in active}
+
+    def aggregate(self, rnd: int, results: Mapping[str, Result]) -> None:
+        """Group the uploaded blocks, then build, fine-tune and match each uploader's teacher."""
+        uploads = {cid: results[cid].models["local"] for cid in sorted(results) if "local" in results[cid].models}
+        self.times = dict.fromkeys(STAGES, 0.0)
+        if not uploads:
+            return
+        pool = self.pool(rnd, uploads)
+        for cid, (teacher, info) in self.make_teachers(rnd, pool).items():
+            self.keep(rnd, cid, uploads[cid], teacher, info)
+        for cid in uploads:
+            self.rows.setdefault((rnd, cid), {}).update({f"time_{s}": self.times[s] for s in STAGES})
+
+    def pool(self, rnd: int, uploads: Mapping[str, Weights]) -> Pool:
+        """Block features on public data → Eq. (1) similarity of all block pairs → K functional groups."""
+        with self.stage("features"):
+            feats = [f for w in uploads.values()
+                     for f in block_features(w, self.public.x, device=self.config.device)]
+            similarity = block_similarity(feats, device=self.config.device)
+        with self.stage("grouping"):
+            labels = group_blocks(similarity, self.config.clusters, seed=derive_seed(self.config.seed, "group", rnd))
+        return Pool(uploads, similarity, labels)
+
+    def make_teachers(self, rnd: int, pool: Pool) -> dict[str, tuple[Weights | None, dict[str, Any]]]:
+        """Each uploader's new teacher (None: no valid teacher this time) and what to record about it."""
+        raise NotImplementedError
+
+    def finetune(self, rnd: int, tag: str, candidates: Sequence[tuple[Weights, tuple[int, ...]]]) -> list[Weights]:
+        """Train only the stitches on public data: CE if labeled (Eq. (2)), NT-Xent otherwise (Eq. (3))."""
+        cfg = FinetuneConfig(epochs=self.config.finetune_epochs, lr=C.DEFAULT_LR, tau=C.NT_XENT_TAU,
+                             labeled=self.public.y is not None,
+                             seed=derive_seed(self.config.seed, "finetune", rnd, tag) % 2**31)
+        with self.stage("finetune"):
+            return finetune_candidates(candidates, self.public.x, self.public.y, cfg, self.config.device)
+
+    def match(self, own: Weights, tuned: Sequence[Weights]) -> tuple[Weights, list[float]]:
+        """The candidate whose logits are most cosine-similar to the client's own (Eq. (4))."""
+        with self.stage("matching"):
+            best, scores = select_teacher(own, tuned, self.public.x, self.config.device)
+        return tuned[best], scores
+
+    def keep(self, rnd: int, cid: str, own: Weights, teacher: Weights | None, info: dict[str, Any]) -> None:
+        """Store the teacher until the client is next selected, and its record (ϕ term of Eq. (6))."""
+        row: dict[str, Any] = dict(info)
+        if teacher is None:
+            self.teachers.pop(cid, None)
+            row |= {"teacher_params": None}
+        else:
+            self.teachers[cid] = teacher
+            spec = teacher.spec
+            row |= {"teacher_params": spec.params, "teacher_macs": spec.macs, "teacher_origins": origins(spec.blocks),
+                    "teacher_fits_profile": fits(spec, self.profiles[cid]).ok,
+                    "phi": (spec.params - own.spec.params) / own.spec.params}
+            self.history[cid].append(row)
+        self.rows[(rnd, cid)] = row
+
+    def record(self, rnd: int, client: str) -> dict[str, Any]:
+        return self.rows.get((rnd, client), {})
+
+    def summary(self) -> dict[str, Any]:
+        """ϕ per client (Eq. (6): mean over the rounds it got a teacher), mean teacher size and candidates."""
+        def mean(cid: str, key: str) -> float:
+            return statistics.fmean(r[key] for r in self.history[cid])
+        cids = sorted(self.history, key=client_order)
+        return {"phi": {c: mean(c, "phi") for c in cids},
+                "teacher_params": {c: mean(c, "teacher_params") for c in cids},
+                "candidates_per_client": {c: mean(c, "candidates") for c in cids}}

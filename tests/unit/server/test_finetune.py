@@ -1,0 +1,285 @@
+"""Stitch fine-tuning (pFedClub Eq. 2/3), NT-Xent, prefix sharing and teacher matching (Eq. 4)."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from fedge.layers import LayerSpec as L
+from fedge.messages import Weights
+from fedge.spec import ModelSpec, Origin, build, make_block
+from server.finetune import (FinetuneConfig, augment, finetune_candidates, finetune_stitches, match_score,
+                             nt_xent, public_logits, select_teacher, stitch_blocks)
+
+pytestmark = pytest.mark.timeout(120)
+
+IN = (1, 8, 8)
+MARK = 7  # out_channels of the prefix conv: unique, so a forward hook can count the prefix's work
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _conv(out: int) -> L:
+    return L("conv2d", {"out_channels": out, "kernel_size": 3, "padding": 1})
+
+
+def _stitch(i: int, in_shape: tuple, out_shape: tuple):
+    return make_block(f"stitch{i}", [L("stitch", {"out_shape": list(out_shape)})], in_shape, Origin("stitch", None, i))
+
+
+def cand_spec(prefix_client: str = "a") -> ModelSpec:
+    """prefix block (conv-BN-ReLU) | stitch | conv-BN-ReLU-pool-dropout | stitch | linear: stitches at 1, 3."""
+    b0 = make_block("cov1", [_conv(MARK), L("bn2d"), L("relu")], IN, Origin("toy", prefix_client, 0))
+    b2 = make_block("cov2", [_conv(6), L("bn2d"), L("relu"), L("maxpool", {"kernel_size": 2}), L("dropout")],
+                    (5, 8, 8), Origin("toy", "b", 1))
+    b4 = make_block("fc", [L("linear", {"out_features": 3})], (12,), Origin("toy", "c", 3))
+    return ModelSpec("cand", IN, 3, (b0, _stitch(1, (MARK, 8, 8), (5, 8, 8)), b2, _stitch(3, (6, 4, 4), (12,)), b4))
+
+
+def plain_spec() -> ModelSpec:
+    b0 = make_block("cov1", [_conv(4), L("bn2d"), L("relu"), L("flatten")], IN, Origin("toy", "z", 0))
+    b1 = make_block("fc", [L("linear", {"out_features": 3})], (256,), Origin("toy", "z", 1))
+    return ModelSpec("plain", IN, 3, (b0, b1))
+
+
+def weights(spec: ModelSpec, seed: int, prefix: Weights | None = None) -> Weights:
+    """Random weights with non-trivial BN running stats; blocks.0.* copied from `prefix` when given."""
+    torch.manual_seed(seed)
+    module = build(spec)
+    for m in module.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.normal_()
+            m.running_var.uniform_(0.5, 2.0)
+    state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    if prefix is not None:
+        state.update({k: v.clone() for k, v in prefix.state.items() if k.startswith("blocks.0.")})
+    return Weights(spec, state)
+
+
+def public(n: int = 40, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, *IN, generator=gen), torch.randint(0, 3, (n,), generator=gen)
+
+
+def equal_states(a: Weights, b: Weights, blocks: set[int] | None = None) -> bool:
+    keys = [k for k in a.state if blocks is None or int(k.split(".")[1]) in blocks]
+    return all(torch.equal(a.state[k], b.state[k]) for k in keys)
+
+
+# --- NT-Xent (Eq. 3) --------------------------------------------------------------------------
+
+def test_nt_xent_of_orthonormal_views_is_the_hand_value():
+    e = torch.eye(2)
+    # anchor e1: positive cos 1, negatives e2 (cos 0) twice  ->  -log(e / (e + 2)) for all four anchors
+    assert float(nt_xent(e, e.clone(), tau=1.0)) == pytest.approx(math.log(1 + 2 / math.e), abs=1e-6)
+
+
+def test_nt_xent_matches_eq3_computed_by_hand():
+    z1 = torch.tensor([[1.0, 2.0], [0.5, -1.0], [-2.0, 0.3]])
+    z2 = torch.tensor([[0.9, 2.2], [1.0, -0.2], [-1.0, -1.0]])
+    tau = 0.5
+    z = [list(map(float, r)) for r in torch.cat([z1, z2])]
+
+    def cos(a, b):
+        return sum(x * y for x, y in zip(a, b)) / math.sqrt(sum(x * x for x in a) * sum(y * y for y in b))
+
+    n, total = 3, 0.0
+    for i in range(2 * n):
+        j = (i + n) % (2 * n)
+        denominator = sum(math.exp(cos(z[i], z[k]) / tau) for k in range(2 * n) if k != i)
+        total += -math.log(math.exp(cos(z[i], z[j]) / tau) / denominator)
+    assert float(nt_xent(z1, z2, tau)) == pytest.approx(total / (2 * n), rel=1e-5)
+
+
+def test_nt_xent_is_lower_for_aligned_views_than_for_random_ones():
+    gen = torch.Generator().manual_seed(1)
+    z1 = torch.randn(16, 8, generator=gen)
+    aligned = z1 + 0.05 * torch.randn(16, 8, generator=gen)
+    unrelated = torch.randn(16, 8, generator=gen)
+    assert float(nt_xent(z1, aligned, 0.07)) < float(nt_xent(z1, unrelated, 0.07)) - 1.0
+
+
+def test_nt_xent_rejects_mismatched_views_and_bad_tau():
+    with pytest.raises(ValueError, match="equal"):
+        nt_xent(torch.ones(3, 2), torch.ones(2, 2), 0.07)
+    with pytest.raises(ValueError, match="tau"):
+        nt_xent(torch.ones(3, 2), torch.ones(3, 2), 0.0)
+
+
+# --- augmentation -----------------------------------------------------------------------------
+
+def test_augment_is_a_replicate_padded_shift_and_deterministic_by_generator():
+    x = torch.arange(2 * 1 * 5 * 5, dtype=torch.float32).reshape(2, 1, 5, 5)
+    view = augment(x, torch.Generator().manual_seed(3), pad=1, noise_std=0.0)
+    padded = F.pad(x, (1, 1, 1, 1), mode="replicate")
+    for n in range(2):
+        shifts = [padded[n, :, dy:dy + 5, dx:dx + 5] for dy in range(3) for dx in range(3)]
+        assert any(torch.equal(view[n], s) for s in shifts)
+    again = augment(x, torch.Generator().manual_seed(3), pad=1, noise_std=0.0)
+    assert torch.equal(view, again)
+    noisy = augment(x, torch.Generator().manual_seed(3), pad=0, noise_std=0.1)
+    assert noisy.shape == x.shape and 0 < float((noisy - x).std()) < 0.2
+
+
+# --- fine-tuning (Eq. 2 / Eq. 3) --------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("labeled", [True, False])
+def test_only_stitches_change_and_frozen_blocks_stay_bit_identical(labeled, device):
+    cand = weights(cand_spec(), seed=1)
+    x, y = public()
+    cfg = FinetuneConfig(epochs=2, batch_size=16, labeled=labeled, lr=1e-2)
+    tuned = finetune_stitches(cand, (1, 3), x, y if labeled else None, cfg, device)
+    assert tuned.spec == cand.spec
+    assert all(v.device.type == "cpu" for v in tuned.state.values())
+    assert equal_states(tuned, cand, {0, 2, 4})  # weights, BN running stats, num_batches_tracked
+    for k in [k for k in cand.state if k.split(".")[1] in ("1", "3")]:
+        assert not torch.equal(tuned.state[k], cand.state[k]), k
+
+
+def test_unlabeled_path_trains_without_labels_and_labeled_path_needs_them():
+    cand = weights(cand_spec(), seed=1)
+    x, _ = public()
+    tuned = finetune_stitches(cand, (1, 3), x, None, FinetuneConfig(labeled=False, epochs=1))
+    assert not torch.equal(tuned.state["blocks.1.0.proj.weight"], cand.state["blocks.1.0.proj.weight"])
+    with pytest.raises(ValueError, match="y_public"):
+        finetune_stitches(cand, (1, 3), x, None, FinetuneConfig(labeled=True))
+
+
+def test_labeled_finetuning_fits_learnable_public_labels():
+    cand = weights(cand_spec(), seed=2)
+    x, y = public(64)
+    x = x + 3.0 * F.one_hot(y, 8).float()[:, None, :, None]  # class c brightens image row c
+
+    def ce(w: Weights) -> float:
+        return float(F.cross_entropy(public_logits([w], x)[0], y))
+
+    tuned = finetune_stitches(cand, (1, 3), x, y, FinetuneConfig(epochs=25, lr=3e-2, batch_size=16))
+    assert ce(cand) > 1.0 and ce(tuned) < 0.3
+
+
+def test_candidate_without_stitches_comes_back_identical():
+    plain = weights(plain_spec(), seed=3)
+    x, y = public()
+    assert stitch_blocks(plain.spec) == ()
+    assert finetune_stitches(plain, (), x, y) is plain
+    cand = weights(cand_spec(), seed=1)
+    out = finetune_candidates([(plain, ()), (cand, (1, 3))], x, y, FinetuneConfig(epochs=1))
+    assert out[0] is plain and out[1].spec == cand.spec
+
+
+def test_bad_inputs_raise_value_error():
+    cand = weights(cand_spec(), seed=1)
+    x, y = public()
+    with pytest.raises(ValueError, match="out of range"):
+        finetune_stitches(cand, (1, 9), x, y)
+    with pytest.raises(ValueError, match="public data"):
+        finetune_stitches(cand, (1, 3), torch.zeros(4, 3, 8, 8), y[:4])
+    with pytest.raises(ValueError, match="labels"):
+        finetune_stitches(cand, (1, 3), x, y + 3)
+    with pytest.raises(ValueError):
+        FinetuneConfig(tau=0.0)
+
+
+# --- shared prefixes --------------------------------------------------------------------------
+
+def count_prefix_samples(fn):
+    """Run fn() and count the samples that went through the prefix conv (out_channels == MARK)."""
+    seen = [0]
+
+    def hook(module, args, output):
+        if isinstance(module, nn.Conv2d) and module.out_channels == MARK:
+            seen[0] += args[0].shape[0]
+
+    handle = nn.modules.module.register_module_forward_hook(hook)
+    try:
+        result = fn()
+    finally:
+        handle.remove()
+    return seen[0], result
+
+
+@pytest.mark.parametrize("labeled", [True, False])
+def test_shared_prefix_runs_once_not_once_per_candidate(labeled):
+    x, y = public(40)
+    first = weights(cand_spec(), seed=10)
+    cands = [first] + [weights(cand_spec(), seed=10 + i, prefix=first) for i in range(1, 5)]
+    cfg = FinetuneConfig(epochs=3, batch_size=16, labeled=labeled)
+    n, tuned = count_prefix_samples(lambda: finetune_candidates([(c, (1, 3)) for c in cands], x, y, cfg))
+    # labeled: one cached pass over the public set; unlabeled: both views of every batch, once per epoch.
+    # Without sharing it would be 5 candidates × 3 epochs × 40 (× 2 views) samples.
+    assert n == (40 if labeled else 3 * 2 * 40)
+    alone = [finetune_stitches(c, (1, 3), x, y, cfg) for c in cands]
+    assert all(equal_states(a, b) for a, b in zip(tuned, alone))  # sharing changes no result
+
+
+def test_prefixes_of_different_origin_or_weights_are_not_shared():
+    x, y = public(40)
+    a = weights(cand_spec("a"), seed=20)
+    other_client = weights(cand_spec("q"), seed=21)
+    same_origin_other_weights = weights(cand_spec("a"), seed=22)
+    cfg = FinetuneConfig(epochs=2, batch_size=16)
+    items = [(a, (1, 3)), (other_client, (1, 3)), (same_origin_other_weights, (1, 3))]
+    n, tuned = count_prefix_samples(lambda: finetune_candidates(items, x, y, cfg))
+    assert n == 3 * 40
+    assert all(equal_states(t, finetune_stitches(c, s, x, y, cfg)) for t, (c, s) in zip(tuned, items))
+
+
+def test_finetuning_is_deterministic_given_the_seed():
+    cand = weights(cand_spec(), seed=1)
+    x, _ = public()
+    runs = [finetune_stitches(cand, (1, 3), x, None, FinetuneConfig(labeled=False, epochs=1, seed=s))
+            for s in (5, 5, 6)]
+    assert equal_states(runs[0], runs[1])
+    assert not equal_states(runs[0], runs[2])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("labeled", [True, False])
+def test_cuda_and_cpu_agree_up_to_float_tolerance(labeled):
+    cand = weights(cand_spec(), seed=1)
+    x, y = public()
+    cfg = FinetuneConfig(epochs=2, batch_size=16, labeled=labeled)
+    cpu = finetune_stitches(cand, (1, 3), x, y, cfg, "cpu")
+    gpu = finetune_stitches(cand, (1, 3), x, y, cfg, "cuda")
+    assert all(torch.allclose(cpu.state[k], gpu.state[k], atol=1e-4) for k in cpu.state)
+
+
+# --- matching (Eq. 4) -------------------------------------------------------------------------
+
+def test_match_score_hand_values():
+    a = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
+    assert match_score(a, a.clone()) == pytest.approx(1.0)
+    assert match_score(a, -a) == pytest.approx(-1.0)
+    b = torch.tensor([[1.0, 1.0], [0.0, 5.0]])  # cos = 1/√2 and 1
+    assert match_score(a, b) == pytest.approx((1 / math.sqrt(2) + 1) / 2)
+    with pytest.raises(ValueError, match="equal"):
+        match_score(a, a[:1])
+
+
+def test_public_logits_share_prefixes_and_equal_a_plain_forward():
+    x, _ = public(30)
+    first = weights(cand_spec(), seed=30)
+    models = [first, weights(cand_spec(), seed=31, prefix=first), weights(plain_spec(), seed=32)]
+    n, logits = count_prefix_samples(lambda: public_logits(models, x))
+    assert n == 30
+    for w, got in zip(models, logits):
+        module = build(w.spec)
+        module.load_state_dict(w.state)
+        with torch.no_grad():
+            assert torch.allclose(got, module.eval()(x), atol=1e-6)
+
+
+def test_select_teacher_picks_the_planted_best_and_breaks_ties_low():
+    x, _ = public(50)
+    client = weights(plain_spec(), seed=40)
+    others = [weights(cand_spec(), seed=41), weights(plain_spec(), seed=42)]
+    copy = Weights(client.spec, {k: v.clone() for k, v in client.state.items()})
+    best, scores = select_teacher(client, [others[0], others[1], copy], x)
+    assert best == 2 and len(scores) == 3
+    assert scores[2] == pytest.approx(1.0) and max(scores[:2]) < 0.99
+    best, _ = select_teacher(client, [others[0], copy, copy], x)
+    assert best == 1
+    with pytest.raises(ValueError):
+        select_teacher(client, [], x)
