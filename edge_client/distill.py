@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from edge_client.agent import ClientAgent, TaskError, register_task
 from edge_client.tasks import train_config
 from edge_client.training import Distillation, fit, predict
+from fedge import constants as C
 from fedge.messages import Result, Task
 
 log = logging.getLogger(__name__)
@@ -19,8 +20,8 @@ log = logging.getLogger(__name__)
 class KDSettings:
     """λ and temperature of the KL term of pFedClub Eq. (5); λ = 0.2 as in pFedClub §4.1 and pFedHR §4."""
 
-    kd_lambda: float = 0.2
-    temperature: float = 1.0
+    kd_lambda: float = C.KD_LAMBDA
+    temperature: float = C.KD_TEMPERATURE
 
 
 def kd_settings(task: Task) -> KDSettings:

@@ -42,3 +42,21 @@ FINETUNE_EPOCHS = 3
 PFEDCLUB_PLUS_ETA = 0.1
 MAX_CANDIDATES = 4
 ABLATIONS = ("none", "max", "min", "noc", "nbc")
+KD_TEMPERATURE = 1.0
+FINETUNE_BATCH_SIZE = 64  # the authors used 8; 64 keeps CPU fine-tuning tolerable
+AUGMENT_CROP_PAD = 2  # NT-Xent views (Eq. 3): shift by up to ±2 px ...
+AUGMENT_NOISE_STD = 0.1  # ... and add Gaussian noise (no paper value: ours)
+PLUS_OVERSAMPLE = 4  # pFedClub+ asks CMSR for this many times more paths than it keeps, then filters
+PFEDHR_MIN_BLOCKS = 4  # pFedHR candidate lengths and attempts (the authors' sample_models(4, 6, ...))
+PFEDHR_MAX_BLOCKS = 6
+PFEDHR_ATTEMPTS_PER_CANDIDATE = 50
+
+# Block features, CKA and grouping.
+FEATURE_BATCH_SIZE = 256
+CONV_FEATURES = "pool"  # "pool": per-channel global mean (C,); "flatten": the whole map (C·H·W,)
+CKA_MEMORY_LIMIT_BYTES = 1 << 30  # largest working buffer cka_matrix allocates at once
+GRAM_CHUNK_ELEMENTS = 1 << 17  # longest float32 dot product summed before float64 accumulation (accuracy ~1e-6)
+DEGENERATE_RTOL = 1e-5  # centred features smaller than this fraction of the raw ones count as constant
+GROUPING_ITERATIONS = 10  # the authors' k_cluster always ran 10 iterations (original-code-notes §1.5)
+GROUPING_RESTARTS = 4  # k-means++ seedings tried; the one with the lowest objective wins
+SYMMETRY_ATOL = 1e-4  # a similarity matrix this far from symmetric is rejected

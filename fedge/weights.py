@@ -16,7 +16,6 @@ from fedge.constants import SPEC_METADATA_KEY
 from fedge.spec import ModelSpec, SpecError, tensor_shapes
 
 State = dict[str, torch.Tensor]
-ALLOWED_DTYPES = (torch.float32, torch.int64)
 
 
 class WeightsError(ValueError):

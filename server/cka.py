@@ -8,14 +8,13 @@ from typing import Iterable, Sequence
 import torch
 from torch import Tensor
 
+from fedge.constants import CKA_MEMORY_LIMIT_BYTES, DEGENERATE_RTOL, GRAM_CHUNK_ELEMENTS
+
 from server.features import BlockFeatures
 
 log = logging.getLogger(__name__)
 
 # Defaults (candidates for a constants module; see each function's docstring).
-CKA_MEMORY_LIMIT_BYTES = 1 << 30  # largest working buffer cka_matrix allocates at once
-GRAM_CHUNK_ELEMENTS = 1 << 17  # longest float32 dot product summed before float64 accumulation (accuracy ~1e-6)
-DEGENERATE_RTOL = 1e-5  # centred features smaller than this fraction of the raw ones count as constant
 
 Device = torch.device | str
 

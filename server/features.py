@@ -9,14 +9,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from fedge.constants import CONV_FEATURES, FEATURE_BATCH_SIZE
 from fedge.messages import Weights
 from fedge.spec import build
 
 log = logging.getLogger(__name__)
 
-# Defaults (candidates for a constants module).
-FEATURE_BATCH_SIZE = 256
-CONV_FEATURES = "pool"  # "pool": per-channel global mean (C,); "flatten": the whole map (C·H·W,)
 CONV_FEATURE_MODES = ("pool", "flatten")
 
 

@@ -11,6 +11,7 @@ from typing import Sequence
 import torch
 from torch.nn import functional as F
 
+from fedge import constants as C
 from fedge.constants import EVAL_BATCH_SIZE
 from fedge.messages import Weights
 from fedge.spec import ModelSpec, SpecModel, build
@@ -31,14 +32,14 @@ class FinetuneConfig:
     ValueError.
     """
 
-    epochs: int = 3
-    lr: float = 1e-3
-    batch_size: int = 64
-    tau: float = 0.07
+    epochs: int = C.FINETUNE_EPOCHS
+    lr: float = C.DEFAULT_LR
+    batch_size: int = C.FINETUNE_BATCH_SIZE
+    tau: float = C.NT_XENT_TAU
     labeled: bool = True
     seed: int = 0
-    crop_pad: int = 2
-    noise_std: float = 0.1
+    crop_pad: int = C.AUGMENT_CROP_PAD
+    noise_std: float = C.AUGMENT_NOISE_STD
 
     def __post_init__(self) -> None:
         if self.epochs < 0 or self.batch_size < 1 or self.crop_pad < 0:

@@ -7,13 +7,11 @@ import logging
 import torch
 from torch import Tensor
 
+from fedge.constants import CLUSTERS, GROUPING_ITERATIONS, GROUPING_RESTARTS, SYMMETRY_ATOL
+
 log = logging.getLogger(__name__)
 
 # Defaults (candidates for a constants module).
-DEFAULT_CLUSTERS = 4  # pFedClub §3.2.1 / pFedHR §4: K = 4
-GROUPING_ITERATIONS = 10  # the authors' k_cluster always ran 10 iterations (original-code-notes §1.5)
-GROUPING_RESTARTS = 4  # k-means++ seedings tried; the one with the lowest objective wins
-SYMMETRY_ATOL = 1e-4
 
 # Method, and where it departs from the papers / the authors' code (one line each):
 # - kernel k-means with the Eq. (1) similarity S as kernel: linear CKA is the inner product of normalised
@@ -105,7 +103,7 @@ def _run(s: Tensor, diag: Tensor, k: int, iterations: int, gen: torch.Generator)
     return labels, float(d2.gather(1, labels[:, None]).sum())
 
 
-def group_blocks(similarity: Tensor, k: int = DEFAULT_CLUSTERS, seed: int = 0,
+def group_blocks(similarity: Tensor, k: int = CLUSTERS, seed: int = 0,
                  iterations: int = GROUPING_ITERATIONS, restarts: int = GROUPING_RESTARTS) -> Tensor:
     """Group B blocks into min(k, B) functionality groups from their (B, B) similarity (pFedClub Eq. (1)).
 

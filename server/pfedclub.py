@@ -8,6 +8,7 @@ from typing import Any, Callable
 import numpy as np
 
 from device_profiles import fits, within_size_bound
+from fedge import constants as C
 from fedge.messages import Weights
 from fedge.seeding import derive_seed
 from server.assemble import assemble, filter_by_size
@@ -25,8 +26,6 @@ ABLATION_OPTIONS = {
     "noc": CmsrOptions(order_constraint=False),
     "nbc": CmsrOptions(completion=False),
 }
-# pFedClub+ filters after generation, so it asks CMSR for this many times more paths than it keeps.
-PLUS_OVERSAMPLE = 4
 
 
 def kind_groups(pool: Pool) -> dict[Key, int]:
@@ -56,7 +55,7 @@ class PFedClub(ReassemblyStrategy):
     def candidate_keys(self, rnd: int, cid: str, pool: Pool) -> list[tuple[tuple[str, int], ...]]:
         """CMSR block sequences for one client; pFedClub+ keeps only those within η and the profile."""
         own = pool.uploads[cid].spec
-        cap = self.config.max_candidates * (PLUS_OVERSAMPLE if self.size_bound else 1)
+        cap = self.config.max_candidates * (C.PLUS_OVERSAMPLE if self.size_bound else 1)
         rng = np.random.default_rng(derive_seed(self.config.seed, "cmsr", rnd, cid))
         keys = cmsr_candidates(cid, len(own.blocks), kind_groups(pool), rng, ABLATION_OPTIONS[self.config.ablation],
                                similarity=pool.sim, max_candidates=cap,

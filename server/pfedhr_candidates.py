@@ -29,6 +29,7 @@ from typing import Collection, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from fedge.constants import MAX_CANDIDATES, PFEDHR_ATTEMPTS_PER_CANDIDATE, PFEDHR_MAX_BLOCKS, PFEDHR_MIN_BLOCKS
 from fedge.spec import BlockSpec
 from server.blocks import PoolBlock
 
@@ -49,11 +50,11 @@ class PFedHROptions:
     search stops after num_candidates * attempts_per_candidate walks.
     """
 
-    num_candidates: int = 4
-    min_blocks: int = 4
-    max_blocks: int = 6
+    num_candidates: int = MAX_CANDIDATES
+    min_blocks: int = PFEDHR_MIN_BLOCKS
+    max_blocks: int = PFEDHR_MAX_BLOCKS
     classifier_last: bool = True
-    attempts_per_candidate: int = 50
+    attempts_per_candidate: int = PFEDHR_ATTEMPTS_PER_CANDIDATE
 
     def __post_init__(self) -> None:
         if self.num_candidates < 1 or self.attempts_per_candidate < 1:
