@@ -41,6 +41,7 @@ class RunConfig:
     classes_per_client: int = C.CLASSES_PER_CLIENT
     alpha: float = C.DIRICHLET_ALPHA
     max_samples_per_client: int | None = None
+    max_public_samples: int | None = None
     profiles: tuple[str, ...] = C.DEFAULT_FLEET_PROFILES
     eta: float = C.PFEDCLUB_PLUS_ETA
     clusters: int = C.CLUSTERS

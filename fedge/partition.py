@@ -45,8 +45,8 @@ class PartitionConfig:
 
     `scheme` is "iid", "noniid" (`classes_per_client` classes each) or "dirichlet" (per-class
     proportions ~ Dir(`alpha`)). `test_fraction` is the share of each client's own data held out
-    as its test set. `max_samples_per_client` caps train + test of every client, keeping class
-    proportions. Invalid values raise PartitionError naming the field and the allowed range.
+    as its test set. `max_samples_per_client` caps train + test of every client, and
+    `max_public_samples` the public set, both keeping class proportions. Invalid values raise PartitionError naming the field and the allowed range.
     """
 
     scheme: str
@@ -57,6 +57,7 @@ class PartitionConfig:
     test_fraction: float = TEST_FRACTION_OF_CLIENT
     seed: int = DEFAULT_SEED
     max_samples_per_client: int | None = None
+    max_public_samples: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.scheme, str) or self.scheme not in _ASSIGNERS:
@@ -67,6 +68,8 @@ class PartitionConfig:
         _require_int("seed", self.seed, 0)
         if self.max_samples_per_client is not None:
             _require_int("max_samples_per_client", self.max_samples_per_client, 1)
+        if self.max_public_samples is not None:
+            _require_int("max_public_samples", self.max_public_samples, 1)
         alpha = self.alpha
         if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not 0 < alpha < math.inf:
             raise PartitionError(f"PartitionConfig.alpha must be a finite number > 0, got {alpha!r}")
@@ -244,6 +247,8 @@ def make_partition(y: np.ndarray, num_classes: int, config: PartitionConfig) -> 
     y = _check_labels(y, num_classes)
     rng = np.random.default_rng(config.seed)
     public, pools = _split_public(y, num_classes, config.public_fraction, rng)
+    if config.max_public_samples is not None:
+        public = _indices([_cap(public, y, config.max_public_samples)])
     shards = []
     for client_id, pool in enumerate(_ASSIGNERS[config.scheme](pools, config, rng)):
         if config.max_samples_per_client is not None:

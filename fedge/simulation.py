@@ -38,7 +38,8 @@ def resolve_device(device: str) -> str:
 
 def partition_config(cfg: RunConfig) -> PartitionConfig:
     return PartitionConfig(scheme=cfg.partition, num_clients=cfg.clients, classes_per_client=cfg.classes_per_client,
-                           alpha=cfg.alpha, seed=cfg.seed, max_samples_per_client=cfg.max_samples_per_client)
+                           alpha=cfg.alpha, seed=cfg.seed, max_samples_per_client=cfg.max_samples_per_client,
+                           max_public_samples=cfg.max_public_samples)
 
 
 def make_agent(cfg: RunConfig, ds: Dataset, shard: ClientShard, model: str, profile_name: str) -> ClientAgent:

@@ -265,3 +265,13 @@ def test_describe_reports_counts_per_client(y: np.ndarray) -> None:
     assert set(first["classes"]) == set(y[partition.clients[0].train].tolist())
     with pytest.raises(PartitionError, match="indices exceed"):
         describe(partition, y[:100])
+
+
+def test_max_public_samples_caps_the_public_set_keeping_classes():
+    y = np.repeat(np.arange(10), 200)
+    full = make_partition(y, 10, PartitionConfig("iid", 4, seed=3))
+    capped = make_partition(y, 10, PartitionConfig("iid", 4, seed=3, max_public_samples=50))
+    assert len(capped.public) == 50 and set(capped.public) <= set(full.public)
+    assert np.bincount(y[capped.public], minlength=10).tolist() == [5] * 10
+    with pytest.raises(PartitionError, match="max_public_samples"):
+        PartitionConfig("iid", 4, max_public_samples=0)
