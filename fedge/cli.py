@@ -109,10 +109,11 @@ def cmd_run(args: argparse.Namespace) -> None:
     cfg = load_config(args.config, overrides | parse_overrides(args.set or []))
     print("fedge run with config:\n" + json.dumps(cfg.to_dict(), indent=2), file=sys.stderr)
     summary = run_simulation(cfg, progress=args.progress)
-    final = summary["final_accuracy"]
-    rows = [{"client": cid, "model": summary["models"][cid], "accuracy": f"{acc:.4f}"}
-            for cid, acc in final["per_client"].items()]
-    print(_table(rows, ["client", "model", "accuracy"]))
+    final, phi, teacher = summary["final_accuracy"], summary.get("phi", {}), summary.get("teacher_params", {})
+    rows = [{"client": cid, "model": summary["models"][cid], "accuracy": f"{acc:.4f}",
+             "teacher params": f"{teacher[cid]:,.0f}" if cid in teacher else "-",
+             "phi": f"{phi[cid]:+.3f}" if cid in phi else "-"} for cid, acc in final["per_client"].items()]
+    print(_table(rows, ["client", "model", "accuracy"] + (["teacher params", "phi"] if phi else [])))
     print(f"\nmean final accuracy {final['mean']:.4f} over {len(rows)} clients; "
           f"run folder: {summary['out']}")
 

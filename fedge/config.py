@@ -26,7 +26,7 @@ class ConfigError(ValueError):
 class RunConfig:
     """Everything that defines a run; saved in the run folder and printed at start."""
 
-    strategy: str = "local"
+    strategy: str = "pfedclub"
     dataset: str = C.DEFAULT_DATASET
     data: str | None = None
     zoo: str = C.DEFAULT_ZOO

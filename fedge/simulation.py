@@ -20,7 +20,8 @@ from fedge.partition import ClientShard, PartitionConfig, make_partition
 from fedge.transport import InProcTransport
 from fedge.zoo import assign_models, create
 from server.coordinator import Coordinator, LoopConfig
-from server.plots import plot_accuracy
+from server.plots import plot_accuracy, plot_phi, plot_server_time
+from server.reassembly import STAGES
 from server.runlog import RunLog
 from server.strategy import STRATEGIES, PublicData, StrategyConfig
 
@@ -84,5 +85,13 @@ def run_simulation(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
     summary = coordinator.run() | {"dataset": cfg.dataset, "zoo": cfg.zoo, "out": str(out),
                                    "wall_seconds": time.perf_counter() - start}
     runlog.write_json("summary.json", summary)
-    plot_accuracy(runlog.rows(), out / "accuracy.png", f"{cfg.strategy} on {cfg.dataset}, zoo {cfg.zoo}")
+    write_plots(runlog.rows(), summary, out, f"{cfg.strategy} on {cfg.dataset}, zoo {cfg.zoo}")
     return summary
+
+
+def write_plots(rows: list[dict[str, Any]], summary: dict[str, Any], out: Path, title: str) -> None:
+    """accuracy.png always; phi.png and server_time.png when the strategy built teachers."""
+    plot_accuracy(rows, out / "accuracy.png", title)
+    if summary.get("phi"):
+        plot_phi(summary["phi"], summary["models"], out / "phi.png", f"teacher size change ϕ: {title}")
+        plot_server_time(rows, STAGES, out / "server_time.png", f"server time by stage: {title}")

@@ -66,16 +66,22 @@ class Coordinator:
         self.server_seconds: list[float] = []
         self.participated: set[str] = set()
         self.final: dict[str, float] = {}
+        self.last_mean = float("nan")
 
     def run(self) -> dict[str, Any]:
         """Run every round and return the summary (also written to summary.json)."""
         self.strategy.setup(self.clients)
-        bar = tqdm(range(self.loop.rounds), desc=self.strategy.name, unit="round",
-                   disable=not self.loop.progress, dynamic_ncols=True)
-        for rnd in bar:
-            mean = self.run_round(rnd)
-            bar.set_postfix(acc=f"{mean:.3f}" if mean == mean else "n/a")
+        self.bar = tqdm(range(self.loop.rounds), desc=self.strategy.name, unit="round",
+                        disable=not self.loop.progress, dynamic_ncols=True)
+        for rnd in self.bar:
+            self.run_round(rnd)
+        self.show("done")
         return self.summary()
+
+    def show(self, phase: str) -> None:
+        """Progress bar postfix: what is happening now, and the last round's mean accuracy."""
+        mean = self.last_mean
+        self.bar.set_postfix_str(f"{phase}, acc {mean:.3f}" if mean == mean else phase)
 
     def run_round(self, rnd: int) -> float:
         """One round; returns the mean accuracy of the clients evaluated (NaN if none replied)."""
@@ -83,10 +89,12 @@ class Coordinator:
         start = time.perf_counter()
         tasks = self.strategy.plan(rnd, active)
         server = time.perf_counter() - start
+        self.show(f"{len(tasks)} clients training")
         results = accepted(self.transport.exchange(tasks), tasks)
         self.participated |= set(results)
         if len(results) < len(tasks):
             log.warning("round %d: %d of %d clients replied", rnd, len(results), len(tasks))
+        self.show("server aggregating")
         start = time.perf_counter()
         self.strategy.aggregate(rnd, results)
         last = rnd == self.loop.rounds - 1
@@ -100,7 +108,8 @@ class Coordinator:
         if last:
             self.final = {cid: r.metrics["accuracy"] for cid, r in evals.items()}
         accs = [r.metrics["accuracy"] for r in evals.values()]
-        return statistics.fmean(accs) if accs else float("nan")
+        self.last_mean = statistics.fmean(accs) if accs else float("nan")
+        return self.last_mean
 
     def row(self, rnd: int, cid: str, trained: Result | None, evaluated: Result | None) -> dict[str, Any]:
         info = self.clients[cid]

@@ -35,3 +35,40 @@ def plot_accuracy(rows: Sequence[dict[str, Any]], path: Path, title: str) -> Non
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_phi(phi: dict[str, float], models: dict[str, str], path: Path, title: str) -> None:
+    """Bar chart of ϕ per client (pFedClub Eq. (6), the paper's Fig. 3b): teacher size change vs own model."""
+    cids = list(phi)
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.6 * len(cids) + 2), 4))
+    colors = ["tab:red" if phi[c] > 0 else "tab:blue" for c in cids]
+    ax.bar(range(len(cids)), [phi[c] for c in cids], color=colors)
+    ax.set_xticks(range(len(cids)), [f"{c}\n{models[c]}" for c in cids], fontsize=7)
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.set(ylabel="ϕ = mean (|w*| − |w|) / |w|", title=title)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_server_time(rows: Sequence[dict[str, Any]], stages: Sequence[str], path: Path, title: str) -> None:
+    """Stacked bars of the server's seconds per round, by stage (features/CKA, grouping, ... matching)."""
+    per_round: dict[int, dict[str, float]] = {}
+    for r in rows:
+        if f"time_{stages[0]}" in r:
+            per_round[r["round"]] = {s: r[f"time_{s}"] for s in stages}
+    rounds = sorted(per_round)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bottom = [0.0] * len(rounds)
+    for stage in stages:
+        values = [per_round[r][stage] for r in rounds]
+        ax.bar([r + 1 for r in rounds], values, bottom=bottom, label=stage)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set(xlabel="round", ylabel="server seconds", title=title)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

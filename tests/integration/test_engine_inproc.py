@@ -21,7 +21,7 @@ ROW_KEYS = {"round", "client", "model", "params", "macs", "accuracy", "loss", "t
 
 
 def config(tmp_path, **kw) -> RunConfig:
-    base = dict(dataset="digits", zoo="I", clients=7, active=3, rounds=2, local_epochs=1, batch_size=16,
+    base = dict(strategy="local", dataset="digits", zoo="I", clients=7, active=3, rounds=2, local_epochs=1, batch_size=16,
                 out=str(tmp_path / "run"), seed=3)
     return RunConfig(**(base | kw))
 

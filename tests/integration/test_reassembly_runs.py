@@ -30,6 +30,8 @@ def test_pfedclub_plus_never_exceeds_the_bound(tmp_path):
     assert all(v <= 0.1 + 1e-9 for v in summary["phi"].values())
     for key in ("teacher_params", "candidates_per_client", "final_accuracy", "server_seconds"):
         assert key in summary
+    for plot in ("accuracy.png", "phi.png", "server_time.png"):
+        assert (tmp_path / "pfedclub+" / plot).stat().st_size > 0
 
 
 def test_pfedclub_records_origins_and_stage_times(tmp_path):
