@@ -60,3 +60,5 @@ DEGENERATE_RTOL = 1e-5  # centred features smaller than this fraction of the raw
 GROUPING_ITERATIONS = 10  # the authors' k_cluster always ran 10 iterations (original-code-notes §1.5)
 GROUPING_RESTARTS = 4  # k-means++ seedings tried; the one with the lowest objective wins
 SYMMETRY_ATOL = 1e-4  # a similarity matrix this far from symmetric is rejected
+CKA_FULL_MAX_SAMPLES = 10_000  # larger public sets use unbiased minibatch CKA instead of keeping all features
+CKA_MINIBATCH_SIZE = 1024

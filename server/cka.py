@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -209,13 +209,38 @@ def block_similarity(features: Sequence[BlockFeatures], *, device: Device = "cpu
     Grams once: one cka_matrix over the distinct tensors serves both terms. Raises ValueError when the
     blocks were not fed the same number of public samples (see cka_matrix).
     """
+    tensors, ins, outs = _distinct(features)
+    c = cka_matrix(tensors, method=method, device=device, memory_limit_bytes=memory_limit_bytes)
+    return c[ins][:, ins] + c[outs][:, outs]
+
+
+def _distinct(features: Sequence[BlockFeatures]) -> tuple[list[Tensor], Tensor, Tensor]:
+    """The distinct feature tensors of the blocks, and each block's input and output index among them."""
     distinct: dict[int, int] = {}
     tensors: list[Tensor] = []
     for t in (t for f in features for t in (f.inputs, f.outputs)):
         if id(t) not in distinct:
             distinct[id(t)] = len(tensors)
             tensors.append(t)
-    c = cka_matrix(tensors, method=method, device=device, memory_limit_bytes=memory_limit_bytes)
     ins = torch.tensor([distinct[id(f.inputs)] for f in features], dtype=torch.int64)
     outs = torch.tensor([distinct[id(f.outputs)] for f in features], dtype=torch.int64)
+    return tensors, ins, outs
+
+
+def minibatch_block_similarity(batches: Iterable[Sequence[BlockFeatures]], *, device: Device = "cpu") -> Tensor:
+    """Eq. (1) for all block pairs from minibatch CKA, for public sets too large to hold as features.
+
+    Each item holds the same blocks' features on one minibatch of public data (as block_features gives
+    them). Values lie in [−2, 2]. Raises ValueError like minibatch_cka_matrix.
+    """
+    index: list[tuple[Tensor, Tensor]] = []
+
+    def distinct_batches() -> Iterator[list[Tensor]]:
+        for features in batches:
+            tensors, ins, outs = _distinct(features)
+            index[:] = [(ins, outs)]
+            yield tensors
+
+    c = minibatch_cka_matrix(distinct_batches(), device=device)
+    ins, outs = index[0]
     return c[ins][:, ins] + c[outs][:, outs]

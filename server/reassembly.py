@@ -18,7 +18,7 @@ from fedge.messages import ClientInfo, Result, Task, Weights, client_order
 from fedge.seeding import derive_seed
 from server.assemble import STITCH_MODEL
 from server.blocks import PoolBlock, split_blocks
-from server.cka import block_similarity
+from server.cka import block_similarity, minibatch_block_similarity
 from server.features import block_features
 from server.finetune import FinetuneConfig, finetune_candidates, select_teacher
 from server.grouping import group_blocks
@@ -96,10 +96,15 @@ class ReassemblyStrategy(Strategy):
 
     def pool(self, rnd: int, uploads: Mapping[str, Weights]) -> Pool:
         """Block features on public data → Eq. (1) similarity of all block pairs → K functional groups."""
+        device, x = self.config.device, self.public.x
         with self.stage("features"):
-            feats = [f for w in uploads.values()
-                     for f in block_features(w, self.public.x, device=self.config.device)]
-            similarity = block_similarity(feats, device=self.config.device)
+            if len(x) <= C.CKA_FULL_MAX_SAMPLES:
+                feats = [f for w in uploads.values() for f in block_features(w, x, device=device)]
+                similarity = block_similarity(feats, device=device)
+            else:  # too many public samples to keep every block's features: unbiased minibatch CKA
+                batches = ([f for w in uploads.values() for f in block_features(w, xb, device=device)]
+                           for xb in x.split(C.CKA_MINIBATCH_SIZE))
+                similarity = minibatch_block_similarity(batches, device=device)
         with self.stage("grouping"):
             labels = group_blocks(similarity, self.config.clusters, seed=derive_seed(self.config.seed, "group", rnd))
         return Pool(uploads, similarity, labels)

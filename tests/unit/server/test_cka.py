@@ -181,3 +181,20 @@ def test_block_similarity_is_eq1_sum_in_zero_two() -> None:
     assert torch.allclose(block_similarity(unshared), s, atol=1e-6)
     with pytest.raises(ValueError, match="samples"):
         block_similarity([blocks[0], BlockFeatures(xs[0][:20], xs[1][:20])])
+
+
+def test_minibatch_block_similarity_approaches_the_full_one():
+    from fedge.messages import Weights
+    from fedge.spec import build
+    from fedge.zoo import create
+    from server.cka import block_similarity, minibatch_block_similarity
+    from server.features import block_features
+
+    torch.manual_seed(0)
+    spec = create("cnn1", (1, 8, 8), 10)
+    weights = Weights(spec, build(spec).state_dict())
+    x = torch.randn(2048, 1, 8, 8)
+    full = block_similarity(block_features(weights, x))
+    mini = minibatch_block_similarity(block_features(weights, xb) for xb in x.split(512))
+    assert mini.shape == full.shape == (4, 4)
+    assert torch.allclose(mini, full, atol=0.05)
