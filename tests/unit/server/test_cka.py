@@ -7,9 +7,12 @@ import math
 import pytest
 import torch
 
-from server.cka import (block_similarity, choose_method, cka_matrix, linear_cka, minibatch_cka_matrix,
-                        unbiased_gram)
-from server.features import BlockFeatures
+from fedge.messages import Weights
+from fedge.spec import build
+from fedge.zoo import create
+from server.cka import (block_similarity, choose_method, cka_matrix, linear_cka, minibatch_block_similarity,
+                        minibatch_cka_matrix, unbiased_gram)
+from server.features import BlockFeatures, block_features
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -184,12 +187,6 @@ def test_block_similarity_is_eq1_sum_in_zero_two() -> None:
 
 
 def test_minibatch_block_similarity_approaches_the_full_one():
-    from fedge.messages import Weights
-    from fedge.spec import build
-    from fedge.zoo import create
-    from server.cka import block_similarity, minibatch_block_similarity
-    from server.features import block_features
-
     torch.manual_seed(0)
     spec = create("cnn1", (1, 8, 8), 10)
     weights = Weights(spec, build(spec).state_dict())
