@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedge.constants import EVAL_BATCH_SIZE
+from fedge.constants import EVAL_BATCH_SIZE, KD_LAMBDA, KD_TEMPERATURE
 
 
 @dataclass(frozen=True)
@@ -31,8 +31,8 @@ class Distillation:
     """
 
     teacher_logits: torch.Tensor
-    kd_lambda: float = 0.2
-    temperature: float = 1.0
+    kd_lambda: float = KD_LAMBDA
+    temperature: float = KD_TEMPERATURE
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,8 @@ class TrainStats:
     kd: float
 
 
-def kd_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def kd_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
+          temperature: float = KD_TEMPERATURE) -> torch.Tensor:
     """KL(q_student ‖ p_teacher) of softmax(logits / T), averaged over the batch, times T² (Hinton et al.).
 
     pFedClub Eq. (5) writes KL(β_m(x), β̂_m(x)) with the student first; we read it literally as

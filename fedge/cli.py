@@ -8,9 +8,19 @@ import logging
 import sys
 from typing import Any, Callable, Sequence
 
+from device_profiles import ProfileError
 from fedge import constants as C
+from fedge.config import ConfigError
+from fedge.data import DatasetError
+from fedge.layers import SpecError
+from fedge.partition import SCHEMES, PartitionError
+from fedge.weights import WeightsError
+from fedge.zoo import ZooError
+from server.strategy import StrategyError
 
-USER_ERRORS: tuple[type[Exception], ...] = (ValueError, OSError)
+# Errors whose message tells the user what to do; anything else is a bug and keeps its traceback.
+USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, DatasetError, PartitionError, ProfileError, SpecError,
+                                            StrategyError, WeightsError, ZooError, OSError)
 
 
 def _cell(value: Any) -> str:
@@ -114,8 +124,8 @@ def cmd_run(args: argparse.Namespace) -> None:
              "teacher params": f"{teacher[cid]:,.0f}" if cid in teacher else "-",
              "phi": f"{phi[cid]:+.3f}" if cid in phi else "-"} for cid, acc in final["per_client"].items()]
     print(_table(rows, ["client", "model", "accuracy"] + (["teacher params", "phi"] if phi else [])))
-    print(f"\nmean final accuracy {final['mean']:.4f} over {len(rows)} clients; "
-          f"run folder: {summary['out']}")
+    mean = "n/a (no client was evaluated)" if final["mean"] is None else f"{final['mean']:.4f}"
+    print(f"\nmean final accuracy {mean} over {len(rows)} clients; run folder: {summary['out']}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("data", help="list datasets, or show how one is partitioned across clients")
     p.add_argument("--dataset", help="dataset name (omit to list them)")
     p.add_argument("--data", help="path to the dataset files (.npz or official layout)")
-    p.add_argument("--partition", default="noniid", choices=["iid", "noniid", "dirichlet"])
+    p.add_argument("--partition", default=C.DEFAULT_PARTITION, choices=SCHEMES)
     p.add_argument("--clients", type=int, default=C.DEFAULT_CLIENTS)
     p.add_argument("--classes-per-client", type=int, default=C.CLASSES_PER_CLIENT)
     p.add_argument("--alpha", type=float, default=C.DIRICHLET_ALPHA)
@@ -161,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, help="local batch size")
     p.add_argument("--lr", type=float, help="client learning rate (Adam)")
     p.add_argument("--seed", type=int, help="run seed")
-    p.add_argument("--partition", choices=["iid", "noniid", "dirichlet"], help="how data is split")
+    p.add_argument("--partition", choices=SCHEMES, help="how data is split")
     p.add_argument("--eta", type=float, help="pFedClub+ size bound: teacher params <= (1+eta)·own (default 0.1)")
     p.add_argument("--clusters", type=int, help="pFedClub/pFedHR functional groups K (default 4)")
     p.add_argument("--public", choices=["labeled", "unlabeled"], help="server public data: CE or NT-Xent stitching")

@@ -26,7 +26,7 @@ class ConfigError(ValueError):
 class RunConfig:
     """Everything that defines a run; saved in the run folder and printed at start."""
 
-    strategy: str = "pfedclub"
+    strategy: str = C.DEFAULT_STRATEGY
     dataset: str = C.DEFAULT_DATASET
     data: str | None = None
     zoo: str = C.DEFAULT_ZOO
@@ -37,7 +37,7 @@ class RunConfig:
     batch_size: int = C.DEFAULT_BATCH_SIZE
     lr: float = C.DEFAULT_LR
     seed: int = C.DEFAULT_SEED
-    partition: str = "noniid"
+    partition: str = C.DEFAULT_PARTITION
     classes_per_client: int = C.CLASSES_PER_CLIENT
     alpha: float = C.DIRICHLET_ALPHA
     max_samples_per_client: int | None = None

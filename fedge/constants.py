@@ -5,7 +5,6 @@ SPEC_METADATA_KEY = "fedge.spec"
 
 # Local training (pFedClub §4.1: Adam, lr 1e-3, 10 local epochs).
 DEFAULT_LR = 1e-3
-DEFAULT_LOCAL_EPOCHS = 10
 DEFAULT_BATCH_SIZE = 16
 EVAL_BATCH_SIZE = 512
 
@@ -16,7 +15,9 @@ CLASSES_PER_CLIENT = 2
 DIRICHLET_ALPHA = 0.5
 
 # The embedded default run: small enough for a laptop, heterogeneous enough to mean something.
+DEFAULT_STRATEGY = "pfedclub"
 DEFAULT_DATASET = "mnist-5k"
+DEFAULT_PARTITION = "noniid"
 DEFAULT_ZOO = "I"
 DEFAULT_CLIENTS = 8
 DEFAULT_ACTIVE = 4
@@ -62,3 +63,4 @@ GROUPING_RESTARTS = 4  # k-means++ seedings tried; the one with the lowest objec
 SYMMETRY_ATOL = 1e-4  # a similarity matrix this far from symmetric is rejected
 CKA_FULL_MAX_SAMPLES = 10_000  # larger public sets use unbiased minibatch CKA instead of keeping all features
 CKA_MINIBATCH_SIZE = 1024
+MIN_PUBLIC_SAMPLES = 8  # CKA and unbiased HSIC need a handful of samples

@@ -274,15 +274,21 @@ class ConvStitch(nn.Module):
 
 
 class LinearStitch(nn.Module):
-    """ReLU(Wᵀ flatten(x) + b), reshaped to the target shape (a feature vector or a conv map)."""
+    """ReLU(Wᵀ flatten(x) + b), reshaped to the target shape (a feature vector or a conv map).
 
-    def __init__(self, in_features: int, out_shape: Shape) -> None:
+    With relu=False it is Wᵀx + b: the stitch that produces the logits must not clip them at zero
+    (a deviation from the papers' ReLU(Wᵀx + b), which would make every negative logit 0).
+    """
+
+    def __init__(self, in_features: int, out_shape: Shape, relu: bool = True) -> None:
         super().__init__()
         self.proj = nn.Linear(in_features, math.prod(out_shape))
         self.out_shape = tuple(out_shape)
+        self.relu = relu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.relu(self.proj(x.flatten(1)))
+        y = self.proj(x.flatten(1))
+        y = F.relu(y) if self.relu else y
         return y.reshape(y.shape[0], *self.out_shape)
 
 
@@ -313,7 +319,7 @@ def _stitch_macs(a: dict[str, Any], s: Shape) -> int:
 
 def _stitch_build(a: dict[str, Any], s: Shape) -> nn.Module:
     out = _stitch_target(a, s)
-    return ConvStitch(s[0], out) if _stitch_is_conv(a, s) else LinearStitch(math.prod(s), out)
+    return ConvStitch(s[0], out) if _stitch_is_conv(a, s) else LinearStitch(math.prod(s), out, a.get("relu", True))
 
 
 register_layer("stitch", LayerType(_stitch_target, _stitch_build, _stitch_params, _stitch_macs))

@@ -248,7 +248,7 @@ def make_partition(y: np.ndarray, num_classes: int, config: PartitionConfig) -> 
     rng = np.random.default_rng(config.seed)
     public, pools = _split_public(y, num_classes, config.public_fraction, rng)
     if config.max_public_samples is not None:
-        public = _indices([_cap(public, y, config.max_public_samples)])
+        public = _indices([_cap(rng.permutation(public), y, config.max_public_samples)])
     shards = []
     for client_id, pool in enumerate(_ASSIGNERS[config.scheme](pools, config, rng)):
         if config.max_samples_per_client is not None:

@@ -14,6 +14,7 @@ import torch
 
 from device_profiles import fits, get_profile
 from edge_client.agent import ClientAgent, ClientData
+from fedge import constants as C
 from fedge.config import ConfigError, RunConfig
 from fedge.data import Dataset, load_dataset
 from fedge.partition import ClientShard, PartitionConfig, make_partition
@@ -58,12 +59,12 @@ def make_agent(cfg: RunConfig, ds: Dataset, shard: ClientShard, model: str, prof
 def strategy_config(cfg: RunConfig) -> StrategyConfig:
     return StrategyConfig(local_epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr, seed=cfg.seed,
                           device=resolve_device(cfg.device), eta=cfg.eta, clusters=cfg.clusters,
-                          public_labeled=cfg.public == "labeled", ablation=cfg.ablation, kd_lambda=cfg.kd_lambda,
+                          ablation=cfg.ablation, kd_lambda=cfg.kd_lambda,
                           finetune_epochs=cfg.finetune_epochs, max_candidates=cfg.max_candidates)
 
 
 def default_out(cfg: RunConfig) -> Path:
-    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.strategy}-{cfg.dataset}"
+    return Path(C.DEFAULT_RUNS_DIR) / f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.strategy}-{cfg.dataset}"
 
 
 def run_simulation(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:

@@ -13,6 +13,8 @@ from torch import nn
 from fedge.constants import SPEC_SCHEMA_VERSION
 from fedge.layers import LayerSpec, Shape, SpecError, layer_type
 
+Device = torch.device | str
+
 
 @dataclass(frozen=True)
 class Origin:
@@ -32,11 +34,6 @@ class BlockSpec:
     in_shape: Shape
     out_shape: Shape
     origin: Origin
-
-    @property
-    def is_conv(self) -> bool:
-        """True when the block maps conv feature maps (C, H, W) to conv feature maps."""
-        return len(self.in_shape) == 3 and len(self.out_shape) == 3
 
     @property
     def params(self) -> int:
@@ -198,7 +195,7 @@ class SpecModel(nn.Module):
         return x
 
 
-def build(spec: ModelSpec, device: torch.device | str | None = None) -> SpecModel:
+def build(spec: ModelSpec, device: Device | None = None) -> SpecModel:
     """Build the module for a spec (on `device`; 'meta' builds shapes without memory)."""
     with torch.device(device or "cpu"):
         return SpecModel(spec)

@@ -33,9 +33,13 @@ def _spec_of(part: Part) -> BlockSpec:
     return replace(part.spec, origin=replace(part.spec.origin, client=part.client, block=part.index))
 
 
-def stitch_block(number: int, in_shape: Shape, out_shape: Shape) -> BlockSpec:
-    """Block "stitch<number>": one `stitch` layer mapping in_shape to out_shape (SpecError if impossible)."""
-    layers = [LayerSpec("stitch", {"out_shape": list(out_shape)})]
+def stitch_block(number: int, in_shape: Shape, out_shape: Shape, logits: bool = False) -> BlockSpec:
+    """Block "stitch<number>": one `stitch` layer mapping in_shape to out_shape (SpecError if impossible).
+
+    A stitch that produces the model's logits (`logits`) has no ReLU, so logits can be negative.
+    """
+    args: dict[str, object] = {"out_shape": list(out_shape)} | ({"relu": False} if logits else {})
+    layers = [LayerSpec("stitch", args)]
     return make_block(f"stitch{number}", layers, tuple(in_shape), Origin(STITCH_MODEL, None, -1))
 
 
@@ -57,7 +61,7 @@ def candidate_spec(name: str, blocks: Sequence[Part], input_shape: Shape,
     for j, target in enumerate([s.in_shape for s in specs] + [(num_classes,)]):
         if shape != tuple(target):
             stitches.append(len(out))
-            out.append(stitch_block(len(stitches) - 1, shape, tuple(target)))
+            out.append(stitch_block(len(stitches) - 1, shape, tuple(target), logits=j == len(specs)))
         if j < len(specs):
             out.append(specs[j])
             shape = specs[j].out_shape

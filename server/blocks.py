@@ -10,6 +10,8 @@ from fedge.messages import Weights
 from fedge.spec import BlockSpec, ModelSpec
 from fedge.weights import State
 
+Key = tuple[str, int]  # a pool block: (client id, block index in that client's model)
+
 
 @dataclass(frozen=True)
 class PoolBlock:
@@ -21,7 +23,7 @@ class PoolBlock:
     state: State
 
     @property
-    def key(self) -> tuple[str, int]:
+    def key(self) -> Key:
         return self.client, self.index
 
 

@@ -9,14 +9,12 @@ import torch
 from torch import Tensor
 
 from fedge.constants import CKA_MEMORY_LIMIT_BYTES, DEGENERATE_RTOL, GRAM_CHUNK_ELEMENTS
+from fedge.spec import Device
 
 from server.features import BlockFeatures
 
 log = logging.getLogger(__name__)
 
-# Defaults (candidates for a constants module; see each function's docstring).
-
-Device = torch.device | str
 
 
 def _check_2d(features: Sequence[Tensor], min_rows: int) -> int:

@@ -33,7 +33,8 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-Key = tuple[str, int]
+from server.blocks import Key
+
 Candidate = tuple[Key, ...]
 Position = Fraction | int
 Allow = Callable[[Key, Key], bool]  # allow(B_m,r, substitute): an extra constraint of the caller's

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -15,6 +17,7 @@ from device_profiles import get_profile, train_seconds
 from fedge.messages import ClientInfo, Result, Task, client_order
 from fedge.seeding import derive_seed
 from fedge.transport import Transport
+from fedge.weights import WeightsError, check_state
 from server.runlog import RunLog
 from server.strategy import Strategy, StrategyError
 
@@ -40,17 +43,29 @@ def sample_clients(client_ids: Sequence[str], active: int, seed: int, rnd: int) 
     return [ids[i] for i in sorted(picked)]
 
 
-def accepted(results: Mapping[str, Result], tasks: Mapping[str, Task]) -> dict[str, Result]:
-    """Keep only replies that answer a task sent this round to that client; log the rest."""
-    keep = {}
-    for cid, res in results.items():
-        task = tasks.get(cid)
-        if task is None or res.client_id != cid or res.round != task.round or res.type != task.type:
-            log.warning("discarding reply from %s (round %s, type %s): it answers no open task",
-                        cid, res.round, res.type)
-            continue
-        keep[cid] = res
-    return keep
+def rejection(res: Result, task: Task | None, info: ClientInfo) -> tuple[str, str] | None:
+    """(reason code, message) when a reply cannot be used, else None: it must answer the open task,
+    report a sane example count and finite metrics, and carry weights matching their spec (the
+    client's registered architecture for `local`)."""
+    if task is None or res.client_id != info.client_id or res.round != task.round or res.type != task.type:
+        return "no_open_task", f"answers no open task (round {res.round}, type {res.type!r})"
+    limit = info.num_test if task.type == "evaluate" else info.num_train
+    if isinstance(res.num_examples, bool) or not isinstance(res.num_examples, int) \
+            or not 1 <= res.num_examples <= limit:
+        return "num_examples", f"num_examples {res.num_examples!r} is not an integer in 1..{limit}"
+    bad = [k for k, v in res.metrics.items() if not isinstance(v, (int, float)) or not math.isfinite(v)]
+    if bad:
+        return "metrics", f"metrics {bad} are not finite numbers"
+    if task.type == "evaluate" and not 0 <= res.metrics.get("accuracy", -1) <= 1:
+        return "metrics", "an evaluation without an accuracy in [0, 1]"
+    if "local" in res.models and res.models["local"].spec.with_origin(info.client_id) != info.spec:
+        return "architecture", f"uploaded model {res.models['local'].spec.name!r} is not the registered one"
+    for role, weights in res.models.items():
+        try:
+            check_state(weights.spec, weights.state)
+        except WeightsError as e:
+            return "weights", f"model {role!r}: {e}"
+    return None
 
 
 class Coordinator:
@@ -67,21 +82,37 @@ class Coordinator:
         self.participated: set[str] = set()
         self.final: dict[str, float] = {}
         self.last_mean = float("nan")
+        self.rejected: Counter[str] = Counter()
+        self.bar: tqdm | None = None
+
+    def accepted(self, results: Mapping[str, Result], tasks: Mapping[str, Task]) -> dict[str, Result]:
+        """The replies that pass `rejection`; each other one is logged in one line and counted."""
+        keep = {}
+        for cid, res in results.items():
+            reason = rejection(res, tasks.get(cid), self.clients[cid]) if cid in self.clients \
+                else ("unknown_client", "not a registered client")
+            if reason is None:
+                keep[cid] = res
+            else:
+                log.warning("rejected reply from client %s: %s", cid, reason[1])
+                self.rejected[reason[0]] += 1
+        return keep
 
     def run(self) -> dict[str, Any]:
         """Run every round and return the summary (also written to summary.json)."""
         self.strategy.setup(self.clients)
-        self.bar = tqdm(range(self.loop.rounds), desc=self.strategy.name, unit="round",
-                        disable=not self.loop.progress, dynamic_ncols=True)
-        for rnd in self.bar:
-            self.run_round(rnd)
-        self.show("done")
+        with tqdm(range(self.loop.rounds), desc=self.strategy.name, unit="round",
+                  disable=not self.loop.progress, dynamic_ncols=True) as self.bar:
+            for rnd in self.bar:
+                self.run_round(rnd)
+            self.show("done")
         return self.summary()
 
     def show(self, phase: str) -> None:
         """Progress bar postfix: what is happening now, and the last round's mean accuracy."""
         mean = self.last_mean
-        self.bar.set_postfix_str(f"{phase}, acc {mean:.3f}" if mean == mean else phase)
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"{phase}, acc {mean:.3f}" if mean == mean else phase)
 
     def run_round(self, rnd: int) -> float:
         """One round; returns the mean accuracy of the clients evaluated (NaN if none replied)."""
@@ -90,7 +121,7 @@ class Coordinator:
         tasks = self.strategy.plan(rnd, active)
         server = time.perf_counter() - start
         self.show(f"{len(tasks)} clients training")
-        results = accepted(self.transport.exchange(tasks), tasks)
+        results = self.accepted(self.transport.exchange(tasks), tasks)
         self.participated |= set(results)
         if len(results) < len(tasks):
             log.warning("round %d: %d of %d clients replied", rnd, len(results), len(tasks))
@@ -101,7 +132,7 @@ class Coordinator:
         final = self.participated if self.strategy.personalized else self.clients
         eval_tasks = self.strategy.evaluation(rnd, sorted(final) if last else active)
         server += time.perf_counter() - start
-        evals = accepted(self.transport.exchange(eval_tasks), eval_tasks)
+        evals = self.accepted(self.transport.exchange(eval_tasks), eval_tasks)
         self.server_seconds.append(server)
         self.runlog.append_rows([self.row(rnd, cid, results.get(cid), evals.get(cid))
                                  for cid in sorted(set(tasks) | set(eval_tasks), key=client_order)])
@@ -116,7 +147,7 @@ class Coordinator:
         row: dict[str, Any] = {"round": rnd, "client": cid, "model": info.spec.name, "profile": info.profile,
                                "params": info.spec.params, "macs": info.spec.macs, "trained": trained is not None}
         if trained is not None:
-            row.update(trained.metrics)
+            row = trained.metrics | row  # a client's metric never overwrites a server field
             row.update(num_examples=trained.num_examples,
                        sim_train_seconds=train_seconds(info.spec.macs, trained.num_examples, self.loop.local_epochs,
                                                        self.profiles[cid]))
@@ -135,5 +166,6 @@ class Coordinator:
                                "per_client": per_client},
             "server_seconds": self.server_seconds,
             "never_trained": sorted(set(self.clients) - self.participated, key=client_order),
+            "rejected_replies": dict(self.rejected),
             "models": {cid: info.spec.name for cid, info in self.clients.items()},
         } | self.strategy.summary()

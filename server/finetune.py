@@ -12,14 +12,12 @@ import torch
 from torch.nn import functional as F
 
 from fedge import constants as C
-from fedge.constants import EVAL_BATCH_SIZE
 from fedge.messages import Weights
-from fedge.spec import ModelSpec, SpecModel, build
+from fedge.spec import Device, ModelSpec, SpecModel, build
 from fedge.weights import check_state
 
 log = logging.getLogger(__name__)
 
-Device = torch.device | str
 
 
 @dataclass(frozen=True)
@@ -135,7 +133,7 @@ def _run(module: SpecModel, lo: int, hi: int, x: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def _prefix_outputs(module: SpecModel, n: int, x: torch.Tensor) -> torch.Tensor:
     """Blocks 0..n-1 (frozen, eval mode) on all of x, in evaluation batches."""
-    return torch.cat([_run(module, 0, n, xb) for xb in x.split(EVAL_BATCH_SIZE)])
+    return torch.cat([_run(module, 0, n, xb) for xb in x.split(C.EVAL_BATCH_SIZE)])
 
 
 # --- fine-tuning (Eq. 2 / Eq. 3) --------------------------------------------------------------
@@ -274,7 +272,7 @@ def public_logits(models: Sequence[Weights], x_public: torch.Tensor, device: Dev
         modules = [_frozen_module(models[i], (), device) for i in group]
         start = lengths[group[0]]
         parts: list[list[torch.Tensor]] = [[] for _ in group]
-        for xb in x.split(EVAL_BATCH_SIZE):
+        for xb in x.split(C.EVAL_BATCH_SIZE):
             feats = _run(modules[0], 0, start, xb)
             for part, module in zip(parts, modules):
                 part.append(_run(module, start, len(module.blocks), feats).cpu())
@@ -289,13 +287,24 @@ def select_teacher(client: Weights, candidates: Sequence[Weights], x_public: tor
 
     The client model is used as uploaded (pFedClub; pFedHR's code also fine-tuned it first). Returns
     (index of the best candidate, all scores); ties go to the lowest index, a non-finite score never
-    wins. No candidates, or candidates whose classes differ from the client's, raise ValueError.
+    wins. No candidates, candidates whose classes differ from the client's, or no candidate with a
+    finite score raise ValueError.
     """
     if not candidates:
         raise ValueError("select_teacher needs at least one candidate")
     if len(x_public) == 0:
         raise ValueError("select_teacher needs public data")
     logits = public_logits([client, *candidates], x_public, device)
-    scores = [match_score(logits[0], c) for c in logits[1:]]
+    return best_match(logits[0], logits[1:])
+
+
+def best_match(client_logits: torch.Tensor, candidate_logits: Sequence[torch.Tensor]) -> tuple[int, list[float]]:
+    """Eq. (4) scores of every candidate's logits against the client's, and the index of the best one.
+
+    Ties go to the lowest index; a non-finite score never wins; no finite score raises ValueError.
+    """
+    scores = [match_score(client_logits, c) for c in candidate_logits]
+    if not any(math.isfinite(s) for s in scores):
+        raise ValueError(f"no candidate gives finite logits on the public data (scores {scores})")
     best = max(range(len(scores)), key=lambda i: (scores[i] if math.isfinite(scores[i]) else -math.inf, -i))
     return best, scores

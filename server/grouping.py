@@ -11,8 +11,6 @@ from fedge.constants import CLUSTERS, GROUPING_ITERATIONS, GROUPING_RESTARTS, SY
 
 log = logging.getLogger(__name__)
 
-# Defaults (candidates for a constants module).
-
 # Method, and where it departs from the papers / the authors' code (one line each):
 # - kernel k-means with the Eq. (1) similarity S as kernel: linear CKA is the inner product of normalised
 #   centred N×N Gram matrices, so S is a PSD kernel and d²(i, j) = S_ii + S_jj − 2 S_ij is a true squared

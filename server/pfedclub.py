@@ -50,7 +50,15 @@ class PFedClub(ReassemblyStrategy):
             raise StrategyError(f"unknown ablation {self.config.ablation!r}; use one of {', '.join(ABLATION_OPTIONS)}")
 
     def make_teachers(self, rnd: int, pool: Pool) -> dict[str, tuple[Weights | None, dict[str, Any]]]:
-        return {cid: self.teacher_for(rnd, cid, pool) for cid in pool.uploads}
+        """Each uploader's teacher; a client whose candidates fail (e.g. diverge) gets none, the others go on."""
+        out = {}
+        for cid in pool.uploads:
+            try:
+                out[cid] = self.teacher_for(rnd, cid, pool)
+            except (ValueError, RuntimeError) as e:
+                log.error("round %d client %s: no teacher this round, building it failed: %s", rnd, cid, e)
+                out[cid] = (None, {"candidates": 0, "teacher_error": str(e)})
+        return out
 
     def candidate_keys(self, rnd: int, cid: str, pool: Pool) -> list[tuple[tuple[str, int], ...]]:
         """CMSR block sequences for one client; pFedClub+ keeps only those within η and the profile."""
@@ -80,6 +88,7 @@ class PFedClub(ReassemblyStrategy):
         return allow
 
     def teacher_for(self, rnd: int, cid: str, pool: Pool) -> tuple[Weights | None, dict[str, Any]]:
+        """CMSR candidates → stitched → fine-tuned → matched (Alg. 1, Eq. 2-4); or the fallback."""
         own = pool.uploads[cid]
         with self.stage("candidates"):
             keys = self.candidate_keys(rnd, cid, pool)
@@ -90,7 +99,8 @@ class PFedClub(ReassemblyStrategy):
             return self.fallback(rnd, cid, own)
         tuned = self.finetune(rnd, cid, candidates)
         teacher, scores = self.match(own, tuned)
-        return teacher, {"candidates": len(candidates), "match_score": max(scores), "teacher_fallback": False}
+        return teacher, {"candidates": len(candidates), "match_score": max(s for s in scores if s == s),
+                         "teacher_fallback": False}
 
     def fallback(self, rnd: int, cid: str, own: Weights) -> tuple[Weights | None, dict[str, Any]]:
         """No candidate satisfies pFedClub+'s bound and the profile: the client's own model is the teacher if

@@ -10,6 +10,7 @@ import numpy as np
 from fedge.messages import Weights
 from fedge.seeding import derive_seed
 from server.assemble import assemble
+from server.finetune import best_match, public_logits
 from server.pfedhr_candidates import PFedHROptions, block_operations, classifier_keys, pfedhr_candidates
 from server.reassembly import Pool, ReassemblyStrategy
 from server.strategy import register_strategy
@@ -36,8 +37,11 @@ class PFedHR(ReassemblyStrategy):
             log.warning("round %d: pFedHR found no candidate passing R1-R4; clients keep training without one", rnd)
             return {cid: (None, {"candidates": 0}) for cid in pool.uploads}
         tuned = self.finetune(rnd, "shared", candidates)
+        with self.stage("matching"):  # every candidate's logits once, then each client's own (Eq. (4))
+            tuned_logits = public_logits(tuned, self.public.x, self.config.device)
+            own_logits = public_logits(list(pool.uploads.values()), self.public.x, self.config.device)
         out = {}
-        for cid, own in pool.uploads.items():
-            teacher, scores = self.match(own, tuned)
-            out[cid] = (teacher, {"candidates": len(candidates), "match_score": max(scores)})
+        for cid, logits in zip(pool.uploads, own_logits):
+            best, scores = best_match(logits, tuned_logits)
+            out[cid] = (tuned[best], {"candidates": len(candidates), "match_score": scores[best]})
         return out

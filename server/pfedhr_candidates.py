@@ -31,9 +31,8 @@ import numpy as np
 
 from fedge.constants import MAX_CANDIDATES, PFEDHR_ATTEMPTS_PER_CANDIDATE, PFEDHR_MAX_BLOCKS, PFEDHR_MIN_BLOCKS
 from fedge.spec import BlockSpec
-from server.blocks import PoolBlock
+from server.blocks import Key, PoolBlock
 
-Key = tuple[str, int]
 Candidate = tuple[Key, ...]
 
 CONV, FC = "conv", "fc"

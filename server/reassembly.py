@@ -17,7 +17,7 @@ from fedge import constants as C
 from fedge.messages import ClientInfo, Result, Task, Weights, client_order
 from fedge.seeding import derive_seed
 from server.assemble import STITCH_MODEL
-from server.blocks import PoolBlock, split_blocks
+from server.blocks import Key, PoolBlock, split_blocks
 from server.cka import block_similarity, minibatch_block_similarity
 from server.features import block_features
 from server.finetune import FinetuneConfig, finetune_candidates, select_teacher
@@ -25,7 +25,6 @@ from server.grouping import group_blocks
 from server.strategy import Strategy, StrategyError
 
 log = logging.getLogger(__name__)
-Key = tuple[str, int]
 STAGES = ("features", "grouping", "candidates", "finetune", "matching")
 
 
@@ -59,9 +58,12 @@ class ReassemblyStrategy(Strategy):
 
     def setup(self, clients: Mapping[str, ClientInfo]) -> None:
         super().setup(clients)
-        if self.public is None or len(self.public.x) == 0:
-            raise StrategyError(f"{self.name} needs the server's public data set; none was given")
+        if self.public is None or len(self.public.x) < C.MIN_PUBLIC_SAMPLES:
+            have = 0 if self.public is None else len(self.public.x)
+            raise StrategyError(f"{self.name} needs at least {C.MIN_PUBLIC_SAMPLES} public samples on the server, "
+                                f"got {have}; raise max_public_samples or use a larger dataset")
         self.teachers: dict[str, Weights] = {}
+        self.sent: set[str] = set()
         self.profiles = {cid: get_profile(info.profile) for cid, info in clients.items()}
         self.rows: dict[tuple[int, str], dict[str, Any]] = {}
         self.history: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -79,6 +81,7 @@ class ReassemblyStrategy(Strategy):
     def plan(self, rnd: int, active: Sequence[str]) -> dict[str, Task]:
         """kd_train for every active client, with the teacher kept from its last selection (pFedClub §3.3)."""
         config = self.train_config(upload=True) | {"kd_lambda": self.config.kd_lambda}
+        self.sent = set(active)
         return {cid: Task("kd_train", rnd, config, {"teacher": self.teachers[cid]} if cid in self.teachers else {})
                 for cid in active}
 
@@ -86,10 +89,18 @@ class ReassemblyStrategy(Strategy):
         """Group the uploaded blocks, then build, fine-tune and match each uploader's teacher."""
         uploads = {cid: results[cid].models["local"] for cid in sorted(results) if "local" in results[cid].models}
         self.times = dict.fromkeys(STAGES, 0.0)
+        for cid in self.sent - set(uploads):  # its teacher was delivered (or broke it): build a new one next time
+            if self.teachers.pop(cid, None) is not None:
+                log.info("round %d: client %s did not reply; its teacher is dropped", rnd, cid)
         if not uploads:
             return
         pool = self.pool(rnd, uploads)
-        for cid, (teacher, info) in self.make_teachers(rnd, pool).items():
+        try:
+            teachers = self.make_teachers(rnd, pool)
+        except (ValueError, RuntimeError) as e:  # e.g. a diverged fine-tuning: the round goes on without teachers
+            log.error("round %d: no new teachers, building them failed: %s", rnd, e)
+            teachers = {cid: (None, {"candidates": 0, "teacher_error": str(e)}) for cid in uploads}
+        for cid, (teacher, info) in teachers.items():
             self.keep(rnd, cid, uploads[cid], teacher, info)
         for cid in uploads:
             self.rows.setdefault((rnd, cid), {}).update({f"time_{s}": self.times[s] for s in STAGES})
@@ -102,8 +113,9 @@ class ReassemblyStrategy(Strategy):
                 feats = [f for w in uploads.values() for f in block_features(w, x, device=device)]
                 similarity = block_similarity(feats, device=device)
             else:  # too many public samples to keep every block's features: unbiased minibatch CKA
+                parts = -(-len(x) // C.CKA_MINIBATCH_SIZE)  # equal parts: no tiny tail batch
                 batches = ([f for w in uploads.values() for f in block_features(w, xb, device=device)]
-                           for xb in x.split(C.CKA_MINIBATCH_SIZE))
+                           for xb in torch.tensor_split(x, parts))
                 similarity = minibatch_block_similarity(batches, device=device)
         with self.stage("grouping"):
             labels = group_blocks(similarity, self.config.clusters, seed=derive_seed(self.config.seed, "group", rnd))

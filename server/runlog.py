@@ -32,6 +32,8 @@ class RunLog:
 
     def __init__(self, out: Path, config: Mapping[str, Any]) -> None:
         self.out = Path(out)
+        if (self.out / "metrics.jsonl").exists():
+            raise FileExistsError(f"run folder {self.out} already holds a run; choose another --out or delete it")
         self.out.mkdir(parents=True, exist_ok=True)
         self.write_json("config.json", config)
         self.metrics_path = self.out / "metrics.jsonl"

@@ -27,7 +27,6 @@ class StrategyConfig:
     device: str = "cpu"
     eta: float = C.PFEDCLUB_PLUS_ETA
     clusters: int = C.CLUSTERS
-    public_labeled: bool = True
     ablation: str = "none"
     kd_lambda: float = C.KD_LAMBDA
     finetune_epochs: int = C.FINETUNE_EPOCHS

@@ -273,5 +273,7 @@ def test_max_public_samples_caps_the_public_set_keeping_classes():
     capped = make_partition(y, 10, PartitionConfig("iid", 4, seed=3, max_public_samples=50))
     assert len(capped.public) == 50 and set(capped.public) <= set(full.public)
     assert np.bincount(y[capped.public], minlength=10).tolist() == [5] * 10
+    lowest = [np.sort(full.public[y[full.public] == c])[:5] for c in range(10)]
+    assert not np.array_equal(np.sort(np.concatenate(lowest)), capped.public)  # a random subset, not the first
     with pytest.raises(PartitionError, match="max_public_samples"):
         PartitionConfig("iid", 4, max_public_samples=0)

@@ -9,9 +9,9 @@ import torch
 from device_profiles import get_profile
 from fedge.layers import LayerSpec as L
 from fedge.messages import Weights
-from fedge.spec import build, make_spec
+from fedge.spec import Origin, build, make_block, make_spec
 from fedge.zoo import MODELS, create
-from server.assemble import assemble, filter_by_size, stitched_params
+from server.assemble import assemble, candidate_spec, filter_by_size, stitched_params
 from server.blocks import split_blocks
 
 pytestmark = pytest.mark.timeout(120)
@@ -162,3 +162,12 @@ def test_bad_input_is_refused(pools):
         assemble("empty", [], SHAPE, 10, np.random.default_rng(0))
     with pytest.raises(ValueError, match="eta"):
         filter_by_size([pools["cnn1"]], create("cnn1", SHAPE, 10), eta=-1.0)
+
+
+def test_the_stitch_that_makes_the_logits_does_not_clip_them():
+    hidden = make_block("fc", [L("linear", {"out_features": 6}), L("relu")], (12,), Origin("m", "0", 0))
+    spec, stitches = candidate_spec("c", [hidden], (12,), 3)
+    assert stitches == (1,) and spec.blocks[1].layers[0].args == {"out_shape": [3], "relu": False}
+    torch.manual_seed(0)
+    logits = build(spec)(torch.randn(64, 12))
+    assert bool((logits < 0).any())

@@ -40,14 +40,17 @@ def uploads(rnd, cids):
 
 def test_first_participation_has_no_teacher_and_teachers_are_kept_until_next_selection():
     s = make("pfedclub")
-    assert all(not t.models for t in s.plan(0, ["0", "1"]).values())
+    assert all(not t.models for t in s.plan(0, ["0", "1", "3"]).values())
     s.aggregate(0, uploads(0, ["0", "1", "3"]))
     teacher = s.teachers["0"]
+    s.plan(1, ["2", "3"])
     s.aggregate(1, uploads(1, ["2", "3"]))      # rounds pass without client 0
-    s.aggregate(2, {})
+    s.plan(2, ["1"])
+    s.aggregate(2, {})                          # client 1 was sent its teacher but did not reply
     task = s.plan(3, ["0", "2"])["0"]
     assert task.type == "kd_train" and task.models["teacher"] is teacher
     assert task.config["kd_lambda"] == pytest.approx(0.2)
+    assert "1" not in s.teachers
 
 
 def test_pfedclub_plus_teachers_respect_eta_and_profile():
@@ -77,5 +80,5 @@ def test_unknown_ablation_and_missing_public_data_are_refused():
     with pytest.raises(StrategyError, match="ablation"):
         make("pfedclub", ablation="bogus")
     s = create_strategy("pfedclub", config())
-    with pytest.raises(StrategyError, match="public data"):
+    with pytest.raises(StrategyError, match="public samples"):
         s.setup({"0": ClientInfo("0", spec("0"), "rpi-4", 20, 5)})

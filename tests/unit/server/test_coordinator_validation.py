@@ -1,0 +1,45 @@
+"""Every reply is checked before it touches server state; bad ones are rejected with a reason code."""
+
+import pytest
+import torch
+
+from fedge.messages import ClientInfo, Result, Task, Weights
+from fedge.spec import build
+from fedge.zoo import create
+from server.coordinator import rejection
+
+pytestmark = pytest.mark.timeout(60)
+SPEC = create("cnn1", (1, 8, 8), 10).with_origin("0")
+INFO = ClientInfo("0", SPEC, "rpi-4", num_train=20, num_test=5)
+TRAIN = Task("train", 3)
+STATE = build(SPEC).state_dict()
+
+
+def reply(**kw):
+    base = dict(client_id="0", round=3, type="train", num_examples=20, metrics={"train_loss": 0.5},
+                models={"local": Weights(SPEC, STATE)})
+    return Result(**(base | kw))
+
+
+def test_a_good_reply_passes():
+    assert rejection(reply(), TRAIN, INFO) is None
+
+
+@pytest.mark.parametrize("kw, task, code", [
+    ({"round": 2}, TRAIN, "no_open_task"),                        # stale round
+    ({"type": "evaluate"}, TRAIN, "no_open_task"),
+    ({}, None, "no_open_task"),
+    ({"num_examples": 0}, TRAIN, "num_examples"),
+    ({"num_examples": -5}, TRAIN, "num_examples"),
+    ({"num_examples": 3.7}, TRAIN, "num_examples"),
+    ({"num_examples": 10**12}, TRAIN, "num_examples"),
+    ({"metrics": {"train_loss": float("nan")}}, TRAIN, "metrics"),
+    ({"metrics": {"train_loss": "low"}}, TRAIN, "metrics"),
+    ({"models": {"local": Weights(create("cnn2", (1, 8, 8), 10), build(create("cnn2", (1, 8, 8), 10))
+                                  .state_dict())}}, TRAIN, "architecture"),
+    ({"models": {"local": Weights(SPEC, STATE | {"blocks.0.0.bias": torch.full((16,), float("inf"))})}},
+     TRAIN, "weights"),
+    ({"type": "evaluate", "num_examples": 5, "metrics": {"loss": 0.1}}, Task("evaluate", 3), "metrics"),
+])
+def test_bad_replies_are_rejected_with_a_reason(kw, task, code):
+    assert rejection(reply(**kw), task, INFO)[0] == code
