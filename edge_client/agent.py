@@ -46,9 +46,11 @@ class ClientAgent:
         self.model: SpecModel = build(self.spec)
 
     def info(self) -> ClientInfo:
+        """What this client registers with: id, architecture, profile, data sizes (never the data)."""
         return ClientInfo(self.client_id, self.spec, self.profile, len(self.data.y_train), len(self.data.y_test))
 
     def weights(self) -> Weights:
+        """A copy of the current model as spec + tensors (what an upload carries)."""
         return Weights(self.spec, {k: v.detach().clone() for k, v in self.model.state_dict().items()})
 
     def module_for(self, weights: Weights) -> SpecModel:

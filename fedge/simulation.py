@@ -39,6 +39,7 @@ def resolve_device(device: str) -> str:
 
 
 def partition_config(cfg: RunConfig) -> PartitionConfig:
+    """The data split a run's config asks for (the server and every client derive the same one)."""
     return PartitionConfig(scheme=cfg.partition, num_clients=cfg.clients, classes_per_client=cfg.classes_per_client,
                            alpha=cfg.alpha, seed=cfg.seed, max_samples_per_client=cfg.max_samples_per_client,
                            max_public_samples=cfg.max_public_samples)
@@ -57,6 +58,7 @@ def make_agent(cfg: RunConfig, ds: Dataset, shard: ClientShard, model: str, prof
 
 
 def strategy_config(cfg: RunConfig) -> StrategyConfig:
+    """The strategy's settings out of a run's config."""
     return StrategyConfig(local_epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr, seed=cfg.seed,
                           device=resolve_device(cfg.device), eta=cfg.eta, clusters=cfg.clusters,
                           ablation=cfg.ablation, kd_lambda=cfg.kd_lambda,
@@ -64,6 +66,7 @@ def strategy_config(cfg: RunConfig) -> StrategyConfig:
 
 
 def default_out(cfg: RunConfig) -> Path:
+    """runs/<time>-<strategy>-<dataset> when no --out is given."""
     return Path(C.DEFAULT_RUNS_DIR) / f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.strategy}-{cfg.dataset}"
 
 

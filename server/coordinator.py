@@ -143,6 +143,7 @@ class Coordinator:
         return self.last_mean
 
     def row(self, rnd: int, cid: str, trained: Result | None, evaluated: Result | None) -> dict[str, Any]:
+        """One metrics.jsonl line: the client, its training reply, its evaluation, the strategy's fields."""
         info = self.clients[cid]
         row: dict[str, Any] = {"round": rnd, "client": cid, "model": info.spec.name, "profile": info.profile,
                                "params": info.spec.params, "macs": info.spec.macs, "trained": trained is not None}
@@ -156,6 +157,7 @@ class Coordinator:
         return row | self.strategy.record(rnd, cid)
 
     def summary(self) -> dict[str, Any]:
+        """summary.json: the contract fields, then whatever the strategy adds (e.g. ϕ)."""
         per_client = {cid: self.final[cid] for cid in sorted(self.final, key=client_order)}
         return {
             "strategy": self.strategy.name,

@@ -155,7 +155,8 @@ class ReassemblyStrategy(Strategy):
         self.rows[(rnd, cid)] = row
 
     def record(self, rnd: int, client: str) -> dict[str, Any]:
-        return self.rows.get((rnd, client), {})
+        """This round's teacher fields for the client (asked once per row, so it is handed over and dropped)."""
+        return self.rows.pop((rnd, client), {})
 
     def summary(self) -> dict[str, Any]:
         """ϕ per client (Eq. (6): mean over the rounds it got a teacher), mean teacher size and candidates."""

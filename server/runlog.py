@@ -40,13 +40,16 @@ class RunLog:
         self.metrics_path.write_text("")
 
     def write_json(self, name: str, data: Mapping[str, Any]) -> None:
+        """Write one JSON file of the run folder atomically (NaN/Inf become null)."""
         text = json.dumps(_clean(data), indent=2, sort_keys=True, default=_json_default)
         atomic_write(self.out / name, (text + "\n").encode())
 
     def append_rows(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Append metrics lines, one JSON object each."""
         with self.metrics_path.open("a") as f:
             for row in rows:
                 f.write(json.dumps(_clean(dict(row)), sort_keys=True, default=_json_default) + "\n")
 
     def rows(self) -> list[dict[str, Any]]:
+        """Every metrics line written so far."""
         return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line]

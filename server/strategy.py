@@ -59,6 +59,7 @@ class Strategy:
         self.clients = dict(clients)
 
     def train_config(self, upload: bool) -> dict[str, Any]:
+        """The JSON config of a local-training task (epochs, batch, lr, seed, whether to upload weights)."""
         c = self.config
         return {"epochs": c.local_epochs, "batch_size": c.batch_size, "lr": c.lr, "seed": c.seed, "upload": upload}
 

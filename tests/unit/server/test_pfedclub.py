@@ -66,7 +66,8 @@ def test_negative_eta_without_any_candidate_falls_back_to_no_teacher(caplog):
         s.aggregate(0, uploads(0, ["0", "1"]))
     assert s.teachers == {}
     assert "no teacher" in caplog.text
-    assert s.record(0, "0")["teacher_fallback"] is True and s.record(0, "0")["teacher_params"] is None
+    record = s.record(0, "0")
+    assert record["teacher_fallback"] is True and record["teacher_params"] is None
 
 
 @pytest.mark.parametrize("ablation", ["max", "min", "noc", "nbc"])
