@@ -33,7 +33,7 @@ class RunConfig:
     clients: int = C.DEFAULT_CLIENTS
     active: int = C.DEFAULT_ACTIVE
     rounds: int = C.DEFAULT_ROUNDS
-    local_epochs: int = C.DEFAULT_RUN_LOCAL_EPOCHS
+    local_epochs: int = C.DEFAULT_LOCAL_EPOCHS
     batch_size: int = C.DEFAULT_BATCH_SIZE
     lr: float = C.DEFAULT_LR
     seed: int = C.DEFAULT_SEED

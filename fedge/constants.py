@@ -22,7 +22,7 @@ DEFAULT_ZOO = "I"
 DEFAULT_CLIENTS = 8
 DEFAULT_ACTIVE = 4
 DEFAULT_ROUNDS = 5
-DEFAULT_RUN_LOCAL_EPOCHS = 5
+DEFAULT_LOCAL_EPOCHS = 10  # pFedClub §4.1
 DEFAULT_SEED = 0
 DEFAULT_RUNS_DIR = "runs"
 # Device profiles the simulated fleet cycles through (all run eager PyTorch).
