@@ -10,7 +10,7 @@ from device_profiles import get_profile
 from fedge.layers import LayerSpec as L
 from fedge.messages import Weights
 from fedge.spec import Origin, build, make_block, make_spec
-from fedge.zoo import MODELS, create
+from fedge.zoo import create
 from server.assemble import assemble, candidate_spec, filter_by_size, stitched_params
 from server.blocks import split_blocks
 
@@ -19,15 +19,9 @@ SHAPE = (1, 28, 28)
 
 
 @pytest.fixture(scope="module")
-def pools():
+def pools(zoo_uploads):
     """Client "<model>" uploads a seeded random-weight zoo model; its blocks, by model name."""
-    out = {}
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        for name in MODELS:
-            spec = create(name, SHAPE, 10).with_origin(name)
-            out[name] = split_blocks(name, Weights(spec, build(spec).state_dict()))
-    return out
+    return {name: split_blocks(name, Weights(w.spec.with_origin(name), w.state)) for name, w in zoo_uploads.items()}
 
 
 def forward(weights, n=3):

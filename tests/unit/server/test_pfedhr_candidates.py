@@ -2,11 +2,7 @@
 
 import numpy as np
 import pytest
-import torch
 
-from fedge.messages import Weights
-from fedge.spec import build
-from fedge.zoo import MODELS, create
 from server.blocks import split_blocks
 from server.pfedhr_candidates import (
     PFedHROptions,
@@ -18,19 +14,11 @@ from server.pfedhr_candidates import (
 )
 
 pytestmark = pytest.mark.timeout(120)
-SHAPE = (1, 28, 28)
 
 
 @pytest.fixture(scope="module")
-def uploads():
-    """One uploaded model (spec + random weights) per zoo architecture, seeded."""
-    out = {}
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        for name in MODELS:
-            spec = create(name, SHAPE, 10)
-            out[name] = Weights(spec, build(spec).state_dict())
-    return out
+def uploads(zoo_uploads):
+    return zoo_uploads
 
 
 def random_pool(uploads, rng, k=4):

@@ -1,0 +1,20 @@
+"""Fixtures shared by the server unit tests."""
+
+import pytest
+import torch
+
+from fedge.messages import Weights
+from fedge.spec import build
+from fedge.zoo import MODELS, create
+
+
+@pytest.fixture(scope="package")
+def zoo_uploads():
+    """One uploaded model (spec + seeded random weights) per zoo architecture at 1×28×28, by model name."""
+    out = {}
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        for name in MODELS:
+            spec = create(name, (1, 28, 28), 10)
+            out[name] = Weights(spec, build(spec).state_dict())
+    return out
