@@ -11,7 +11,7 @@ from fedge.messages import ClientInfo, Result, Task, Weights
 from fedge.registry import Registry
 from fedge.seeding import derive_seed
 from fedge.spec import ModelSpec, SpecModel, build
-from fedge.weights import WeightsError, check_state
+from fedge.weights import WeightsError, load_module
 
 
 class TaskError(ValueError):
@@ -56,12 +56,9 @@ class ClientAgent:
     def module_for(self, weights: Weights) -> SpecModel:
         """A module built from received weights, after checking them against their spec."""
         try:
-            check_state(weights.spec, weights.state)
+            return load_module(weights.spec, weights.state)
         except WeightsError as e:
             raise TaskError(f"client {self.client_id}: received weights rejected: {e}") from None
-        module = build(weights.spec)
-        module.load_state_dict(weights.state)
-        return module
 
     def adopt(self, weights: Weights) -> None:
         """Replace the own model's weights; the architecture must be this client's own."""

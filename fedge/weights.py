@@ -13,7 +13,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from fedge.constants import SPEC_METADATA_KEY
-from fedge.spec import ModelSpec, SpecError, tensor_shapes
+from fedge.spec import Device, ModelSpec, SpecError, SpecModel, build, tensor_shapes
 
 State = dict[str, torch.Tensor]
 
@@ -39,6 +39,14 @@ def check_state(spec: ModelSpec, state: State) -> None:
             raise WeightsError(f"tensor {name!r} has dtype {t.dtype}, spec says {dtype}")
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise WeightsError(f"tensor {name!r} contains NaN or Inf")
+
+
+def load_module(spec: ModelSpec, state: State, device: Device | None = None) -> SpecModel:
+    """The module of `spec` with `state` loaded, on `device`; state that does not match raises WeightsError."""
+    check_state(spec, state)
+    module = build(spec, device)
+    module.load_state_dict(state)
+    return module
 
 
 def to_bytes(spec: ModelSpec, state: State) -> bytes:

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from fedge.constants import CONV_FEATURES, FEATURE_BATCH_SIZE
 from fedge.messages import Weights
-from fedge.spec import build
+from fedge.weights import load_module
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +73,7 @@ def block_features(weights: Weights, x_public: Tensor, batch_size: int = FEATURE
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     if conv_features not in CONV_FEATURE_MODES:
         raise ValueError(f"unknown conv_features {conv_features!r}; use one of {CONV_FEATURE_MODES}")
-    model = build(spec, device)
-    try:
-        model.load_state_dict(weights.state, strict=True)
-    except RuntimeError as e:
-        raise ValueError(f"weights do not fit model {spec.name!r}: {e}") from None
-    model.eval()
+    model = load_module(spec, weights.state, device).eval()
     n = x_public.shape[0]
     shapes = [spec.input_shape] + [b.out_shape for b in spec.blocks]
     bounds = [torch.empty(n, _vector_dim(tuple(s), conv_features), dtype=torch.float32) for s in shapes]

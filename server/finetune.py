@@ -13,8 +13,8 @@ from torch.nn import functional as F
 
 from fedge import constants as C
 from fedge.messages import Weights
-from fedge.spec import Device, ModelSpec, SpecModel, build
-from fedge.weights import check_state
+from fedge.spec import Device, ModelSpec, SpecModel
+from fedge.weights import load_module
 
 log = logging.getLogger(__name__)
 
@@ -140,10 +140,7 @@ def _prefix_outputs(module: SpecModel, n: int, x: torch.Tensor) -> torch.Tensor:
 
 def _frozen_module(weights: Weights, trainable: Sequence[int], device: Device) -> SpecModel:
     """The candidate on `device`: every block outside `trainable` frozen (no grad) and in eval mode."""
-    check_state(weights.spec, weights.state)
-    module = build(weights.spec)
-    module.load_state_dict(weights.state)
-    module.to(device).eval()
+    module = load_module(weights.spec, weights.state, device).eval()
     for i, block in enumerate(module.blocks):
         block.requires_grad_(i in trainable)
         if i in trainable:

@@ -113,7 +113,7 @@ def test_bad_inputs_raise() -> None:
         block_features(w, _public(4), batch_size=0)
     with pytest.raises(ValueError, match="conv_features"):
         block_features(w, _public(4), conv_features="max")
-    with pytest.raises(ValueError, match="weights do not fit"):
+    with pytest.raises(ValueError, match="weights do not match spec"):
         block_features(Weights(w.spec, {}), _public(4))
     with pytest.raises(ValueError, match="conv_features"):
         to_vectors(torch.zeros(2, 3, 4, 4), "max")
