@@ -13,7 +13,7 @@ from fedge.messages import Weights
 from fedge.seeding import derive_seed
 from server.assemble import assemble, filter_by_size
 from server.cmsr import CmsrOptions, cmsr_candidates
-from server.reassembly import Key, Pool, ReassemblyStrategy, block_kind
+from server.reassembly import Key, Pool, ReassemblyStrategy
 from server.strategy import StrategyError, register_strategy
 
 log = logging.getLogger(__name__)
@@ -26,16 +26,6 @@ ABLATION_OPTIONS = {
     "noc": CmsrOptions(order_constraint=False),
     "nbc": CmsrOptions(completion=False),
 }
-
-
-def kind_groups(pool: Pool) -> dict[Key, int]:
-    """The K-means groups split by block kind (conv→conv, conv→vector, vector→vector, vector→conv).
-
-    Deviation: CMSR substitutes a block only by one of its own kind. CKA groups of K = 4 mix kinds
-    (seen on zoo I), and a cross-kind substitution needs a flattened linear stitch of up to millions
-    of weights, which the issue forbids (stitches must stay small).
-    """
-    return {key: 4 * label + block_kind(pool.blocks[key]) for key, label in pool.groups.items()}
 
 
 @register_strategy("pfedclub")
@@ -65,7 +55,7 @@ class PFedClub(ReassemblyStrategy):
         own = pool.uploads[cid].spec
         cap = self.config.max_candidates * (C.PLUS_OVERSAMPLE if self.size_bound else 1)
         rng = np.random.default_rng(derive_seed(self.config.seed, "cmsr", rnd, cid))
-        keys = cmsr_candidates(cid, len(own.blocks), kind_groups(pool), rng, ABLATION_OPTIONS[self.config.ablation],
+        keys = cmsr_candidates(cid, len(own.blocks), pool.kind_groups, rng, ABLATION_OPTIONS[self.config.ablation],
                                similarity=pool.sim, max_candidates=cap,
                                allow=self.block_budget(pool) if self.size_bound else None)
         if not self.size_bound:

@@ -8,6 +8,7 @@ import statistics
 import time
 from collections import defaultdict
 from contextlib import contextmanager
+from functools import cached_property
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
@@ -42,6 +43,16 @@ class Pool:
         self.index = {key: i for i, key in enumerate(self.blocks)}
         self.similarity = similarity
         self.groups = {key: int(labels[i]) for key, i in self.index.items()}
+
+    @cached_property
+    def kind_groups(self) -> dict[Key, int]:
+        """The K-means groups split by block kind (block_kind), as pFedClub's CMSR uses them.
+
+        Deviation: CMSR substitutes a block only by one of its own kind. CKA groups of K = 4 mix kinds
+        (seen on zoo I), and a cross-kind substitution needs a flattened linear stitch of up to millions
+        of weights, which the issue forbids (stitches must stay small).
+        """
+        return {key: 4 * label + block_kind(self.blocks[key]) for key, label in self.groups.items()}
 
     def sim(self, a: Key, b: Key) -> float:
         return float(self.similarity[self.index[a], self.index[b]])
