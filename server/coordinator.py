@@ -132,6 +132,7 @@ class Coordinator:
         final = self.participated if self.strategy.personalized else self.clients
         eval_tasks = self.strategy.evaluation(rnd, sorted(final) if last else active)
         server += time.perf_counter() - start
+        self.show(f"{len(eval_tasks)} clients evaluating")
         evals = self.accepted(self.transport.exchange(eval_tasks), eval_tasks)
         self.server_seconds.append(server)
         self.runlog.append_rows([self.row(rnd, cid, results.get(cid), evals.get(cid))
