@@ -64,3 +64,12 @@ SYMMETRY_ATOL = 1e-4  # a similarity matrix this far from symmetric is rejected
 CKA_FULL_MAX_SAMPLES = 10_000  # larger public sets use unbiased minibatch CKA instead of keeping all features
 CKA_MINIBATCH_SIZE = 1024
 MIN_PUBLIC_SAMPLES = 8  # CKA and unbiased HSIC need a handful of samples
+
+# Wire format.
+WIRE_SCHEMA_VERSION = 1
+SUPPORTED_SCHEMA_VERSIONS = (1,)  # envelope versions a receiver accepts, oldest first
+CHUNK_SIZE = 256 * 1024  # payload bytes per chunk message
+MAX_PAYLOAD_BYTES = 512 * 1024 * 1024  # largest reassembled payload accepted
+MAX_HEADER_BYTES = 1024 * 1024  # largest JSON header (payload container or envelope); ours are kilobytes
+MAX_PENDING_MESSAGES = 64  # partial chunked messages kept before the oldest is evicted
+MESSAGE_TTL_S = 600.0  # default envelope time to live

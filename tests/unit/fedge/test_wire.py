@@ -1,0 +1,213 @@
+"""Wire format: strict envelopes, a safetensors-only payload container, and chunk reassembly."""
+
+import json
+import math
+import os
+import pickle
+import random
+
+import pytest
+import torch
+
+from fedge.constants import MAX_HEADER_BYTES
+from fedge.messages import ClientInfo, Result, Task, Weights
+from fedge.spec import build
+from fedge.wire import (
+    Envelope, Reassembler, WireError, decode_info, decode_result, decode_task, encode_info, encode_result,
+    encode_task, sha256_hex, split,
+)
+from fedge.zoo import create
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def weights() -> Weights:
+    spec = create("cnn1", (1, 8, 8), 10)
+    torch.manual_seed(0)
+    return Weights(spec, build(spec).state_dict())
+
+
+def _same_state(a, b) -> None:
+    assert set(a) == set(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k])
+
+
+def _container(header: dict, body: bytes = b"") -> bytes:
+    raw = json.dumps(header).encode()
+    return len(raw).to_bytes(8, "little") + raw + body
+
+
+def test_task_round_trip(weights):
+    task = Task("train", 3, {"lr": 0.01, "epochs": 2, "names": ["a"]}, {"global": weights, "teacher": weights})
+    out = decode_task(encode_task(task))
+    assert (out.type, out.round, out.config) == ("train", 3, task.config)
+    assert list(out.models) == ["global", "teacher"]
+    for w in out.models.values():
+        assert w.spec == weights.spec
+        _same_state(w.state, weights.state)
+
+
+def test_result_and_info_round_trip(weights):
+    result = Result("7", 2, "train", 120, {"loss": 0.5, "acc": 1}, {"local": weights})
+    out = decode_result(encode_result(result))
+    assert (out.client_id, out.round, out.type, out.num_examples, out.metrics) == ("7", 2, "train", 120,
+                                                                                    {"loss": 0.5, "acc": 1.0})
+    _same_state(out.models["local"].state, weights.state)
+    info = ClientInfo("7", weights.spec, "rpi4", 100, 20)
+    assert decode_info(encode_info(info)) == info
+
+
+def test_envelope_round_trip_and_expiry():
+    env = Envelope.new("run1", 4, "result", "7", b"payload", reply_to="ab" * 16, ttl_s=5)
+    assert Envelope.from_json(env.to_json()) == env
+    assert (env.sha256, env.size, env.chunks) == (sha256_hex(b"payload"), 7, 1)
+    assert not env.expired(env.created_at + 4) and env.expired(env.created_at + 6)
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"schema_version": 2}, "schema_version"),
+    ({"schema_version": "1"}, "bad_format"),
+    ({"extra": 1}, "bad_format"),
+    ({"round": True}, "bad_format"),
+    ({"round": -1}, "bad_format"),
+    ({"type": "hello"}, "bad_format"),
+    ({"msg_id": "not-hex"}, "bad_format"),
+    ({"sha256": "00"}, "bad_format"),
+    ({"ttl_s": 0}, "bad_format"),
+    ({"chunks": 0}, "bad_format"),
+    ({"size": 10**12}, "too_large"),
+])
+def test_envelope_rejections(change, reason):
+    d = Envelope.new("run1", 0, "task", "server", b"x").to_dict()
+    d.update(change)
+    with pytest.raises(WireError) as e:
+        Envelope.from_json(json.dumps(d))
+    assert e.value.reason == reason
+
+
+def test_envelope_missing_field_and_not_json():
+    d = Envelope.new("run1", 0, "task", "server", b"x").to_dict()
+    del d["sender"]
+    for text in (json.dumps(d), "[1]", "{nope"):
+        with pytest.raises(WireError) as e:
+            Envelope.from_json(text)
+        assert e.value.reason == "bad_format"
+
+
+class _Bomb:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_pickle_bomb_rejected_without_unpickling(tmp_path):
+    marker = tmp_path / "marker"
+    blob = pickle.dumps(_Bomb(str(marker)))
+    for decode in (decode_task, decode_result, decode_info):
+        with pytest.raises(WireError) as e:
+            decode(blob)
+        assert e.value.reason == "bad_format"
+    assert not marker.exists()
+
+
+def test_pickle_bomb_inside_a_model_slot_rejected(tmp_path, weights):
+    marker = tmp_path / "marker"
+    blob = pickle.dumps(_Bomb(str(marker)))
+    data = _container({"kind": "task", "fields": {"type": "t", "round": 0, "config": {}},
+                       "models": {"global": [0, len(blob)]}}, blob)
+    with pytest.raises(WireError) as e:
+        decode_task(data)
+    assert e.value.reason == "bad_weights"
+    assert not marker.exists()
+
+
+def test_malformed_containers(weights):
+    good = encode_task(Task("train", 1, {}, {"global": weights}))
+    cases = [
+        (good[:-10], "bad_format"),  # truncated: spans exceed the body
+        (good[:5], "bad_format"),
+        ((2**40).to_bytes(8, "little") + good[8:], "bad_format"),  # header length past the data
+        ((MAX_HEADER_BYTES + 1).to_bytes(8, "little") + b"{" + b" " * MAX_HEADER_BYTES, "too_large"),
+        (_container({"kind": "result", "fields": {}, "models": {}}), "bad_format"),  # wrong kind
+        (_container({"kind": "task", "fields": {"type": "t", "round": 0}, "models": {}}), "bad_format"),
+        (_container([1, 2]), "bad_format"),
+    ]
+    for data, reason in cases:
+        with pytest.raises(WireError) as e:
+            decode_task(data)
+        assert e.value.reason == reason, e.value
+
+
+def test_overlapping_offsets_and_corrupt_blob(weights):
+    blob = encode_task(Task("t", 0, {}, {"a": weights}))
+    n = int.from_bytes(blob[:8], "little")
+    body = blob[8 + n:]
+    fields = {"type": "t", "round": 0, "config": {}}
+    overlap = _container({"kind": "task", "fields": fields, "models": {"a": [0, len(body)], "b": [10, 5]}}, body)
+    with pytest.raises(WireError) as e:
+        decode_task(overlap)
+    assert e.value.reason == "bad_format" and "overlaps" in str(e.value)
+    corrupt = bytearray(blob)
+    corrupt[8 + n + 4] ^= 0xFF  # inside the safetensors header length
+    with pytest.raises(WireError) as e:
+        decode_task(bytes(corrupt))
+    assert e.value.reason == "bad_weights"
+
+
+def test_nan_metric_rejected():
+    fields = {"client_id": "1", "round": 0, "type": "train", "num_examples": 1, "metrics": {"loss": math.nan}}
+    data = _container({"kind": "result", "fields": fields, "models": {}})
+    with pytest.raises(WireError) as e:
+        decode_result(data)
+    assert e.value.reason == "bad_value"
+    with pytest.raises(WireError) as e:
+        encode_result(Result("1", 0, "train", 1, {"loss": math.inf}))
+    assert e.value.reason == "bad_value"
+
+
+def test_chunks_shuffled_and_duplicated_reassemble_once():
+    payload = os.urandom(10_000)
+    chunks = split(payload, 1000)
+    assert len(chunks) == 10 and b"".join(chunks) == payload
+    sha = sha256_hex(payload)
+    arrivals = list(enumerate(chunks)) + [(2, chunks[2]), (5, chunks[5])]
+    random.Random(1).shuffle(arrivals)
+    r = Reassembler()
+    done = [out for i, c in arrivals if (out := r.add("m1", i, 10, c, sha, 20_000)) is not None]
+    assert done == [payload]
+    assert r.add("m1", 0, 10, chunks[0], sha, 20_000) is None  # late duplicate of a finished message
+    assert r.pending == 0 and r.duplicates == 3
+
+
+def test_hash_mismatch_oversize_and_bad_chunks():
+    r = Reassembler()
+    with pytest.raises(WireError) as e:
+        r.add("m", 0, 1, b"abc", sha256_hex(b"abd"), 100)
+    assert e.value.reason == "hash_mismatch" and r.pending == 0
+    r.add("big", 0, 3, b"x" * 60, "0" * 64, 100)
+    with pytest.raises(WireError) as e:
+        r.add("big", 1, 3, b"x" * 60, "0" * 64, 100)
+    assert e.value.reason == "too_large" and r.pending == 0
+    for index, total in [(3, 3), (-1, 3), (0, 0)]:
+        with pytest.raises(WireError) as e:
+            r.add("c", index, total, b"x", "0" * 64, 100)
+        assert e.value.reason == "bad_chunk"
+    r.add("c", 0, 3, b"x", "0" * 64, 100)
+    with pytest.raises(WireError) as e:
+        r.add("c", 1, 4, b"x", "0" * 64, 100)
+    assert e.value.reason == "bad_chunk" and r.pending == 0
+
+
+def test_oldest_partial_evicted():
+    r = Reassembler(max_pending=2)
+    sha = sha256_hex(b"ab")
+    r.add("m1", 0, 2, b"a", sha, 10)
+    r.add("m2", 0, 2, b"a", sha, 10)
+    r.add("m3", 0, 2, b"a", sha, 10)
+    assert r.pending == 2 and r.evicted == 1
+    assert r.add("m1", 1, 2, b"b", sha, 10) is None  # m1 starts over: its first chunk was evicted
+    assert r.add("m3", 1, 2, b"b", sha, 10) == b"ab"
