@@ -47,6 +47,7 @@ class RunConfig:
     clusters: int = C.CLUSTERS
     public: str = "labeled"
     ablation: str = "none"
+    cmsr_index: str = C.CMSR_INDEX
     kd_lambda: float = C.KD_LAMBDA
     finetune_epochs: int = C.FINETUNE_EPOCHS
     max_candidates: int = C.MAX_CANDIDATES
@@ -71,6 +72,8 @@ class RunConfig:
             raise ConfigError(f"kd_lambda must be >= 0, got {self.kd_lambda}")
         if self.public not in ("labeled", "unlabeled"):
             raise ConfigError(f"public must be labeled or unlabeled, got {self.public!r}")
+        if self.cmsr_index not in ("raw", "relative"):
+            raise ConfigError(f"cmsr_index must be raw (Alg. 1) or relative (position / depth), got {self.cmsr_index!r}")
         if self.ablation not in C.ABLATIONS:
             raise ConfigError(f"ablation must be one of {', '.join(C.ABLATIONS)}, got {self.ablation!r}")
         if self.device not in ("auto", "cpu", "cuda"):

@@ -73,3 +73,4 @@ MAX_PAYLOAD_BYTES = 512 * 1024 * 1024  # largest reassembled payload accepted
 MAX_HEADER_BYTES = 1024 * 1024  # largest JSON header (payload container or envelope); ours are kilobytes
 MAX_PENDING_MESSAGES = 64  # partial chunked messages kept before the oldest is evicted
 MESSAGE_TTL_S = 600.0  # default envelope time to live
+CMSR_INDEX = "raw"  # CMSR's order constraint compares raw block indices (Alg. 1); "relative" = position / depth

@@ -61,7 +61,7 @@ def strategy_config(cfg: RunConfig) -> StrategyConfig:
     """The strategy's settings out of a run's config."""
     return StrategyConfig(local_epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr, seed=cfg.seed,
                           device=resolve_device(cfg.device), eta=cfg.eta, clusters=cfg.clusters,
-                          ablation=cfg.ablation, kd_lambda=cfg.kd_lambda,
+                          ablation=cfg.ablation, cmsr_index=cfg.cmsr_index, kd_lambda=cfg.kd_lambda,
                           finetune_epochs=cfg.finetune_epochs, max_candidates=cfg.max_candidates)
 
 

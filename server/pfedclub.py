@@ -19,12 +19,12 @@ from server.strategy import StrategyError, register_strategy
 log = logging.getLogger(__name__)
 
 # pFedClub Table 3 ablations → CMSR switches (the paper's _max, _min, _noc, _nbc).
-ABLATION_OPTIONS = {
-    "none": CmsrOptions(),
-    "max": CmsrOptions(anchor="max"),
-    "min": CmsrOptions(anchor="min"),
-    "noc": CmsrOptions(order_constraint=False),
-    "nbc": CmsrOptions(completion=False),
+ABLATION_OPTIONS: dict[str, dict[str, Any]] = {
+    "none": {},
+    "max": {"anchor": "max"},
+    "min": {"anchor": "min"},
+    "noc": {"order_constraint": False},
+    "nbc": {"completion": False},
 }
 
 
@@ -38,6 +38,10 @@ class PFedClub(ReassemblyStrategy):
         super().setup(clients)
         if self.config.ablation not in ABLATION_OPTIONS:
             raise StrategyError(f"unknown ablation {self.config.ablation!r}; use one of {', '.join(ABLATION_OPTIONS)}")
+        try:
+            self.cmsr = CmsrOptions(index=self.config.cmsr_index, **ABLATION_OPTIONS[self.config.ablation])
+        except ValueError as e:
+            raise StrategyError(str(e)) from None
 
     def make_teachers(self, rnd: int, pool: Pool) -> dict[str, tuple[Weights | None, dict[str, Any]]]:
         """Each uploader's teacher; a client whose candidates fail (e.g. diverge) gets none, the others go on."""
@@ -55,7 +59,7 @@ class PFedClub(ReassemblyStrategy):
         own = pool.uploads[cid].spec
         cap = self.config.max_candidates * (C.PLUS_OVERSAMPLE if self.size_bound else 1)
         rng = np.random.default_rng(derive_seed(self.config.seed, "cmsr", rnd, cid))
-        keys = cmsr_candidates(cid, len(own.blocks), pool.kind_groups, rng, ABLATION_OPTIONS[self.config.ablation],
+        keys = cmsr_candidates(cid, len(own.blocks), pool.kind_groups, rng, self.cmsr,
                                similarity=pool.sim, max_candidates=cap,
                                allow=self.block_budget(pool) if self.size_bound else None)
         if not self.size_bound:

@@ -28,6 +28,7 @@ class StrategyConfig:
     eta: float = C.PFEDCLUB_PLUS_ETA
     clusters: int = C.CLUSTERS
     ablation: str = "none"
+    cmsr_index: str = C.CMSR_INDEX
     kd_lambda: float = C.KD_LAMBDA
     finetune_epochs: int = C.FINETUNE_EPOCHS
     max_candidates: int = C.MAX_CANDIDATES

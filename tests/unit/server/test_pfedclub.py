@@ -70,9 +70,10 @@ def test_negative_eta_without_any_candidate_falls_back_to_no_teacher(caplog):
     assert record["teacher_fallback"] is True and record["teacher_params"] is None
 
 
-@pytest.mark.parametrize("ablation", ["max", "min", "noc", "nbc"])
-def test_ablations_run(ablation):
-    s = make("pfedclub", ablation=ablation)
+@pytest.mark.parametrize("ablation, index", [("max", "raw"), ("min", "raw"), ("noc", "raw"), ("nbc", "raw"),
+                                             ("none", "relative")])
+def test_ablations_and_index_modes_run(ablation, index):
+    s = make("pfedclub", ablation=ablation, cmsr_index=index)
     s.aggregate(0, uploads(0, ["0", "1", "3"]))
     assert set(s.teachers) == {"0", "1", "3"}
 
@@ -80,6 +81,8 @@ def test_ablations_run(ablation):
 def test_unknown_ablation_and_missing_public_data_are_refused():
     with pytest.raises(StrategyError, match="ablation"):
         make("pfedclub", ablation="bogus")
+    with pytest.raises(StrategyError, match="index"):
+        make("pfedclub", cmsr_index="bogus")
     s = create_strategy("pfedclub", config())
     with pytest.raises(StrategyError, match="public samples"):
         s.setup({"0": ClientInfo("0", spec("0"), "rpi-4", 20, 5)})
