@@ -155,12 +155,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=C.DEFAULT_SEED)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_data)
+    add_run_parser(sub)
+    return parser
 
+
+def add_run_parser(sub: Any) -> None:
+    """`fedge run`: every option is a key of RunConfig (and --set reaches the rest)."""
     p = sub.add_parser("run", help="run a whole federation (server + simulated edge clients)",
                        description="Run a federation. With no options: the embedded default "
                        f"({C.DEFAULT_DATASET}, zoo {C.DEFAULT_ZOO}, {C.DEFAULT_CLIENTS} clients).")
     p.add_argument("--config", help="TOML file of run settings (keys as in --set)")
-    p.add_argument("--strategy", help="strategy name (local, fedavg, ...)")
+    p.add_argument("--strategy", help=f"pfedclub, pfedclub+, pfedhr, fedavg or local (default {C.DEFAULT_STRATEGY})")
     p.add_argument("--dataset", help=f"dataset name (default {C.DEFAULT_DATASET})")
     p.add_argument("--data", help="path to dataset files, e.g. ../shared/data/mnist.npz")
     p.add_argument("--zoo", help="I, II, III, or one model name for a homogeneous fleet")
@@ -180,7 +185,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any config key (repeatable)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="show a progress bar")
     p.set_defaults(func=cmd_run)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
