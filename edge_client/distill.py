@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
 
 from edge_client.agent import ClientAgent, TaskError, register_task
 from edge_client.tasks import train_config
@@ -16,33 +15,24 @@ from fedge.messages import Result, Task
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class KDSettings:
-    """λ and temperature of the KL term of pFedClub Eq. (5); λ = 0.2 as in pFedClub §4.1 and pFedHR §4."""
-
-    kd_lambda: float = C.KD_LAMBDA
-    temperature: float = C.KD_TEMPERATURE
-
-
-def kd_settings(task: Task) -> KDSettings:
-    """KDSettings from task.config (`kd_lambda`, `temperature`, both optional).
-
-    A non-numeric value, λ < 0, T ≤ 0, or a non-finite value raises TaskError.
+def kd_settings(task: Task) -> tuple[float, float]:
+    """(λ, T) of the KL term of pFedClub Eq. (5) from task.config `kd_lambda` and `temperature` (both
+    optional; λ = 0.2 as in pFedClub §4.1, T = 1). A non-numeric value, λ < 0, T ≤ 0, or a non-finite value
+    raises TaskError.
     """
-    defaults = KDSettings()
     try:
-        lam = float(task.config.get("kd_lambda", defaults.kd_lambda))
-        temperature = float(task.config.get("temperature", defaults.temperature))
+        lam = float(task.config.get("kd_lambda", C.KD_LAMBDA))
+        temperature = float(task.config.get("temperature", C.KD_TEMPERATURE))
     except (TypeError, ValueError) as e:
         raise TaskError(f"task {task.type} of round {task.round}: bad kd_lambda or temperature: {e}") from None
     if not (math.isfinite(lam) and lam >= 0):
         raise TaskError(f"task {task.type}: kd_lambda must be a finite number >= 0, got {lam}")
     if not (math.isfinite(temperature) and temperature > 0):
         raise TaskError(f"task {task.type}: temperature must be a finite number > 0, got {temperature}")
-    return KDSettings(lam, temperature)
+    return lam, temperature
 
 
-def _teacher_distillation(agent: ClientAgent, task: Task, kd: KDSettings) -> Distillation:
+def _teacher_distillation(agent: ClientAgent, task: Task, lam: float, temperature: float) -> Distillation:
     """The teacher's logits on the client's training data (teacher in eval mode, no gradient)."""
     weights = task.models["teacher"]
     if weights.spec.input_shape != agent.spec.input_shape or weights.spec.num_classes != agent.spec.num_classes:
@@ -50,12 +40,12 @@ def _teacher_distillation(agent: ClientAgent, task: Task, kd: KDSettings) -> Dis
                         f"{list(weights.spec.input_shape)} and gives {weights.spec.num_classes} classes; "
                         f"this client needs {list(agent.spec.input_shape)} and {agent.spec.num_classes}")
     teacher = agent.module_for(weights)
-    return Distillation(predict(teacher, agent.data.x_train), kd.kd_lambda, kd.temperature)
+    return Distillation(predict(teacher, agent.data.x_train), lam, temperature)
 
 
 @register_task("kd_train")
 def kd_train_task(agent: ClientAgent, task: Task) -> Result:
-    """Train the own model with CE + λ·KL(p_teacher ‖ p_student) (pFedClub Eq. (5)), CE alone without a teacher.
+    """Train the own model with CE + λ·KL(student ‖ teacher) (pFedClub Eq. (5)), CE alone without a teacher.
 
     The teacher (task.models["teacher"], optional: absent at a client's first participation) is any
     architecture with the client's input shape and classes. Config: the `train` keys (epochs, batch_size,
@@ -64,9 +54,9 @@ def kd_train_task(agent: ClientAgent, task: Task) -> Result:
     teacher), train_seconds (teacher inference included). Uploads `local` weights when config `upload` is true.
     """
     cfg = train_config(agent, task)
-    kd = kd_settings(task)
+    lam, temperature = kd_settings(task)
     start = time.perf_counter()
-    distill = _teacher_distillation(agent, task, kd) if "teacher" in task.models else None
+    distill = _teacher_distillation(agent, task, lam, temperature) if "teacher" in task.models else None
     if distill is None:
         log.debug("client %s round %d: no teacher yet, training with CE only", agent.client_id, task.round)
     stats = fit(agent.model, agent.data.x_train, agent.data.y_train, cfg, distill)
