@@ -1,17 +1,25 @@
-"""A client's state (its model and its data shard) and the dispatch of tasks to registered handlers."""
+"""A client's state (its model, its per-round snapshots, its data shard) and the dispatch of tasks to
+registered handlers."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
 
+from fedge.checkpoint import CheckpointError, load_tree, save_tree
 from fedge.messages import ClientInfo, Result, Task, Weights
 from fedge.registry import Registry
 from fedge.seeding import derive_seed
 from fedge.spec import ModelSpec, SpecModel, build
-from fedge.weights import WeightsError, load_module
+from fedge.weights import State, WeightsError, load_module
+
+log = logging.getLogger(__name__)
+SNAPSHOTS_KEPT = 3  # model snapshots (by round) an agent keeps, so a re-sent task re-runs from the model before it
+INITIAL_ROUND = -1  # the snapshot key of the freshly initialised model (rounds count from 0)
 
 
 class TaskError(ValueError):
@@ -29,14 +37,40 @@ class ClientData:
 
 
 TaskHandler = Callable[["ClientAgent", Task], Result]
-TASKS: Registry[TaskHandler] = Registry("task type", TaskError)
-register_task = TASKS.register  # decorator: the client half of a strategy, under a task type name
+
+
+@dataclass(frozen=True)
+class TaskKind:
+    """A registered task type: its handler, and whether the handler changes the client's own model."""
+
+    handler: TaskHandler
+    mutates: bool
+
+
+TASKS: Registry[TaskKind] = Registry("task type", TaskError)
+
+
+def register_task(name: str, mutates: bool = True) -> Callable[[TaskHandler], TaskHandler]:
+    """Decorator: the client half of a strategy, under a task type name. Say `mutates=False` only for a
+    handler that leaves the own model as it is (evaluation); the agent snapshots the model after every
+    mutating task so that one re-sent for the same round starts from the same model again."""
+    def add(handler: TaskHandler) -> TaskHandler:
+        TASKS.add(name, TaskKind(handler, mutates))
+        return handler
+    return add
 
 
 class ClientAgent:
-    """One edge client: its own architecture, weights and data; executes tasks one at a time."""
+    """One edge client: its own architecture, weights and data; executes tasks one at a time.
 
-    def __init__(self, client_id: str, spec: ModelSpec, data: ClientData, profile: str, seed: int) -> None:
+    It keeps its model as it was after each of its last SNAPSHOTS_KEPT mutating tasks, by round, and runs
+    a task of round r from the newest snapshot before r (mutating tasks) or up to r (the others), so a
+    re-sent task gives the same result. With `state_dir` the snapshots are also files there, and an agent
+    started again on the same directory continues from the newest readable one.
+    """
+
+    def __init__(self, client_id: str, spec: ModelSpec, data: ClientData, profile: str, seed: int,
+                 state_dir: Path | None = None) -> None:
         self.client_id = client_id
         self.spec = spec.with_origin(client_id)
         self.data = data
@@ -44,6 +78,12 @@ class ClientAgent:
         self.seed = seed
         torch.manual_seed(derive_seed(seed, "init", client_id))
         self.model: SpecModel = build(self.spec)
+        self.state_dir = None if state_dir is None else Path(state_dir)
+        self.snapshots: dict[int, State] = {INITIAL_ROUND: self.weights().state}
+        self.current: int | None = INITIAL_ROUND  # the snapshot the model equals; None while a task changes it
+        if self.state_dir is not None:
+            self.load_snapshots(self.state_dir)
+            self.use(max(self.snapshots))
 
     def info(self) -> ClientInfo:
         """What this client registers with: id, architecture, profile, data sizes (never the data)."""
@@ -67,5 +107,59 @@ class ClientAgent:
         self.model.load_state_dict(self.module_for(weights).state_dict())
 
     def handle(self, task: Task) -> Result:
-        """Run the handler registered for task.type; an unknown type raises TaskError."""
-        return TASKS.get(task.type)(self, task)
+        """Run the handler registered for task.type from the model of the right snapshot, and snapshot the
+        model after a mutating task. An unknown type, or a round older than every kept snapshot, raises
+        TaskError."""
+        kind = TASKS.get(task.type)
+        before = [r for r in self.snapshots if r < task.round or (r == task.round and not kind.mutates)]
+        if not before:
+            raise TaskError(f"client {self.client_id}: round {task.round} is older than its kept model snapshots "
+                            f"(rounds {sorted(self.snapshots)}); it cannot be run again")
+        self.use(max(before))
+        if not kind.mutates:
+            return kind.handler(self, task)
+        self.current = None
+        result = kind.handler(self, task)
+        self.snapshot(task.round)
+        return result
+
+    def use(self, rnd: int) -> None:
+        """Load the snapshot of round `rnd` into the model, unless the model holds it already."""
+        if self.current != rnd:
+            self.model.load_state_dict(self.snapshots[rnd])
+            self.current = rnd
+
+    def snapshot(self, rnd: int) -> None:
+        """Keep the model as it is now as round `rnd`'s snapshot (a file too with state_dir); drop the oldest."""
+        self.snapshots[rnd] = self.weights().state
+        self.current = rnd
+        if self.state_dir is not None:
+            tree = {"client": self.client_id, "round": rnd, "model": Weights(self.spec, self.snapshots[rnd])}
+            save_tree(snapshot_file(self.state_dir, rnd), tree)
+        for old in sorted(self.snapshots)[:-SNAPSHOTS_KEPT]:
+            del self.snapshots[old]
+            if self.state_dir is not None and old != INITIAL_ROUND:
+                snapshot_file(self.state_dir, old).unlink(missing_ok=True)
+
+    def load_snapshots(self, state_dir: Path) -> None:
+        """Read the newest SNAPSHOTS_KEPT readable snapshot files of `state_dir`; a corrupt file, or one of
+        another client or architecture, is skipped with a warning (the older ones are used instead)."""
+        loaded = 0
+        for path in sorted(state_dir.glob("round-*.safetensors"), reverse=True):
+            if loaded == SNAPSHOTS_KEPT:
+                break
+            try:
+                tree = load_tree(path)
+                model, rnd = tree["model"], int(tree["round"])
+                if tree["client"] != self.client_id or model.spec != self.spec:
+                    raise CheckpointError(f"it holds client {tree['client']!r}'s {model.spec.name!r}")
+            except (CheckpointError, KeyError, TypeError, ValueError, AttributeError) as e:
+                log.warning("client %s: snapshot %s is unusable, trying an older one: %s", self.client_id, path, e)
+                continue
+            self.snapshots[rnd] = model.state
+            loaded += 1
+
+
+def snapshot_file(state_dir: Path, rnd: int) -> Path:
+    """The file of round `rnd`'s model snapshot (zero-padded, so name order is round order)."""
+    return state_dir / f"round-{rnd:06d}.safetensors"

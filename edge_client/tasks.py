@@ -37,7 +37,7 @@ def train_task(agent: ClientAgent, task: Task) -> Result:
                   {"train_loss": loss, "train_seconds": seconds}, models)
 
 
-@register_task("evaluate")
+@register_task("evaluate", mutates=False)
 def evaluate_task(agent: ClientAgent, task: Task) -> Result:
     """Accuracy and loss on the client's own test set, of its own model or of a sent `global` one."""
     model = agent.module_for(task.models["global"]) if "global" in task.models else agent.model

@@ -6,21 +6,27 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from device_profiles import ProfileError
 from fedge import constants as C
+from fedge.broker import BrokerError
+from fedge.checkpoint import CheckpointError
 from fedge.config import ConfigError
 from fedge.data import DatasetError
 from fedge.layers import SpecError
 from fedge.partition import SCHEMES, PartitionError
+from fedge.topics import TopicError
 from fedge.weights import WeightsError
 from fedge.zoo import ZooError
+from server.fleet import FleetError
 from server.strategy import StrategyError
 
 # Errors whose message tells the user what to do; anything else is a bug and keeps its traceback.
-USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, DatasetError, PartitionError, ProfileError, SpecError,
-                                            StrategyError, WeightsError, ZooError, OSError)
+USER_ERRORS: tuple[type[Exception], ...] = (BrokerError, CheckpointError, ConfigError, DatasetError, FleetError,
+                                            PartitionError, ProfileError, SpecError, StrategyError, TopicError,
+                                            WeightsError, ZooError, OSError)
 
 
 def _cell(value: Any) -> str:
@@ -111,21 +117,101 @@ RUN_FLAGS = ("strategy", "dataset", "data", "zoo", "clients", "active", "rounds"
              "lr", "seed", "partition", "out", "eta", "clusters", "public", "ablation")
 
 
-def cmd_run(args: argparse.Namespace) -> None:
+def run_config(args: argparse.Namespace, flags: Sequence[str] = RUN_FLAGS) -> Any:
+    """The RunConfig of a command: defaults, then --config, then the named flags, then --set."""
     from fedge.config import load_config, parse_overrides
-    from fedge.simulation import run_simulation
 
-    overrides = {k: getattr(args, k) for k in RUN_FLAGS if getattr(args, k) is not None}
-    cfg = load_config(args.config, overrides | parse_overrides(args.set or []))
-    print("fedge run with config:\n" + json.dumps(cfg.to_dict(), indent=2), file=sys.stderr)
-    summary = run_simulation(cfg, progress=args.progress)
+    overrides = {k: getattr(args, k) for k in flags if getattr(args, k, None) is not None}
+    return load_config(args.config, overrides | parse_overrides(args.set or []))
+
+
+def broker_settings(args: argparse.Namespace, username: str | None) -> Any:
+    """A Broker from --broker, --username/--password-file and the TLS flags."""
+    from fedge.deploy import password_for
+    from fedge.mqtt import parse_broker
+
+    password = password_for(args.password_file, username) if args.password_file and username else None
+    return parse_broker(args.broker, username, password, args.cafile, args.certfile, args.keyfile)
+
+
+def print_summary(summary: dict[str, Any]) -> None:
     final, phi, teacher = summary["final_accuracy"], summary.get("phi", {}), summary.get("teacher_params", {})
     rows = [{"client": cid, "model": summary["models"][cid], "accuracy": f"{acc:.4f}",
              "teacher params": f"{teacher[cid]:,.0f}" if cid in teacher else "-",
              "phi": f"{phi[cid]:+.3f}" if cid in phi else "-"} for cid, acc in final["per_client"].items()]
     print(_table(rows, ["client", "model", "accuracy"] + (["teacher params", "phi"] if phi else [])))
     mean = "n/a (no client was evaluated)" if final["mean"] is None else f"{final['mean']:.4f}"
+    rejected = summary.get("rejected_messages") or {}
+    if rejected:
+        print(f"\nrejected messages: {', '.join(f'{k} {v}' for k, v in sorted(rejected.items()))}")
     print(f"\nmean final accuracy {mean} over {len(rows)} clients; run folder: {summary['out']}")
+
+
+def cmd_run(args: argparse.Namespace) -> None:
+    import dataclasses
+
+    from fedge.deploy import run_federation
+    from fedge.simulation import default_out, run_simulation
+
+    cfg = run_config(args, RUN_FLAGS + ("transport",))
+    cfg = dataclasses.replace(cfg, out=cfg.out or str(default_out(cfg)))
+    print("fedge run with config:\n" + cfg.to_json(), file=sys.stderr)
+    if cfg.transport == "inproc":
+        summary = run_simulation(cfg, progress=args.progress)
+    else:
+        print(f"embedded MQTT broker, {cfg.clients} clients in separate processes (logs in {cfg.out}/clients-*.log)",
+              file=sys.stderr)
+        summary = run_federation(cfg, progress=args.progress, processes=args.processes)
+    print_summary(summary)
+
+
+def cmd_server(args: argparse.Namespace) -> None:
+    import dataclasses
+
+    from fedge.deploy import serve
+    from fedge.simulation import default_out
+
+    if args.resume and not args.config:  # the interrupted run's own settings
+        args.config = str(Path(args.resume) / "config.json")
+    cfg = run_config(args)
+    if args.resume:
+        cfg = dataclasses.replace(cfg, out=args.resume)
+    cfg = dataclasses.replace(cfg, out=cfg.out or str(default_out(cfg)))
+    print_summary(serve(cfg, broker_settings(args, args.username), args.progress, resume=bool(args.resume)))
+
+
+def cmd_client(args: argparse.Namespace) -> int:
+    from fedge.deploy import client_agents, run_clients, set_threads
+
+    cfg = run_config(args, ("dataset", "data"))
+    set_threads(args.threads)
+    ids = [i.strip() for i in args.id.split(",") if i.strip()]
+    agents = client_agents(cfg, ids, args.model, args.profile, args.state_dir)
+    return run_clients(agents, lambda cid: broker_settings(args, args.username or cid), cfg)
+
+
+def cmd_broker(args: argparse.Namespace) -> None:
+    from fedge.broker import TlsFiles, generate_users, read_users, serve_forever, write_mosquitto_config
+    from fedge.deploy import write_secrets
+
+    if args.write_mosquitto_config is None:
+        serve_forever(args.port, args.users)
+        return
+    out = Path(args.write_mosquitto_config)
+    if args.users:
+        users = read_users(args.users)
+    else:
+        users = generate_users([c.strip() for c in (args.clients or "").split(",") if c.strip()])
+        out.mkdir(parents=True, exist_ok=True)
+        write_secrets(out / "users", users)
+    if bool(args.certfile) != bool(args.keyfile):
+        raise ConfigError("TLS needs both --certfile and --keyfile")
+    tls = TlsFiles(Path(args.certfile), Path(args.keyfile), Path(args.cafile) if args.cafile else None,
+                   args.require_certificate) if args.certfile else None
+    conf = write_mosquitto_config(out, users, port=args.port, host=args.host, tls=tls)
+    print(f"wrote {conf} for {len(users) - 1} clients; start it with: mosquitto -c {conf}")
+    if not args.users:
+        print(f"generated passwords are in {out / 'users'} (username:password, mode 600); give each device its line")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -156,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_data)
     add_run_parser(sub)
+    add_deploy_parsers(sub)
     return parser
 
 
@@ -184,7 +271,62 @@ def add_run_parser(sub: Any) -> None:
     p.add_argument("--out", help="run folder (default runs/<time>-<strategy>-<dataset>)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any config key (repeatable)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="show a progress bar")
+    p.add_argument("--transport", choices=["mqtt", "inproc"],
+                   help="mqtt (default): embedded broker, clients as OS processes; inproc: one process, no broker")
+    p.add_argument("--processes", type=int, help="client processes for --transport mqtt (default: min(cores, 4))")
     p.set_defaults(func=cmd_run)
+
+
+def _connection_flags(p: argparse.ArgumentParser, username_help: str) -> None:
+    p.add_argument("--broker", required=True, help="mqtt://host:1883 or mqtts://host:8883 (TLS)")
+    p.add_argument("--username", help=username_help)
+    p.add_argument("--password-file", help="file with the password, or username:password lines (never on the "
+                   "command line, so it stays out of process lists and logs)")
+    p.add_argument("--cafile", help="CA certificate to verify the broker (TLS)")
+    p.add_argument("--certfile", help="client certificate (TLS)")
+    p.add_argument("--keyfile", help="client key (TLS)")
+    p.add_argument("--config", help="the run's TOML or JSON config (the server and all clients use the same)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
+
+
+def add_deploy_parsers(sub: Any) -> None:
+    """`fedge server`, `fedge client` and `fedge broker`: the pieces of a deployed federation."""
+    p = sub.add_parser("server", help="run the federation's server against an MQTT broker",
+                       description="Wait for the fleet to register, run the rounds, write the run folder; "
+                       "checkpoints after every round (continue with --resume RUN_DIR).")
+    _connection_flags(p, "MQTT username (default: server)")
+    p.add_argument("--out", help="run folder (default runs/<time>-<strategy>-<dataset>)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="show a progress bar")
+    p.set_defaults(func=cmd_server, username="server")
+
+    p = sub.add_parser("client", help="run edge clients (what a device runs) against an MQTT broker",
+                       description="Register with the server, execute its tasks, upload results; reconnects "
+                       "by itself and keeps its model per round in --state-dir.")
+    _connection_flags(p, "MQTT username (default: the client id)")
+    p.add_argument("--id", required=True, help="client id = shard number of the run's partition; several "
+                   "comma-separated ids run as virtual clients, each with its own connection")
+    p.add_argument("--profile", help="device profile (default: the one the run assigns to this id)")
+    p.add_argument("--model", help="zoo model (default: the one the run's zoo assigns to this id)")
+    p.add_argument("--dataset", help="dataset name (default: the run config's)")
+    p.add_argument("--data", help="path to the dataset files")
+    p.add_argument("--state-dir", help="where the client keeps its model between rounds and restarts")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.set_defaults(func=cmd_client)
+
+    p = sub.add_parser("broker", help="run the embedded MQTT broker, or write a Mosquitto configuration",
+                       description="Without --write-mosquitto-config: serve the embedded broker until Ctrl-C. "
+                       "With it: write mosquitto.conf, a hashed password file and per-client ACLs to DIR.")
+    p.add_argument("--port", type=int, default=1883, help="listening port (default 1883)")
+    p.add_argument("--host", default="127.0.0.1", help="listening address (default 127.0.0.1)")
+    p.add_argument("--users", help="username:password lines (one per client, plus `server`)")
+    p.add_argument("--write-mosquitto-config", metavar="DIR", help="write a Mosquitto config instead of serving")
+    p.add_argument("--clients", help="comma-separated client ids to generate passwords for (without --users)")
+    p.add_argument("--cafile", help="TLS: CA certificate (also checks client certificates)")
+    p.add_argument("--certfile", help="TLS: broker certificate")
+    p.add_argument("--keyfile", help="TLS: broker key")
+    p.add_argument("--require-certificate", action="store_true", help="TLS: demand client certificates")
+    p.set_defaults(func=cmd_broker)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -192,13 +334,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    func: Callable[[argparse.Namespace], None] = args.func
+    func: Callable[[argparse.Namespace], int | None] = args.func
     try:
-        func(args)
+        return func(args) or 0
     except USER_ERRORS as e:
         print(f"fedge: error: {e}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

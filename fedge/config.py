@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 import sys
 import types
 import typing
@@ -52,6 +54,15 @@ class RunConfig:
     finetune_epochs: int = C.FINETUNE_EPOCHS
     max_candidates: int = C.MAX_CANDIDATES
     device: str = "auto"
+    transport: str = C.DEFAULT_TRANSPORT
+    run_id: str = C.DEFAULT_RUN_ID
+    round_deadline_s: float = C.ROUND_DEADLINE_S
+    min_replies: int = C.MIN_REPLIES
+    round_retries: int = C.ROUND_RETRIES
+    register_timeout_s: float = C.REGISTER_TIMEOUT_S
+    heartbeat_s: float = C.HEARTBEAT_S
+    keepalive_s: int = C.KEEPALIVE_S
+    chunk_size: int = C.CHUNK_SIZE
     out: str | None = None
 
     def __post_init__(self) -> None:
@@ -76,18 +87,35 @@ class RunConfig:
             raise ConfigError(f"cmsr_index must be raw (Alg. 1) or relative (position / depth), got {self.cmsr_index!r}")
         if self.ablation not in C.ABLATIONS:
             raise ConfigError(f"ablation must be one of {', '.join(C.ABLATIONS)}, got {self.ablation!r}")
+        if self.transport not in ("mqtt", "inproc"):
+            raise ConfigError(f"transport must be mqtt or inproc, got {self.transport!r}")
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.run_id):
+            raise ConfigError(f"run_id must be 1-64 letters, digits, _ or - (it is an MQTT topic level), "
+                              f"got {self.run_id!r}")
+        if self.min_replies < 1 or self.round_retries < 0 or not 0 < self.chunk_size <= C.MAX_CHUNK_BYTES:
+            raise ConfigError(f"need min_replies >= 1, round_retries >= 0, 0 < chunk_size <= {C.MAX_CHUNK_BYTES}")
+        if not (self.round_deadline_s > 0 and self.register_timeout_s > 0 and self.heartbeat_s > 0):
+            raise ConfigError("round_deadline_s, register_timeout_s and heartbeat_s must be positive")
+        if not 1 <= self.keepalive_s <= 65535:
+            raise ConfigError(f"keepalive_s must be 1..65535 seconds (MQTT keep-alive; Mosquitto's max_keepalive "
+                              f"caps it), got {self.keepalive_s}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
 
+    def to_json(self) -> str:
+        """The whole config as JSON, readable back by load_config (e.g. by client processes)."""
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
 
 def _coerce(name: str, kind: Any, value: Any) -> Any:
     """Convert a TOML or command-line value to the field's declared type, or raise ConfigError."""
     args = [a for a in typing.get_args(kind) if a is not type(None)]
-    if value is None or (isinstance(value, str) and value.lower() == "none"):
-        if type(None) in typing.get_args(kind):
+    optional = type(None) in typing.get_args(kind)
+    if value is None or (optional and isinstance(value, str) and value.lower() == "none"):
+        if optional:
             return None
         raise ConfigError(f"{name} cannot be empty")
     base = args[0] if typing.get_origin(kind) in (typing.Union, types.UnionType) else kind
@@ -126,13 +154,16 @@ def parse_overrides(pairs: Sequence[str]) -> dict[str, str]:
 
 
 def load_config(path: str | Path | None, overrides: Mapping[str, Any]) -> RunConfig:
-    """Defaults, then the TOML file (if any), then overrides; every layer is checked."""
+    """Defaults, then the file (if any: TOML, or JSON as written by to_json), then overrides; every layer
+    is checked."""
     cfg = RunConfig()
     if path is not None:
+        json_file = str(path).endswith(".json")
         try:
-            cfg = config_from(tomllib.loads(Path(path).read_text()), cfg)
+            text = Path(path).read_text()
+            cfg = config_from(json.loads(text) if json_file else tomllib.loads(text), cfg)
         except OSError as e:
             raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"config file {path} is not valid {'JSON' if json_file else 'TOML'}: {e}") from None
     return config_from(overrides, cfg)

@@ -73,4 +73,45 @@ MAX_PAYLOAD_BYTES = 512 * 1024 * 1024  # largest reassembled payload accepted
 MAX_HEADER_BYTES = 1024 * 1024  # largest JSON header (payload container or envelope); ours are kilobytes
 MAX_PENDING_MESSAGES = 64  # partial chunked messages kept before the oldest is evicted
 MESSAGE_TTL_S = 600.0  # default envelope time to live
+MAX_CHUNK_BYTES = 4 * 1024 * 1024  # largest chunk a receiver accepts (senders use CHUNK_SIZE)
+REPLY_SLACK_BYTES = 256 * 1024  # allowance over a reply's tensor bytes for headers and the spec JSON
+
+# MQTT rounds, liveness and reconnection.
+DEFAULT_TRANSPORT = "mqtt"  # "mqtt" (embedded broker, clients as processes) or "inproc" (one process)
+DEFAULT_RUN_ID = "fedge"  # topic prefix level fedge/<run>/...
+TOPIC_ROOT = "fedge"
+ROUND_DEADLINE_S = 600.0  # a round's replies are waited for at most this long
+MIN_REPLIES = 1  # fewer training replies than this fail the round (it is retried)
+ROUND_RETRIES = 2  # a failed round is tried this many more times before the run stops
+REGISTER_TIMEOUT_S = 120.0  # the server waits this long for the fleet to register
+HEARTBEAT_S = 5.0  # clients publish a heartbeat this often; silence for 3x marks them dead
+KEEPALIVE_S = 10  # MQTT keep-alive; the broker publishes the will after 1.5x of silence
+ACK_TIMEOUT_S = 10.0  # a client re-sends an unacknowledged upload or registration after this long
+RECONNECT_MIN_S = 0.5  # reconnect backoff: jittered, doubling up to the max
+RECONNECT_MAX_S = 30.0
+RECONNECT_GRACE_S = 5.0  # a round waits this long for a client announced offline to come back (its link may flap)
+NORM_OUTLIER_FACTOR = 100.0  # an upload whose norm exceeds this x the round's median is rejected
+NORM_MIN_UPLOADS = 3  # the norm check needs a median of at least this many uploads
+
+# Brokers (fedge/broker.py: the embedded amqtt broker and the Mosquitto configuration).
+MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + 64 * 1024  # largest MQTT packet a broker accepts: one chunk plus headers
+MAX_QUEUED_MESSAGES = 4096  # Mosquitto: per-client queue beyond the in-flight window; holds a whole model's chunks
+MAX_QUEUED_BYTES = 2 * MAX_PAYLOAD_BYTES  # ... and its byte cap (Mosquitto drops what is over, silently)
+MAX_KEEPALIVE_S = 60  # Mosquitto refuses MQTT 3.1.1 clients asking for a longer keep-alive
+BROKER_START_TIMEOUT_S = 10.0
+BROKER_STOP_TIMEOUT_S = 10.0
+CONNECT_PACKET_TIMEOUT_S = 10.0  # the embedded broker drops a connection that sends no CONNECT within this long
+LISTEN_BACKLOG = 512  # pending TCP connections; a fleet reconnecting at once must not overflow it
+PASSWORD_BYTES = 32  # entropy of generated passwords (secrets.token_urlsafe)
+PBKDF2_ITERATIONS = 101  # mosquitto_passwd 2.0's default for its $7$ (PBKDF2-SHA512) hashes
+PBKDF2_SALT_BYTES = 12
+
+# MQTT connections and launchers.
+MQTT_QOS = 1  # at least once: receivers deduplicate by message id and chunk
+FLUSH_TIMEOUT_S = 5.0  # a disconnecting endpoint waits this long for its last messages to leave
+WILL_TTL_S = 365 * 24 * 3600.0  # a will is composed at connect time and may be published much later
+CONNECT_TIMEOUT_S = 60.0  # server and clients give up reaching the broker after this long
+CLIENT_EXIT_GRACE_S = 20.0  # `fedge run` waits this long for client processes to exit after the run
+CLIENT_STATE_DIR = "clients"  # <out>/clients/<id>: each client's model snapshots
+CHECKPOINT_VERSION = 1  # bump when the checkpoint skeleton encoding changes; older files are then refused
 CMSR_INDEX = "raw"  # CMSR's order constraint compares raw block indices (Alg. 1); "relative" = position / depth

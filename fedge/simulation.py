@@ -5,10 +5,11 @@ Like the CLI, this module may import every package (server, edge_client, device_
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -17,14 +18,15 @@ from edge_client.agent import ClientAgent, ClientData
 from fedge import constants as C
 from fedge.config import ConfigError, RunConfig
 from fedge.data import Dataset, load_dataset
-from fedge.partition import ClientShard, PartitionConfig, make_partition
-from fedge.transport import InProcTransport
+from fedge.messages import ClientInfo
+from fedge.partition import ClientShard, Partition, PartitionConfig, make_partition
+from fedge.transport import InProcTransport, Transport
 from fedge.zoo import assign_models, create
-from server.coordinator import Coordinator, LoopConfig
+from server.coordinator import Coordinator, LoopConfig, RoundFailed
 from server.plots import plot_accuracy, plot_phi, plot_server_time
 from server.reassembly import STAGES
 from server.runlog import RunLog
-from server.strategy import STRATEGIES, PublicData, StrategyConfig
+from server.strategy import STRATEGIES, PublicData, Strategy, StrategyConfig, create_strategy
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +47,10 @@ def partition_config(cfg: RunConfig) -> PartitionConfig:
                            max_public_samples=cfg.max_public_samples)
 
 
-def make_agent(cfg: RunConfig, ds: Dataset, shard: ClientShard, model: str, profile_name: str) -> ClientAgent:
-    """One simulated client; its model must fit its device profile (ConfigError says which limit fails)."""
+def make_agent(cfg: RunConfig, ds: Dataset, shard: ClientShard, model: str, profile_name: str,
+               state_dir: Path | None = None) -> ClientAgent:
+    """One simulated client; its model must fit its device profile (ConfigError says which limit fails).
+    With `state_dir` it keeps its model snapshots there and continues from them when started again."""
     spec = create(model, ds.input_shape, ds.num_classes)
     verdict = fits(spec, get_profile(profile_name))
     if not verdict.ok:
@@ -54,7 +58,8 @@ def make_agent(cfg: RunConfig, ds: Dataset, shard: ClientShard, model: str, prof
                           f"{'; '.join(verdict.failures)}. Choose other --set profiles=... or another zoo")
     x_train, y_train = ds.tensors(shard.train)
     x_test, y_test = ds.tensors(shard.test)
-    return ClientAgent(str(shard.client_id), spec, ClientData(x_train, y_train, x_test, y_test), profile_name, cfg.seed)
+    return ClientAgent(str(shard.client_id), spec, ClientData(x_train, y_train, x_test, y_test), profile_name, cfg.seed,
+                       state_dir)
 
 
 def strategy_config(cfg: RunConfig) -> StrategyConfig:
@@ -70,27 +75,63 @@ def default_out(cfg: RunConfig) -> Path:
     return Path(C.DEFAULT_RUNS_DIR) / f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.strategy}-{cfg.dataset}"
 
 
-def run_simulation(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
-    """Run a whole federation in this process; writes the run folder and returns the summary."""
-    out = Path(cfg.out) if cfg.out else default_out(cfg)
-    strategy_cls = STRATEGIES.get(cfg.strategy)  # fail fast, before loading data
+def run_folder(cfg: RunConfig, resume: bool) -> Path:
+    """cfg.out, else a new default folder; resuming without cfg.out raises ConfigError."""
+    if resume and not cfg.out:
+        raise ConfigError("resuming needs the run folder: set out to the folder of the run to continue")
+    return Path(cfg.out) if cfg.out else default_out(cfg)
+
+
+def load_partitioned(cfg: RunConfig) -> tuple[Dataset, Partition]:
+    """The run's dataset and its split (the server and every client derive the same one)."""
     ds = load_dataset(cfg.dataset, cfg.data)
-    partition = make_partition(ds.y, ds.num_classes, partition_config(cfg))
+    return ds, make_partition(ds.y, ds.num_classes, partition_config(cfg))
+
+
+def make_strategy(cfg: RunConfig, ds: Dataset, partition: Partition) -> Strategy:
+    """The server's strategy with its public data (labels kept unless the run asks for unlabeled)."""
     x_public, y_public = ds.tensors(partition.public)
-    strategy = strategy_cls(strategy_config(cfg), PublicData(x_public, y_public if cfg.public == "labeled" else None))
-    models = assign_models(cfg.zoo, cfg.clients, cfg.seed)
-    agents = [make_agent(cfg, ds, shard, models[i], cfg.profiles[i % len(cfg.profiles)])
-              for i, shard in enumerate(partition.clients)]
-    runlog = RunLog(out, cfg.to_dict() | {"out": str(out)})
-    loop = LoopConfig(cfg.rounds, cfg.active, cfg.seed, cfg.local_epochs, progress)
-    coordinator = Coordinator(strategy, InProcTransport({a.client_id: a.handle for a in agents}),
-                              {a.client_id: a.info() for a in agents}, loop, runlog)
+    return create_strategy(cfg.strategy, strategy_config(cfg),
+                           PublicData(x_public, y_public if cfg.public == "labeled" else None))
+
+
+def run_federation_rounds(cfg: RunConfig, strategy: Strategy, transport: Transport,
+                          clients: Mapping[str, ClientInfo], progress: bool = True,
+                          resume: bool = False) -> dict[str, Any]:
+    """Run the rounds over any transport, write the run folder (metrics, checkpoint, summary, plots), return
+    the summary. With `resume`, continue the run in cfg.out from its checkpoint.
+    A round that misses its quorum on every try writes the summary so far and raises RoundFailed."""
+    out = run_folder(cfg, resume)
+    runlog = RunLog(out, cfg.to_dict() | {"out": str(out)}, resume=resume)
+    loop = LoopConfig(cfg.rounds, cfg.active, cfg.seed, cfg.local_epochs, progress, cfg.min_replies, cfg.round_retries)
+    coordinator = Coordinator(strategy, transport, clients, loop, runlog)
     start = time.perf_counter()
-    summary = coordinator.run() | {"dataset": cfg.dataset, "zoo": cfg.zoo, "out": str(out),
-                                   "wall_seconds": time.perf_counter() - start}
+    extra = {"dataset": cfg.dataset, "zoo": cfg.zoo, "out": str(out)}
+    try:
+        summary = coordinator.run(resume)
+    except RoundFailed as e:
+        runlog.write_json("summary.json", e.summary | extra | transport.report())
+        raise
+    summary |= extra | {"wall_seconds": time.perf_counter() - start} | transport.report()
     runlog.write_json("summary.json", summary)
     write_plots(runlog.rows(), summary, out, f"{cfg.strategy} on {cfg.dataset}, zoo {cfg.zoo}")
     return summary
+
+
+def run_simulation(cfg: RunConfig, progress: bool = True, resume: bool = False) -> dict[str, Any]:
+    """Run a whole federation in this process; writes the run folder and returns the summary. Clients keep
+    their model snapshots in <out>/clients/<id>; `resume` continues an interrupted run in cfg.out (same cfg)."""
+    STRATEGIES.get(cfg.strategy)  # fail fast, before loading data
+    out = run_folder(cfg, resume)
+    ds, partition = load_partitioned(cfg)
+    strategy = make_strategy(cfg, ds, partition)
+    models = assign_models(cfg.zoo, cfg.clients, cfg.seed)
+    agents = [make_agent(cfg, ds, shard, models[i], cfg.profiles[i % len(cfg.profiles)],
+                         out / C.CLIENT_STATE_DIR / str(shard.client_id))
+              for i, shard in enumerate(partition.clients)]
+    transport = InProcTransport({a.client_id: a.handle for a in agents})
+    return run_federation_rounds(dataclasses.replace(cfg, out=str(out)), strategy, transport,
+                                 {a.client_id: a.info() for a in agents}, progress, resume)
 
 
 def write_plots(rows: list[dict[str, Any]], summary: dict[str, Any], out: Path, title: str) -> None:

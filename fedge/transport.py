@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Callable, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 from fedge.messages import Result, Task
 
@@ -15,6 +15,10 @@ class Transport(Protocol):
     """Delivers tasks to clients and returns the replies that arrived (a missing client is simply absent)."""
 
     def exchange(self, tasks: Mapping[str, Task]) -> dict[str, Result]: ...
+
+    def report(self) -> dict[str, Any]:
+        """Summary fields about the transport: what it was and what it rejected."""
+        ...
 
 
 class InProcTransport:
@@ -37,3 +41,6 @@ class InProcTransport:
             except Exception:  # a crashing client is a missing reply, not a crashed server
                 log.exception("client %s failed on task %s of round %d", cid, task.type, task.round)
         return results
+
+    def report(self) -> dict[str, Any]:
+        return {"transport": {"kind": "inproc"}, "rejected_messages": {}}

@@ -14,6 +14,7 @@ from typing import Any
 
 from fedge.constants import (
     CHUNK_SIZE,
+    MAX_CHUNK_BYTES,
     MAX_HEADER_BYTES,
     MAX_PAYLOAD_BYTES,
     MAX_PENDING_MESSAGES,
@@ -22,12 +23,12 @@ from fedge.constants import (
     WIRE_SCHEMA_VERSION,
 )
 from fedge.messages import ClientInfo, Result, Task, Weights
-from fedge.spec import ModelSpec, SpecError
+from fedge.spec import ModelSpec, SpecError, tensor_shapes
 from fedge.weights import WeightsError, from_bytes, to_bytes
 
-MESSAGE_TYPES = ("register", "task", "result", "status")
+MESSAGE_TYPES = ("register", "task", "result", "status", "ack")
 REASONS = ("bad_format", "schema_version", "too_large", "hash_mismatch", "bad_chunk", "bad_weights",
-           "bad_spec", "bad_value")
+           "bad_spec", "bad_value", "spoof", "wrong_run", "expired", "stale_round", "no_open_task", "duplicate")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _HEX32 = re.compile(r"[0-9a-f]{32}")
 _LEN_BYTES = 8
@@ -201,11 +202,11 @@ def _pack(kind: str, fields: dict[str, Any], models: dict[str, Weights]) -> byte
     return out
 
 
-def _read_header(data: bytes, kind: str) -> tuple[dict[str, Any], dict[str, Any], bytes]:
+def _read_header(data: bytes, kind: str) -> tuple[dict[str, Any], dict[str, Any], memoryview]:
     """Split and validate the container; returns (fields, models index, body). Never unpickles anything."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise WireError("bad_format", f"{kind} payload must be bytes, got {type(data).__name__}")
-    data = bytes(data)
+    data = memoryview(data)
     if len(data) > MAX_PAYLOAD_BYTES:
         raise WireError("too_large", f"{kind} payload of {len(data)} bytes exceeds {MAX_PAYLOAD_BYTES}")
     if len(data) < _LEN_BYTES + 2:
@@ -216,7 +217,7 @@ def _read_header(data: bytes, kind: str) -> tuple[dict[str, Any], dict[str, Any]
                         "truncated, or not a fedge payload")
     if n > MAX_HEADER_BYTES:
         raise WireError("too_large", f"{kind} header of {n} bytes exceeds {MAX_HEADER_BYTES}")
-    raw = data[_LEN_BYTES:_LEN_BYTES + n]
+    raw = bytes(data[_LEN_BYTES:_LEN_BYTES + n])
     if not raw.startswith(b"{"):
         raise WireError("bad_format", f"{kind} header is not a JSON object")
     header = _exact_keys(_json_loads(raw, f"{kind} header"), {"kind", "fields", "models"}, f"{kind} header")
@@ -227,7 +228,7 @@ def _read_header(data: bytes, kind: str) -> tuple[dict[str, Any], dict[str, Any]
     return header["fields"], header["models"], data[_LEN_BYTES + n:]
 
 
-def _unpack_models(index: dict[str, Any], body: bytes) -> dict[str, Weights]:
+def _unpack_models(index: dict[str, Any], body: memoryview) -> dict[str, Weights]:
     """Check offsets (in range, non-overlapping, covering the body exactly) and parse each blob with safetensors."""
     spans: list[tuple[int, int, str]] = []
     for role, span in index.items():
@@ -248,9 +249,11 @@ def _unpack_models(index: dict[str, Any], body: bytes) -> dict[str, Weights]:
     models: dict[str, Weights] = {}
     for start, length, role in spans:
         try:
-            spec, state = from_bytes(body[start:start + length])
+            spec, state = from_bytes(bytes(body[start:start + length]))
         except (WeightsError, SpecError) as e:
             raise WireError("bad_weights", f"model {role!r}: {e}") from None
+        except Exception as e:  # noqa: BLE001 - hostile specs still trip the layer code (stride 0, p=-1): reject
+            raise WireError("bad_weights", f"model {role!r} is unusable: {type(e).__name__}: {e}") from None
         models[role] = Weights(spec, state)
     return {role: models[role] for role in index}
 
@@ -321,14 +324,57 @@ def decode_info(data: bytes) -> ClientInfo:
         raise WireError("bad_format", "a client info payload carries no models")
     try:
         spec = ModelSpec.from_dict(f["spec"])
+        tensor_shapes(spec)  # builds its layers (on "meta"): a spec the server cannot instantiate is refused here
     except SpecError as e:
         raise WireError("bad_spec", f"client spec: {e}") from None
+    except Exception as e:  # noqa: BLE001 - as in _unpack_models: never anything but WireError on network input
+        raise WireError("bad_spec", f"client spec is unusable: {type(e).__name__}: {e}") from None
     return ClientInfo(_str(f, "client_id"), spec, _str(f, "profile"), _int(f, "num_train"), _int(f, "num_test"))
+
+
+STATUS_STATES = ("online", "alive", "offline")
+
+
+def encode_status(state: str, session: str) -> bytes:
+    """A status body: online (just connected), alive (heartbeat) or offline (clean exit, or the will)."""
+    if state not in STATUS_STATES:
+        raise WireError("bad_format", f"status {state!r} is not one of {list(STATUS_STATES)}")
+    return _pack("status", {"state": state, "session": session}, {})
+
+
+def decode_status(data: bytes) -> tuple[str, str]:
+    """(state, session) of a status body."""
+    f = _control(data, "status", {"state", "session"})
+    if f["state"] not in STATUS_STATES:
+        raise WireError("bad_format", f"status {f['state']!r} is not one of {list(STATUS_STATES)}")
+    return f["state"], _str(f, "session")
+
+
+def encode_ack(error: str | None) -> bytes:
+    """An acknowledgement body: accepted (error None) or refused with the reason."""
+    return _pack("ack", {"ok": error is None, "error": error}, {})
+
+
+def decode_ack(data: bytes) -> str | None:
+    """None when the acknowledged message was accepted, else the server's reason for refusing it."""
+    f = _control(data, "ack", {"ok", "error"})
+    if f["ok"] is True and f["error"] is None:
+        return None
+    if f["ok"] is False and isinstance(f["error"], str):
+        return f["error"]
+    raise WireError("bad_format", f"ack must be ok with no error or not ok with one, got {f}")
+
+
+def _control(data: bytes, kind: str, expected: set[str]) -> dict[str, Any]:
+    f, index, body = _read_header(data, kind)
+    if index or body:
+        raise WireError("bad_format", f"a {kind} payload carries no models")
+    return _fields(f, expected, kind)
 
 
 # ---------------------------------------------------------------------------------------------- chunking
 
-def split(payload: bytes, chunk_size: int = CHUNK_SIZE) -> list[bytes]:
+def split(payload: bytes | memoryview, chunk_size: int = CHUNK_SIZE) -> list[bytes | memoryview]:
     """Cut `payload` into chunks of `chunk_size` bytes (the last may be shorter; b"" gives [b""]).
 
     A chunk_size below 1 raises WireError "bad_chunk".
@@ -343,7 +389,7 @@ class _Partial:
     total: int
     sha256: str
     max_size: int
-    parts: dict[int, bytes] = field(default_factory=dict)
+    parts: dict[int, bytes | memoryview] = field(default_factory=dict)
     size: int = 0
 
 
@@ -371,7 +417,14 @@ class Reassembler:
         self._pending.pop(msg_id, None)
         return WireError(reason, f"message {msg_id}: {message}")
 
-    def add(self, msg_id: str, index: int, total: int, data: bytes, expected_sha256: str,
+    def repeated(self, msg_id: str) -> bool:
+        """True, counted in `duplicates`, when `msg_id` was already joined and returned (a repeat to drop)."""
+        if msg_id in self._done:
+            self.duplicates += 1
+            return True
+        return False
+
+    def add(self, msg_id: str, index: int, total: int, data: bytes | memoryview, expected_sha256: str,
             max_size: int = MAX_PAYLOAD_BYTES) -> bytes | None:
         """Store one chunk; return the joined payload when the last one arrives (once), else None.
 
@@ -402,7 +455,7 @@ class Reassembler:
         p.size += len(data)
         if p.size > max_size:
             raise self._reject(msg_id, "too_large", f"chunks exceed the cap of {max_size} bytes")
-        p.parts[index] = bytes(data)
+        p.parts[index] = data
         if len(p.parts) < total:
             return None
         payload = b"".join(p.parts[i] for i in range(total))
@@ -414,3 +467,56 @@ class Reassembler:
         while len(self._done) > self.max_completed:
             self._done.popitem(last=False)
         return payload
+
+
+# ---------------------------------------------------------------------------------------------- frames
+
+_FRAME_LEN_BYTES = 4
+_FRAME_FIELDS = {"envelope", "chunk", "chunk_sha256"}
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One transport message: the envelope, which chunk of the payload this is, and its bytes."""
+
+    envelope: Envelope
+    index: int
+    data: memoryview  # a view into the received message: no copy until reassembly joins the chunks
+
+
+def frames(env: Envelope, payload: bytes, chunk_size: int = CHUNK_SIZE) -> list[bytes]:
+    """The transport messages carrying `payload`: 4-byte LE header length, JSON header (envelope, chunk
+    index, chunk SHA-256), chunk bytes. `env` must have been made for this payload and chunk size."""
+    parts = split(memoryview(payload), chunk_size)
+    if len(parts) != env.chunks or env.size != len(payload):
+        raise WireError("bad_chunk", f"envelope announces {env.chunks} chunks of {env.size} bytes, payload gives "
+                        f"{len(parts)} of {len(payload)}")
+    out = []
+    for i, part in enumerate(parts):
+        header = json.dumps({"envelope": env.to_dict(), "chunk": i, "chunk_sha256": sha256_hex(part)},
+                            sort_keys=True, separators=(",", ":")).encode()
+        out.append(b"".join((len(header).to_bytes(_FRAME_LEN_BYTES, "little"), header, part)))
+    return out
+
+
+def unframe(data: bytes) -> Frame:
+    """Parse and check one transport message: header size, envelope, chunk index within the announced
+    count, chunk size cap and chunk SHA-256 (WireError "bad_chunk"); nothing is decoded beyond that."""
+    if len(data) < _FRAME_LEN_BYTES:
+        raise WireError("bad_format", f"a {len(data)}-byte message is too short to be a fedge frame")
+    n = int.from_bytes(data[:_FRAME_LEN_BYTES], "little")
+    if n > MAX_HEADER_BYTES or n > len(data) - _FRAME_LEN_BYTES:
+        raise WireError("bad_format", f"frame header length {n} is over the cap or beyond the {len(data)}-byte "
+                        "message; not a fedge frame")
+    header = _exact_keys(_json_loads(data[_FRAME_LEN_BYTES:_FRAME_LEN_BYTES + n], "frame header"), _FRAME_FIELDS,
+                         "frame header")
+    env = Envelope.from_dict(header["envelope"])
+    index = _int(header, "chunk")
+    chunk = memoryview(data)[_FRAME_LEN_BYTES + n:]
+    if index >= env.chunks:
+        raise WireError("bad_chunk", f"chunk {index} of a message announced with {env.chunks} chunks")
+    if len(chunk) > MAX_CHUNK_BYTES:
+        raise WireError("too_large", f"chunk of {len(chunk)} bytes exceeds {MAX_CHUNK_BYTES}")
+    if sha256_hex(chunk) != _str(header, "chunk_sha256", _HEX64):
+        raise WireError("bad_chunk", f"chunk {index} of message {env.msg_id}: SHA-256 mismatch (corrupted)")
+    return Frame(env, index, chunk)

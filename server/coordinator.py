@@ -1,4 +1,5 @@
-"""The round loop, in exactly one place: sample → plan → dispatch → collect → aggregate → evaluate → record."""
+"""The round loop, in exactly one place: sample → plan → dispatch → collect → aggregate → evaluate → record
+→ checkpoint; a round below its quorum is tried again, a run resumes from its checkpoint."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import numpy as np
 from tqdm import tqdm
 
 from device_profiles import get_profile, train_seconds
-from fedge.messages import ClientInfo, Result, Task, client_order
+from fedge import constants as C
+from fedge.checkpoint import CheckpointError, Tree
+from fedge.messages import ClientInfo, Result, Task, Weights, client_order
 from fedge.seeding import derive_seed
 from fedge.transport import Transport
 from fedge.weights import WeightsError, check_state
@@ -24,15 +27,27 @@ from server.strategy import Strategy, StrategyError
 log = logging.getLogger(__name__)
 
 
+class RoundFailed(StrategyError):
+    """A round got fewer than min_replies training replies on every try; the run stopped. `summary` is the
+    run's summary up to there; the run folder keeps the checkpoint of the last completed round."""
+
+    def __init__(self, message: str, summary: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.summary = summary
+
+
 @dataclass(frozen=True)
 class LoopConfig:
-    """How many rounds, how many clients per round, the seed, and whether to draw a progress bar."""
+    """Rounds, clients per round, the seed, the quorum (min_replies training replies, else the round is
+    tried again up to round_retries more times), and whether to draw a progress bar."""
 
     rounds: int
     active: int
     seed: int
     local_epochs: int
     progress: bool = True
+    min_replies: int = C.MIN_REPLIES
+    round_retries: int = C.ROUND_RETRIES
 
 
 def sample_clients(client_ids: Sequence[str], active: int, seed: int, rnd: int) -> list[str]:
@@ -68,13 +83,37 @@ def rejection(res: Result, task: Task | None, info: ClientInfo) -> tuple[str, st
     return None
 
 
+def upload_norm(weights: Weights) -> float:
+    """The L2 norm over every floating-point tensor of one uploaded model."""
+    return math.sqrt(sum(float(t.double().square().sum()) for t in weights.state.values() if t.is_floating_point()))
+
+
+def norm_outliers(results: Mapping[str, Result]) -> dict[str, str]:
+    """Client → message for each reply with an uploaded model whose norm exceeds NORM_OUTLIER_FACTOR times the
+    median norm of that model role this round; a role is checked only with at least NORM_MIN_UPLOADS uploads."""
+    out: dict[str, str] = {}
+    for role in sorted({role for res in results.values() for role in res.models}):
+        norms = {cid: upload_norm(res.models[role]) for cid, res in results.items() if role in res.models}
+        if len(norms) < C.NORM_MIN_UPLOADS:
+            continue
+        median = statistics.median(norms.values())
+        for cid, norm in norms.items():
+            if norm > C.NORM_OUTLIER_FACTOR * median:
+                out.setdefault(cid, f"model {role!r} has norm {norm:.4g}, over {C.NORM_OUTLIER_FACTOR:g} x "
+                                    f"the round's median {median:.4g}")
+    return out
+
+
 class Coordinator:
-    """Drives a strategy over a transport for a number of rounds and records the run."""
+    """Drives a strategy over a transport for a number of rounds, records the run, checkpoints every round."""
 
     def __init__(self, strategy: Strategy, transport: Transport, clients: Mapping[str, ClientInfo],
                  loop: LoopConfig, runlog: RunLog) -> None:
         if not clients:
             raise StrategyError("no clients registered: a federation needs at least one client")
+        if loop.min_replies > min(loop.active, len(clients)):
+            raise StrategyError(f"min_replies={loop.min_replies} can never be met with {min(loop.active, len(clients))}"
+                                f" clients per round; lower min_replies or raise active")
         self.strategy, self.transport, self.loop, self.runlog = strategy, transport, loop, runlog
         self.clients = dict(clients)
         self.profiles = {cid: get_profile(info.profile) for cid, info in clients.items()}
@@ -83,30 +122,81 @@ class Coordinator:
         self.final: dict[str, float] = {}
         self.last_mean = float("nan")
         self.rejected: Counter[str] = Counter()
+        self.failed: list[dict[str, int]] = []
         self.bar: tqdm | None = None
 
     def accepted(self, results: Mapping[str, Result], tasks: Mapping[str, Task]) -> dict[str, Result]:
-        """The replies that pass `rejection`; each other one is logged in one line and counted."""
-        keep = {}
+        """The replies that pass `rejection` and `norm_outliers`; each other one is logged in one line and counted."""
+        keep, reasons = {}, {}
         for cid, res in results.items():
             reason = rejection(res, tasks.get(cid), self.clients[cid]) if cid in self.clients \
                 else ("unknown_client", "not a registered client")
             if reason is None:
                 keep[cid] = res
             else:
-                log.warning("rejected reply from client %s: %s", cid, reason[1])
-                self.rejected[reason[0]] += 1
+                reasons[cid] = reason
+        reasons |= {cid: ("norm_outlier", message) for cid, message in norm_outliers(keep).items()}
+        for cid, (code, message) in reasons.items():
+            log.warning("rejected reply from client %s: %s", cid, message)
+            self.rejected[code] += 1
+            keep.pop(cid, None)
         return keep
 
-    def run(self) -> dict[str, Any]:
-        """Run every round and return the summary (also written to summary.json)."""
+    def exchange(self, tasks: Mapping[str, Task]) -> dict[str, Result]:
+        """The transport's replies; a transport that raises is logged and counts as no replies."""
+        try:
+            return self.transport.exchange(tasks)
+        except Exception:  # a broker or network failure must not end the run: the round fails and is retried
+            log.exception("the transport failed to deliver %d tasks; treating them as unanswered", len(tasks))
+            return {}
+
+    def run(self, resume: bool = False) -> dict[str, Any]:
+        """Run every round and return the summary; with `resume`, continue after the run folder's checkpoint.
+
+        Raises RoundFailed when a round misses its quorum on every try, and CheckpointError when resuming from
+        a missing or corrupt checkpoint or one written for another strategy, fleet, seed or sampling.
+        """
         self.strategy.setup(self.clients)
-        with tqdm(range(self.loop.rounds), desc=self.strategy.name, unit="round",
-                  disable=not self.loop.progress, dynamic_ncols=True) as self.bar:
+        first = self.restore() if resume else 0
+        with tqdm(range(first, self.loop.rounds), desc=self.strategy.name, unit="round", initial=first,
+                  total=self.loop.rounds, disable=not self.loop.progress, dynamic_ncols=True) as self.bar:
             for rnd in self.bar:
                 self.run_round(rnd)
+                self.runlog.write_checkpoint(self.checkpoint(rnd + 1))
             self.show("done")
         return self.summary()
+
+    def identity(self) -> dict[str, Any]:
+        """What a checkpoint must share with this run to be resumed by it."""
+        return {"strategy": self.strategy.name, "clients": sorted(self.clients, key=client_order),
+                "seed": self.loop.seed, "active": self.loop.active}
+
+    def checkpoint(self, next_round: int) -> Tree:
+        """The checkpoint after a completed round: the next round, this loop's counters, the strategy's state."""
+        return self.identity() | {
+            "next_round": next_round, "participated": sorted(self.participated, key=client_order),
+            "server_seconds": list(self.server_seconds), "final": dict(self.final), "last_mean": self.last_mean,
+            "rejected": dict(self.rejected), "failed_rounds": list(self.failed),
+            "strategy_state": self.strategy.state()}
+
+    def restore(self) -> int:
+        """Load the run folder's checkpoint into this loop and the strategy; returns the round to run next."""
+        tree = self.runlog.read_checkpoint()
+        for key, mine in self.identity().items():
+            if tree.get(key) != mine:
+                raise CheckpointError(f"the checkpoint in {self.runlog.out} was written with {key}={tree.get(key)!r}"
+                                      f", this run has {mine!r}; resume with the run's own configuration")
+        try:
+            next_round = int(tree["next_round"])
+            self.participated, self.server_seconds = set(tree["participated"]), list(tree["server_seconds"])
+            self.final, self.last_mean = dict(tree["final"]), float(tree["last_mean"])
+            self.rejected, self.failed = Counter(tree["rejected"]), list(tree["failed_rounds"])
+            self.strategy.load_state(tree["strategy_state"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"the checkpoint in {self.runlog.out} lacks or garbles a field: {e}") from None
+        self.runlog.keep_rounds_before(next_round)
+        log.info("resuming %s at round %d from %s", self.strategy.name, next_round, self.runlog.out)
+        return next_round
 
     def show(self, phase: str) -> None:
         """Progress bar postfix: what is happening now, and the last round's mean accuracy."""
@@ -115,13 +205,31 @@ class Coordinator:
             self.bar.set_postfix_str(f"{phase}, acc {mean:.3f}" if mean == mean else phase)
 
     def run_round(self, rnd: int) -> float:
-        """One round; returns the mean accuracy of the clients evaluated (NaN if none replied)."""
+        """One round, tried again (from a fresh plan, nothing aggregated) while fewer than min_replies training
+        replies are accepted; returns the mean accuracy of the clients evaluated (NaN if none replied).
+        Raises RoundFailed after 1 + round_retries failed tries."""
         active = sample_clients(list(self.clients), self.loop.active, self.loop.seed, rnd)
-        start = time.perf_counter()
-        tasks = self.strategy.plan(rnd, active)
-        server = time.perf_counter() - start
-        self.show(f"{len(tasks)} clients training")
-        results = self.accepted(self.transport.exchange(tasks), tasks)
+        tries = 1 + self.loop.round_retries
+        for attempt in range(1, tries + 1):
+            start = time.perf_counter()
+            tasks = self.strategy.plan(rnd, active)
+            server = time.perf_counter() - start
+            self.show(f"{len(tasks)} clients training")
+            results = self.accepted(self.exchange(tasks), tasks)
+            if len(results) >= self.loop.min_replies:
+                return self.close_round(rnd, active, tasks, results, server)
+            log.warning("round %d failed (try %d of %d): %d of %d clients replied, min_replies is %d; "
+                        "nothing aggregated", rnd, attempt, tries, len(results), len(tasks), self.loop.min_replies)
+            self.failed.append({"round": rnd, "try": attempt, "replies": len(results)})
+        raise RoundFailed(f"round {rnd} failed {tries} times: fewer than min_replies={self.loop.min_replies} "
+                          f"clients replied. Check that the clients are running, or lower min_replies; the run "
+                          f"folder {self.runlog.out} keeps the checkpoint of the last completed round, if any, "
+                          f"to resume from",
+                          self.summary() | {"stopped_at_round": rnd})
+
+    def close_round(self, rnd: int, active: Sequence[str], tasks: Mapping[str, Task], results: Mapping[str, Result],
+                    server: float) -> float:
+        """Aggregate a round that met its quorum, evaluate, and record; returns the mean accuracy evaluated."""
         self.participated |= set(results)
         if len(results) < len(tasks):
             log.warning("round %d: %d of %d clients replied", rnd, len(results), len(tasks))
@@ -133,7 +241,7 @@ class Coordinator:
         eval_tasks = self.strategy.evaluation(rnd, sorted(final) if last else active)
         server += time.perf_counter() - start
         self.show(f"{len(eval_tasks)} clients evaluating")
-        evals = self.accepted(self.transport.exchange(eval_tasks), eval_tasks)
+        evals = self.accepted(self.exchange(eval_tasks), eval_tasks)
         self.server_seconds.append(server)
         self.runlog.append_rows([self.row(rnd, cid, results.get(cid), evals.get(cid))
                                  for cid in sorted(set(tasks) | set(eval_tasks), key=client_order)])
@@ -170,5 +278,6 @@ class Coordinator:
             "server_seconds": self.server_seconds,
             "never_trained": sorted(set(self.clients) - self.participated, key=client_order),
             "rejected_replies": dict(self.rejected),
+            "failed_rounds": list(self.failed),
             "models": {cid: info.spec.name for cid, info in self.clients.items()},
         } | self.strategy.summary()

@@ -6,6 +6,7 @@ from typing import Mapping, Sequence
 
 import torch
 
+from fedge.checkpoint import Tree
 from fedge.messages import ClientInfo, Result, Task, Weights
 from fedge.seeding import derive_seed
 from fedge.spec import build
@@ -61,3 +62,15 @@ class FedAvg(Strategy):
 
     def evaluation(self, rnd: int, clients: Sequence[str]) -> dict[str, Task]:
         return {cid: Task("evaluate", rnd, models={"global": self.global_model}) for cid in clients}
+
+    def state(self) -> Tree:
+        """The global model."""
+        return {"global": self.global_model}
+
+    def load_state(self, state: Tree) -> None:
+        """Take the checkpoint's global model; one of another architecture raises StrategyError."""
+        model = state["global"]
+        if model.spec != self.global_model.spec:
+            raise StrategyError(f"checkpoint holds a global {model.spec.name!r}, this fleet trains "
+                                f"{self.global_model.spec.name!r}")
+        self.global_model = model

@@ -15,6 +15,7 @@ import torch
 
 from device_profiles import fits, get_profile
 from fedge import constants as C
+from fedge.checkpoint import Tree
 from fedge.messages import ClientInfo, Result, Task, Weights, client_order
 from fedge.seeding import derive_seed
 from server.assemble import STITCH_MODEL
@@ -162,7 +163,7 @@ class ReassemblyStrategy(Strategy):
             row |= {"teacher_params": spec.params, "teacher_macs": spec.macs, "teacher_origins": origins(spec.blocks),
                     "teacher_fits_profile": fits(spec, self.profiles[cid]).ok,
                     "phi": (spec.params - own.spec.params) / own.spec.params}
-            self.history[cid].append(row)
+            self.history[cid].append(dict(row))  # a copy: the row gets this round's stage times, history does not
         self.rows[(rnd, cid)] = row
 
     def record(self, rnd: int, client: str) -> dict[str, Any]:
@@ -177,3 +178,15 @@ class ReassemblyStrategy(Strategy):
         return {"phi": {c: mean(c, "phi") for c in cids},
                 "teacher_params": {c: mean(c, "teacher_params") for c in cids},
                 "candidates_per_client": {c: mean(c, "candidates") for c in cids}}
+
+    def state(self) -> Tree:
+        """The kept teachers and each client's teacher records (what ϕ of Eq. (6) is averaged over)."""
+        return {"teachers": dict(self.teachers), "history": {cid: list(rows) for cid, rows in self.history.items()}}
+
+    def load_state(self, state: Tree) -> None:
+        """Take the checkpoint's teachers and records; a client outside this fleet raises StrategyError."""
+        unknown = (set(state["teachers"]) | set(state["history"])) - set(self.clients)
+        if unknown:
+            raise StrategyError(f"checkpoint has teachers of clients {sorted(unknown)} that this fleet lacks")
+        self.teachers = dict(state["teachers"])
+        self.history = defaultdict(list, {cid: list(rows) for cid, rows in state["history"].items()})

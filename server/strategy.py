@@ -8,6 +8,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from fedge import constants as C
+from fedge.checkpoint import Tree
 from fedge.messages import ClientInfo, Result, Task
 from fedge.registry import Registry
 
@@ -65,7 +66,8 @@ class Strategy:
         return {"epochs": c.local_epochs, "batch_size": c.batch_size, "lr": c.lr, "seed": c.seed, "upload": upload}
 
     def plan(self, rnd: int, active: Sequence[str]) -> dict[str, Task]:
-        """The task for each active client this round."""
+        """The task for each active client this round. A failed round is planned again, so planning must not
+        change anything `state()` returns."""
         raise NotImplementedError
 
     def aggregate(self, rnd: int, results: Mapping[str, Result]) -> None:
@@ -83,6 +85,15 @@ class Strategy:
     def summary(self) -> dict[str, Any]:
         """Extra fields for summary.json; none by default."""
         return {}
+
+    def state(self) -> Tree:
+        """Everything later rounds and the summary need, as a checkpoint tree (fedge.checkpoint); by default
+        nothing. A run resumed from it must continue bit-identically."""
+        return {}
+
+    def load_state(self, state: Tree) -> None:
+        """Restore what `state()` returned, after `setup` with the same fleet; by default there is nothing to
+        restore. A tree that does not fit this strategy and fleet raises StrategyError."""
 
 
 STRATEGIES: Registry[type[Strategy]] = Registry("strategy", StrategyError)

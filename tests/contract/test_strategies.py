@@ -1,10 +1,11 @@
 """Every registered strategy, on a homogeneous fleet all accept: plan/aggregate contracts, zero replies,
-order independence and seed determinism."""
+order independence, seed determinism, and state that survives a checkpoint and a re-planned round."""
 
 import pytest
 import torch
 
 from edge_client.agent import TASKS
+from fedge.checkpoint import load_tree, save_tree, tree_digest
 from fedge.messages import ClientInfo, Result, Weights
 from fedge.spec import build
 from fedge.zoo import create
@@ -73,3 +74,29 @@ def test_aggregation_is_order_independent_and_seed_deterministic(name):
     a.aggregate(0, results)
     b.aggregate(0, dict(reversed(list(results.items()))))
     same_tasks(a.plan(1, ["0", "1", "2", "3"]), b.plan(1, ["0", "1", "2", "3"]))
+
+
+def saved(tree, tmp_path):
+    save_tree(tmp_path / "state.safetensors", tree)
+    return load_tree(tmp_path / "state.safetensors")
+
+
+def test_state_survives_a_checkpoint_and_resumes_the_same(name, tmp_path):
+    a = make(name)
+    a.aggregate(0, uploads(0, ["0", "1", "2"]))
+    b = make(name)
+    b.load_state(saved(a.state(), tmp_path))
+    assert tree_digest(b.state()) == tree_digest(a.state()) and b.summary() == a.summary()
+    same_tasks(b.plan(1, ["0", "1", "2", "3"]), a.plan(1, ["0", "1", "2", "3"]))
+    b.aggregate(1, uploads(1, ["0", "3"]))
+    a.aggregate(1, uploads(1, ["0", "3"]))
+    assert tree_digest(b.state()) == tree_digest(a.state())
+
+
+def test_planning_a_round_again_changes_no_state(name):
+    strategy = make(name)
+    strategy.aggregate(0, uploads(0, ["0", "1", "2"]))
+    before = tree_digest(strategy.state())
+    first = strategy.plan(1, ["0", "1"])
+    same_tasks(strategy.plan(1, ["0", "1"]), first)
+    assert tree_digest(strategy.state()) == before

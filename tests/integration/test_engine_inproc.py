@@ -12,7 +12,7 @@ from fedge.partition import make_partition
 from fedge.simulation import make_agent, partition_config, run_simulation
 from fedge.transport import InProcTransport
 from fedge.zoo import assign_models
-from server.coordinator import Coordinator, LoopConfig, sample_clients
+from server.coordinator import Coordinator, LoopConfig, RoundFailed, sample_clients
 from server.runlog import RunLog
 from server.strategy import StrategyConfig, StrategyError, create_strategy
 
@@ -97,7 +97,7 @@ def test_a_crashing_client_does_not_stop_the_round(tmp_path, caplog):
     assert "device fell over" in caplog.text
 
 
-def test_a_round_with_no_replies_is_survived(tmp_path):
+def test_a_round_with_no_replies_stops_the_run_cleanly(tmp_path):
     cfg = config(tmp_path, clients=3, active=2, rounds=2)
     agents = fleet(tmp_path, cfg)
     strategy = create_strategy("fedavg", StrategyConfig(1, 16, 1e-3, 0))
@@ -107,10 +107,11 @@ def test_a_round_with_no_replies_is_survived(tmp_path):
     agents = fleet(tmp_path, cfg)
     dead = {a.client_id: Crashing(a).handle for a in agents}
     coord = Coordinator(strategy, InProcTransport(dead), {a.client_id: a.info() for a in agents},
-                        LoopConfig(2, 2, 0, 1, progress=False), RunLog(tmp_path / "r", {}))
-    summary = coord.run()
-    assert summary["never_trained"] == ["0", "1", "2"]
-    assert set(summary["final_accuracy"]["per_client"]) == {"0", "1", "2"}  # the unchanged global model
+                        LoopConfig(2, 2, 0, 1, progress=False, round_retries=1), RunLog(tmp_path / "r", {}))
+    with pytest.raises(RoundFailed) as failure:  # below min_replies = 1, tried twice, nothing aggregated
+        coord.run()
+    assert failure.value.summary["never_trained"] == ["0", "1", "2"]
+    assert len(failure.value.summary["failed_rounds"]) == 2
 
 
 def test_sampling_is_deterministic_and_without_replacement():

@@ -13,8 +13,8 @@ from fedge.constants import MAX_HEADER_BYTES
 from fedge.messages import ClientInfo, Result, Task, Weights
 from fedge.spec import build
 from fedge.wire import (
-    Envelope, Reassembler, WireError, decode_info, decode_result, decode_task, encode_info, encode_result,
-    encode_task, sha256_hex, split,
+    Envelope, Reassembler, WireError, decode_ack, decode_info, decode_result, decode_status, decode_task, encode_ack,
+    encode_info, encode_result, encode_status, encode_task, frames, sha256_hex, split, unframe,
 )
 from fedge.zoo import create
 
@@ -211,3 +211,47 @@ def test_oldest_partial_evicted():
     assert r.pending == 2 and r.evicted == 1
     assert r.add("m1", 1, 2, b"b", sha, 10) is None  # m1 starts over: its first chunk was evicted
     assert r.add("m3", 1, 2, b"b", sha, 10) == b"ab"
+
+
+def test_frames_round_trip_in_any_order():
+    payload = os.urandom(1000)
+    env = Envelope.new("r", 3, "result", "a", payload, reply_to="0" * 32, chunk_size=300)
+    parts = frames(env, payload, 300)
+    assert len(parts) == env.chunks == 4
+    got = {unframe(p).index: unframe(p) for p in reversed(parts)}
+    assert got[0].envelope == env and b"".join(got[i].data for i in range(4)) == payload
+
+
+def test_frame_corruption_and_lies_rejected():
+    payload = os.urandom(600)
+    env = Envelope.new("r", 0, "task", "server", payload, chunk_size=300)
+    good = frames(env, payload, 300)[1]
+    with pytest.raises(WireError) as e:
+        unframe(good[:-1] + bytes([good[-1] ^ 1]))  # one flipped bit in the chunk
+    assert e.value.reason == "bad_chunk"
+    with pytest.raises(WireError) as e:
+        unframe(b"\xff\xff\xff\x7f{}")  # header length beyond the message
+    assert e.value.reason == "bad_format"
+    with pytest.raises(WireError) as e:
+        unframe(pickle.dumps({"x": 1}))
+    assert e.value.reason == "bad_format"
+    n = int.from_bytes(good[:4], "little")
+    header = json.loads(good[4:4 + n])
+    header["chunk"] = 7  # beyond the announced count
+    raw = json.dumps(header).encode()
+    with pytest.raises(WireError) as e:
+        unframe(len(raw).to_bytes(4, "little") + raw + good[4 + n:])
+    assert e.value.reason == "bad_chunk"
+    with pytest.raises(WireError) as e:
+        frames(env, payload + b"x", 300)  # the envelope was made for other bytes
+    assert e.value.reason == "bad_chunk"
+
+
+def test_status_and_ack_bodies():
+    assert decode_status(encode_status("alive", "s1")) == ("alive", "s1")
+    assert decode_ack(encode_ack(None)) is None
+    assert decode_ack(encode_ack("too_large: no")) == "too_large: no"
+    with pytest.raises(WireError):
+        encode_status("sleepy", "s1")
+    with pytest.raises(WireError):
+        decode_status(encode_ack(None))  # an ack is not a status

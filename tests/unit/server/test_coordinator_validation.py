@@ -6,7 +6,7 @@ import torch
 from fedge.messages import ClientInfo, Result, Task, Weights
 from fedge.spec import build
 from fedge.zoo import create
-from server.coordinator import rejection
+from server.coordinator import norm_outliers, rejection
 
 pytestmark = pytest.mark.timeout(60)
 SPEC = create("cnn1", (1, 8, 8), 10).with_origin("0")
@@ -43,3 +43,17 @@ def test_a_good_reply_passes():
 ])
 def test_bad_replies_are_rejected_with_a_reason(kw, task, code):
     assert rejection(reply(**kw), task, INFO)[0] == code
+
+
+def upload(cid, scale):
+    return Result(cid, 3, "train", 20, {}, {"local": Weights(SPEC, {"w": torch.full((4,), scale)})})  # norm 2·scale
+
+
+def test_norm_outliers_against_the_median_of_the_round():
+    three = {"0": upload("0", 1.0), "1": upload("1", 2.0), "2": upload("2", 3.0)}
+    assert norm_outliers(three) == {}
+    # norms 2, 4, 6, 1000: median 5, limit 100 x 5 = 500
+    flagged = norm_outliers(three | {"3": upload("3", 500.0)})
+    assert list(flagged) == ["3"] and "norm 1000" in flagged["3"]
+    assert norm_outliers({"0": upload("0", 1.0), "3": upload("3", 1e6)}) == {}  # too few uploads for a median
+    assert norm_outliers(three | {"4": reply(models={})}) == {}  # a reply without a model is not counted

@@ -1,0 +1,294 @@
+"""One MQTT connection speaking fedge frames (paho-mqtt), and the inbox that validates what arrives.
+
+The connection prefers MQTT v5 and falls back to 3.1.1 when the broker refuses v5 (the embedded amqtt
+broker speaks only 3.1.1). It reconnects by itself with jittered, doubling backoff and re-subscribes on
+every CONNACK (a broker that restarted without persistence remembers nothing). Authentication and TLS
+failures are final: they are reported, never retried forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import ssl
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+from urllib.parse import unquote, urlsplit
+
+import paho.mqtt.client as paho
+from paho.mqtt.reasoncodes import ReasonCode
+
+from fedge import topics
+from fedge.constants import (
+    CHUNK_SIZE,
+    FLUSH_TIMEOUT_S,
+    MQTT_QOS,
+    WILL_TTL_S,
+    KEEPALIVE_S,
+    MAX_CHUNK_BYTES,
+    MAX_HEADER_BYTES,
+    RECONNECT_MAX_S,
+    RECONNECT_MIN_S,
+)
+from fedge.wire import Envelope, Reassembler, WireError, encode_status, frames, unframe
+
+log = logging.getLogger(__name__)
+_FATAL_CONNACK = {"Not authorized", "Bad user name or password", "Banned", "Client identifier not valid",
+                  "Bad authentication method"}
+
+
+class MqttError(ConnectionError):
+    """The broker cannot be reached, or refused us (credentials, TLS); says what to check."""
+
+
+@dataclass(frozen=True)
+class Broker:
+    """Where and how to connect: mqtt://host:port or mqtts://host:port (TLS), with optional credentials."""
+
+    host: str
+    port: int
+    tls: bool = False
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    cafile: str | None = None
+    certfile: str | None = None
+    keyfile: str | None = None
+
+    def __str__(self) -> str:  # never shows the password
+        user = f"{self.username}@" if self.username else ""
+        return f"{'mqtts' if self.tls else 'mqtt'}://{user}{self.host}:{self.port}"
+
+
+def parse_broker(url: str, username: str | None = None, password: str | None = None, cafile: str | None = None,
+                 certfile: str | None = None, keyfile: str | None = None) -> Broker:
+    """mqtt://[user[:password]@]host[:port] or mqtts://...; explicit username/password win over the URL's."""
+    parts = urlsplit(url if "://" in url else f"mqtt://{url}")
+    if parts.scheme not in ("mqtt", "mqtts") or not parts.hostname:
+        raise MqttError(f"broker URL {url!r} must look like mqtt://host:1883 or mqtts://host:8883")
+    try:
+        port = parts.port or (8883 if parts.scheme == "mqtts" else 1883)
+    except ValueError:
+        raise MqttError(f"broker URL {url!r} has an invalid port") from None
+    return Broker(parts.hostname, port, parts.scheme == "mqtts",
+                  username if username is not None else (unquote(parts.username) if parts.username else None),
+                  password if password is not None else (unquote(parts.password) if parts.password else None),
+                  cafile, certfile, keyfile)
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """A whole, validated message: topic kind, the client level of its topic, envelope and payload."""
+
+    kind: str
+    client: str | None
+    envelope: Envelope
+    payload: bytes
+
+
+def will_frame(run: str, sender: str, session: str) -> bytes:
+    """The "offline" status the broker publishes for us if we vanish (valid for as long as we may live)."""
+    payload = encode_status("offline", session)
+    return frames(Envelope.new(run, 0, "status", sender, payload, ttl_s=WILL_TTL_S), payload)[0]
+
+
+Accept = Callable[[str, "str | None", Envelope], int]
+
+
+class Inbox:
+    """Checks every arriving frame, cheapest first, and joins chunks into whole messages.
+
+    Order (reliability-notes §6): run and topic shape; frame size; envelope schema; chunk hash;
+    identity (the sender named in the envelope must be the topic's client level, or "server" on a
+    client's own topics); the run; expiry; a repeat of a message already delivered is dropped and counted
+    in `reassembler.duplicates`, not rejected; then `accept(kind, client, envelope)`, which may raise
+    WireError (e.g. no open instruction) and returns the largest payload allowed; only then are the
+    bytes kept, and the joined payload's SHA-256 is checked. Rejections are logged in one line each
+    and counted in `rejected` by reason.
+    """
+
+    def __init__(self, run: str, accept: Accept) -> None:
+        self.run = run
+        self.accept = accept
+        self.rejected: Counter[str] = Counter()
+        self.reassembler = Reassembler()
+        self._lock = threading.Lock()
+
+    def reject(self, kind: str, client: str | None, error: WireError) -> None:
+        """Log one line and count the reason; the message is dropped and nothing else changes."""
+        with self._lock:
+            self.rejected[error.reason] += 1
+        log.warning("rejected %s message from %s: %s", kind, client or "the server", error)
+
+    def check(self, topic: str, data: bytes) -> Delivery | None:
+        """Validate one frame; the whole message once its last chunk arrived, else None. Raises WireError."""
+        try:
+            run, kind, client = topics.parse(topic)
+        except topics.TopicError as e:
+            raise WireError("bad_format", str(e)) from None
+        if run != self.run:
+            raise WireError("wrong_run", f"topic {topic!r} belongs to run {run!r}, not {self.run!r}")
+        if len(data) > MAX_CHUNK_BYTES + MAX_HEADER_BYTES:
+            raise WireError("too_large", f"a {len(data)}-byte message exceeds the per-chunk cap")
+        frame = unframe(data)
+        env = frame.envelope
+        owner = client if kind in topics.UPLINK else "server"
+        if env.sender != owner:
+            raise WireError("spoof", f"envelope sender {env.sender!r} on topic {topic!r} (expected {owner!r})")
+        expected = {"register": ("register",), "result": ("result",), "status": ("status",),
+                    topics.DOWNLINK: ("task", "ack"), topics.SERVER: ("status",)}[kind]
+        if env.type not in expected:
+            raise WireError("bad_format", f"a {env.type!r} message on a {kind} topic")
+        if env.run != self.run:
+            raise WireError("wrong_run", f"envelope of run {env.run!r} on run {self.run!r}")
+        if env.expired():
+            raise WireError("expired", f"message {env.msg_id} expired {time.time() - env.created_at:.0f} s after "
+                            "it was created")
+        key = f"{owner}/{env.msg_id}"
+        with self._lock:
+            if self.reassembler.repeated(key):  # a QoS 1 redelivery of a message already delivered: not an error,
+                return None  # whether or not the instruction it answered is still open
+        limit = self.accept(kind, client, env)
+        if env.size > limit:
+            raise WireError("too_large", f"{env.type} of {env.size} bytes exceeds the {limit} bytes expected "
+                            f"from {owner}")
+        with self._lock:
+            payload = self.reassembler.add(key, frame.index, env.chunks, frame.data, env.sha256, limit)
+        return None if payload is None else Delivery(kind, client, env, payload)
+
+    def receive(self, topic: str, data: bytes) -> Delivery | None:
+        """`check`, with a rejection logged and counted instead of raised."""
+        try:
+            return self.check(topic, data)
+        except WireError as e:
+            parts = topic.split("/")
+            self.reject(parts[2] if len(parts) > 2 else "?", parts[3] if len(parts) > 3 else None, e)
+            return None
+
+
+class Endpoint:
+    """A paho client that keeps itself connected, re-subscribes on every connect, and publishes
+    fedge messages as QoS 1 chunk frames. `on_frame(topic, bytes)` runs on paho's network thread."""
+
+    def __init__(self, broker: Broker, client_id: str, subscriptions: list[str],
+                 on_frame: Callable[[str, bytes], None], on_connect: Callable[[], None] | None = None,
+                 will: tuple[str, bytes] | None = None, keepalive: int = KEEPALIVE_S) -> None:
+        self.broker, self.client_id, self.subscriptions = broker, client_id, list(subscriptions)
+        self.on_frame, self.on_connect_hook, self.will, self.keepalive = on_frame, on_connect, will, keepalive
+        self.connected = threading.Event()
+        self.fatal: str | None = None
+        self.protocol = paho.MQTTv5
+        self.connects = 0
+        self.connected_at = 0.0  # time.monotonic() of the last CONNACK
+        self.stopping = False
+        self.last_sent: paho.MQTTMessageInfo | None = None
+        self.refusals = 0  # connections closed before any CONNACK (a broker that does not speak v5 may do so)
+        self.client = self._make_client()
+
+    def _make_client(self) -> paho.Client:
+        c = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=self.protocol)
+        if self.broker.username is not None:
+            c.username_pw_set(self.broker.username, self.broker.password)
+        if self.broker.tls:
+            c.tls_set(ca_certs=self.broker.cafile, certfile=self.broker.certfile, keyfile=self.broker.keyfile,
+                      cert_reqs=ssl.CERT_REQUIRED)
+        if self.will is not None:
+            c.will_set(self.will[0], self.will[1], qos=MQTT_QOS, retain=False)
+        c.reconnect_delay_set(RECONNECT_MIN_S, RECONNECT_MAX_S)
+        c.max_inflight_messages_set(64)
+        c.on_connect, c.on_disconnect, c.on_message = self._on_connect, self._on_disconnect, self._on_message
+        return c
+
+    def _on_connect(self, client: paho.Client, userdata: object, flags: object, rc: ReasonCode,
+                    props: object) -> None:
+        if rc.is_failure:
+            self.fatal = str(rc)
+            if str(rc) in _FATAL_CONNACK or str(rc) == "Unsupported protocol version":
+                client.disconnect()  # final: stop the reconnect loop
+            return
+        self.fatal = None
+        self.connects += 1
+        self.connected_at = time.monotonic()
+        for topic in self.subscriptions:
+            client.subscribe(topic, qos=MQTT_QOS)
+        self.connected.set()
+        if self.on_connect_hook is not None:
+            try:
+                self.on_connect_hook()
+            except Exception:  # a hook's bug must not kill the network thread
+                log.exception("%s: on-connect hook failed", self.client_id)
+
+    def _on_disconnect(self, client: paho.Client, userdata: object, flags: object, rc: ReasonCode,
+                       props: object) -> None:
+        if self.connected.is_set() and not self.stopping:
+            log.warning("%s: disconnected from %s (%s); reconnecting", self.client_id, self.broker, rc)
+        elif self.connects == 0:
+            self.refusals += 1
+        self.connected.clear()
+        # jitter the first retry so a fleet does not reconnect in lock-step after a broker restart
+        client.reconnect_delay_set(RECONNECT_MIN_S * random.uniform(1.0, 4.0), RECONNECT_MAX_S)
+
+    def _on_message(self, client: paho.Client, userdata: object, msg: paho.MQTTMessage) -> None:
+        try:
+            self.on_frame(msg.topic, msg.payload)
+        except Exception:  # never let a handler bug kill the network thread
+            log.exception("%s: handling a message on %s failed", self.client_id, msg.topic)
+
+    def start(self, timeout: float) -> None:
+        """Connect (v5, else 3.1.1) and wait up to `timeout` s; refused credentials or TLS raise MqttError."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.client.connect_async(self.broker.host, self.broker.port, self.keepalive)
+                self.client.loop_start()
+            except (OSError, ssl.SSLError, ValueError) as e:
+                raise MqttError(f"cannot connect to {self.broker}: {e}") from None
+            while not self.connected.wait(0.05):
+                if self.fatal is not None or time.monotonic() > deadline or self.refusals >= 2:
+                    break
+            if self.connected.is_set():
+                return
+            self.client.disconnect()
+            self.client.loop_stop()
+            v5_refused = self.fatal == "Unsupported protocol version" or self.refusals >= 2
+            if v5_refused and self.protocol == paho.MQTTv5:
+                log.info("%s: broker does not speak MQTT v5; using 3.1.1", self.client_id)
+                self.protocol, self.fatal, self.refusals = paho.MQTTv311, None, 0
+                self.client = self._make_client()
+                continue
+            if self.fatal is not None:
+                raise MqttError(f"broker {self.broker} refused {self.client_id}: {self.fatal}. Check the username, "
+                                "password file and TLS settings")
+            raise MqttError(f"no connection to {self.broker} within {timeout:.0f} s; is the broker running and "
+                            "reachable?")
+
+    def publish(self, topic: str, type: str, round: int, payload: bytes, reply_to: str | None = None,
+                chunk_size: int = CHUNK_SIZE, sender: str | None = None, run: str | None = None) -> Envelope:
+        """Send `payload` as chunk frames at QoS 1 and return its envelope (for acknowledgements).
+
+        paho queues what it cannot send now and sends it after a reconnect; callers that need the
+        message to arrive wait for an application-level acknowledgement and re-send."""
+        run = run if run is not None else topics.parse(topic)[0]
+        env = Envelope.new(run, round, type, sender or self.client_id, payload, reply_to=reply_to,
+                           chunk_size=chunk_size)
+        self.send(topic, env, payload, chunk_size)
+        return env
+
+    def send(self, topic: str, env: Envelope, payload: bytes, chunk_size: int = CHUNK_SIZE) -> None:
+        """(Re-)send an already enveloped payload; a repeat is recognised by its msg_id and ignored."""
+        for data in frames(env, payload, chunk_size):
+            self.last_sent = self.client.publish(topic, data, qos=MQTT_QOS)
+
+    def stop(self) -> None:
+        """Disconnect cleanly (the broker then does not publish the will) and stop the network thread."""
+        self.stopping = True
+        if self.last_sent is not None and self.connected.is_set():
+            try:  # flush what we queued last (e.g. the server's stop) before hanging up
+                self.last_sent.wait_for_publish(FLUSH_TIMEOUT_S)
+            except (RuntimeError, ValueError):
+                pass  # not sendable any more: the connection is already gone
+        self.client.disconnect()
+        self.client.loop_stop()
+        self.connected.clear()

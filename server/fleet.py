@@ -1,0 +1,287 @@
+"""The server's side of MQTT: registrations, liveness, and the Transport the round loop talks to.
+
+Everything a client sends is checked by fedge.mqtt.Inbox (identity, envelope, size, hashes) and then
+here: a result must answer an instruction that is still open for that client and round, decode as
+JSON + safetensors, and be the first one for (client, round); a registration must name a known
+device profile the model fits. Each accepted message is acknowledged on the client's task topic so
+the client stops re-sending; rejected ones are logged in one line and counted, and never touch state.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from fedge import topics
+from fedge.constants import (
+    CHUNK_SIZE,
+    HEARTBEAT_S,
+    KEEPALIVE_S,
+    MAX_HEADER_BYTES,
+    RECONNECT_GRACE_S,
+    RECONNECT_MAX_S,
+    REPLY_SLACK_BYTES,
+    ROUND_DEADLINE_S,
+)
+from fedge.messages import ClientInfo, Result, Task, client_order
+from fedge.mqtt import Broker, Delivery, Endpoint, Inbox, will_frame
+from fedge.spec import tensor_shapes
+from fedge.wire import (
+    Envelope,
+    WireError,
+    decode_info,
+    decode_result,
+    decode_status,
+    encode_ack,
+    encode_status,
+    encode_task,
+)
+
+log = logging.getLogger(__name__)
+SERVER_ID = "server"
+DEAD_AFTER_HEARTBEATS = 3  # silence for this many heartbeat periods counts as dead
+
+
+class FleetError(RuntimeError):
+    """The fleet did not assemble (too few registrations in time); says how many came and what to check."""
+
+
+def reply_limit(info: ClientInfo) -> int:
+    """Largest reply accepted from a client: its registered model's tensor bytes plus header slack."""
+    nbytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in tensor_shapes(info.spec).values())
+    return nbytes + REPLY_SLACK_BYTES
+
+
+@dataclass
+class _Open:
+    """An instruction sent and not yet answered."""
+
+    client: str
+    task: Task
+    envelope: Envelope
+    payload: bytes
+
+
+class Fleet:
+    """Implements `fedge.transport.Transport` over MQTT for the server process."""
+
+    def __init__(self, broker: Broker, run: str, check_info: Callable[[ClientInfo], str | None],
+                 deadline_s: float = ROUND_DEADLINE_S, heartbeat_s: float = HEARTBEAT_S,
+                 chunk_size: int = CHUNK_SIZE, keepalive_s: int = KEEPALIVE_S) -> None:
+        self.run, self.check_info = run, check_info
+        self.deadline_s, self.heartbeat_s, self.chunk_size = deadline_s, heartbeat_s, chunk_size
+        self.session = uuid.uuid4().hex
+        self.clients: dict[str, ClientInfo] = {}
+        self.limits: dict[str, int] = {}
+        self.frozen = False  # after the fleet assembled, only known clients may (re-)register
+        self.seen: dict[str, float] = {}
+        self.offline: set[str] = set()
+        self.offline_since: dict[str, float] = {}
+        self.open: dict[str, _Open] = {}
+        self.results: dict[str, Result] = {}
+        self.round = -1
+        self.counts: Counter[str] = Counter()
+        self.cond = threading.Condition()
+        self.inbox = Inbox(run, self._accept)
+        will = (topics.server_topic(run), will_frame(run, SERVER_ID, self.session))
+        self.endpoint = Endpoint(broker, SERVER_ID, topics.uplink_filters(run), self._on_frame, self._announce, will,
+                                 keepalive_s)
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+
+    def _announce(self) -> None:
+        """On every (re)connect: tell clients a server is here, so restarted ones register again."""
+        self.endpoint.publish(topics.server_topic(self.run), "status", max(self.round, 0),
+                              encode_status("online", self.session), sender=SERVER_ID)
+        with self.cond:
+            pending = list(self.open.values())
+        for o in pending:  # a broker without persistence forgot what was in flight
+            if o.client not in self.results:
+                self.endpoint.send(topics.client_topic(self.run, topics.DOWNLINK, o.client), o.envelope, o.payload,
+                                   self.chunk_size)
+
+    def start(self, timeout: float) -> None:
+        """Connect to the broker (MqttError if it refuses us or cannot be reached within `timeout`)."""
+        self.endpoint.start(timeout)
+
+    def wait_for_clients(self, expected: int, timeout: float) -> dict[str, ClientInfo]:
+        """Block until `expected` clients registered; fewer within `timeout` s raises FleetError."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while len(self.clients) < expected:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise FleetError(f"only {len(self.clients)} of {expected} clients registered within "
+                                     f"{timeout:.0f} s ({', '.join(sorted(self.clients, key=client_order)) or 'none'}); "
+                                     "start the missing `fedge client` processes or lower --set clients")
+                self.cond.wait(min(left, 0.5))
+            self.frozen = True
+            return dict(self.clients)
+
+    def close(self) -> None:
+        """Tell every client the run is over, announce going offline, and disconnect."""
+        for cid in sorted(self.clients, key=client_order):
+            self.endpoint.publish(topics.client_topic(self.run, topics.DOWNLINK, cid), "task", max(self.round, 0),
+                                  encode_task(Task("stop", max(self.round, 0))), sender=SERVER_ID)
+        self.endpoint.publish(topics.server_topic(self.run), "status", max(self.round, 0),
+                              encode_status("offline", self.session), sender=SERVER_ID)
+        self.endpoint.stop()
+
+    # ------------------------------------------------------------------------------------------ the transport
+
+    def exchange(self, tasks: Mapping[str, Task]) -> dict[str, Result]:
+        """Send each client its task; return the valid replies that arrived before the deadline, without
+        waiting for clients that went offline or fell silent."""
+        with self.cond:
+            self.results = {}
+            self.open = {}
+            self.round = max((t.round for t in tasks.values()), default=self.round)
+        for cid, task in tasks.items():
+            payload = encode_task(task)
+            env = Envelope.new(self.run, task.round, "task", SERVER_ID, payload, chunk_size=self.chunk_size)
+            with self.cond:  # open before sending: a fast client may answer before publish returns
+                self.open[env.msg_id] = _Open(cid, task, env, payload)
+            self.endpoint.send(topics.client_topic(self.run, topics.DOWNLINK, cid), env, payload, self.chunk_size)
+        deadline = time.monotonic() + self.deadline_s
+        reported: set[str] = set()
+        with self.cond:
+            while True:
+                waiting = {o.client for o in self.open.values()} - set(self.results)
+                gone = {cid for cid in waiting if self._gone(cid)}  # re-checked: a client may come back
+                for cid in sorted(gone - reported, key=client_order):
+                    log.warning("round %d: client %s is offline; not waiting for it", self.round, cid)
+                reported |= gone
+                if not waiting - gone:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.warning("round %d: deadline of %.0f s passed; %d client(s) did not reply: %s", self.round,
+                                self.deadline_s, len(waiting), ", ".join(sorted(waiting, key=client_order)))
+                    self.counts["deadline_missed"] += len(waiting)
+                    break
+                self.cond.wait(min(left, 0.2))
+            results, self.open = dict(self.results), {}
+        return results
+
+    def report(self) -> dict[str, Any]:
+        """Summary fields: the broker and run, missed deadlines, and every rejected message by reason."""
+        return {"transport": {"kind": "mqtt", "broker": str(self.endpoint.broker), "run_id": self.run}
+                | dict(self.counts), "rejected_messages": dict(self.inbox.rejected)}
+
+    def alive(self, cid: str) -> bool:
+        """Not announced offline (will or clean exit) and heard from within a few heartbeats."""
+        last = self.seen.get(cid)
+        return (cid not in self.offline and last is not None
+                and time.monotonic() - last < DEAD_AFTER_HEARTBEATS * self.heartbeat_s)
+
+    def _gone(self, cid: str) -> bool:
+        """Not worth waiting for any more: silent for a few heartbeats, or announced offline (will or clean exit)
+        and not back within RECONNECT_GRACE_S (a dropped link comes back and re-sends). Nobody is given up on
+        while the server itself is cut off from the broker (it hears nobody then), nor within RECONNECT_MAX_S
+        of its reconnecting: after a broker restart every client is on its own reconnect backoff."""
+        if self.alive(cid) or not self.endpoint.connected.is_set():
+            return False
+        now = time.monotonic()
+        if self.endpoint.connects > 1 and now - self.endpoint.connected_at < RECONNECT_MAX_S + self.heartbeat_s:
+            return False
+        since = self.offline_since.get(cid)
+        return since is None or now - since >= RECONNECT_GRACE_S
+
+    # ------------------------------------------------------------------------------------------ inbound
+
+    def _accept(self, kind: str, client: str | None, env: Envelope) -> int:
+        """Per-kind checks before any chunk is stored; returns the payload size allowed."""
+        if kind == "result":
+            with self.cond:
+                o = self.open.get(env.reply_to or "")
+                if o is None or o.client != client or env.round != o.task.round:
+                    reason = "stale_round" if env.round < self.round else "no_open_task"
+                    raise WireError(reason, f"result for round {env.round} answers no open instruction")
+                if client in self.results:
+                    raise WireError("duplicate", f"a result for round {env.round} was already accepted")
+            return self.limits[client]
+        return MAX_HEADER_BYTES  # registrations and status messages are small
+
+    def _on_frame(self, topic: str, data: bytes) -> None:
+        delivery = self.inbox.receive(topic, data)
+        if delivery is None:
+            return
+        cid = delivery.client
+        assert cid is not None  # uplink topics always name a client
+        with self.cond:
+            self.seen[cid] = time.monotonic()
+        try:
+            {"register": self._register, "result": self._result, "status": self._status}[delivery.kind](delivery)
+        except WireError as e:
+            self.inbox.reject(delivery.kind, cid, e)
+            if delivery.kind != "status":
+                self._ack(cid, delivery.envelope, str(e))
+
+    def _ack(self, cid: str, env: Envelope, error: str | None) -> None:
+        self.endpoint.publish(topics.client_topic(self.run, topics.DOWNLINK, cid), "ack", env.round,
+                              encode_ack(error), reply_to=env.msg_id, sender=SERVER_ID)
+
+    def _register(self, d: Delivery) -> None:
+        info = decode_info(d.payload)
+        cid = d.client
+        if info.client_id != cid:
+            raise WireError("spoof", f"registration names client {info.client_id!r} on {cid!r}'s topic")
+        with self.cond:
+            known = self.clients.get(cid)
+            if self.frozen and known is None:
+                raise WireError("bad_format", f"the run has started with a fixed fleet; {cid} is not part of it")
+            if known is not None and known != info:
+                raise WireError("bad_spec", f"client {cid} registered again with a different model or profile")
+        problem = self.check_info(info)
+        if problem is not None:
+            raise WireError("bad_spec", problem)
+        with self.cond:
+            if cid not in self.clients:
+                log.info("client %s registered: %s on %s, %d training examples", cid, info.spec.name, info.profile,
+                         info.num_train)
+            self.clients[cid], self.limits[cid] = info, reply_limit(info)
+            self.offline.discard(cid)
+            self.offline_since.pop(cid, None)
+            resend = [o for o in self.open.values() if o.client == cid and cid not in self.results]
+            self.cond.notify_all()
+        self._ack(cid, d.envelope, None)
+        for o in resend:  # a restarted client lost the instruction it was working on
+            self.endpoint.send(topics.client_topic(self.run, topics.DOWNLINK, cid), o.envelope, o.payload,
+                               self.chunk_size)
+
+    def _result(self, d: Delivery) -> None:
+        result = decode_result(d.payload)
+        cid = d.client
+        if result.client_id != cid or result.round != d.envelope.round:
+            raise WireError("spoof", f"result names client {result.client_id!r}, round {result.round} on {cid!r}'s "
+                            f"topic for round {d.envelope.round}")
+        with self.cond:
+            o = self.open.get(d.envelope.reply_to or "")
+            if o is None or cid in self.results:  # closed or answered while the chunks arrived
+                raise WireError("duplicate" if cid in self.results else "stale_round", "instruction already closed")
+            if result.type != o.task.type:
+                raise WireError("no_open_task", f"a {result.type!r} result answers a {o.task.type!r} instruction")
+            self.results[cid] = result
+            self.cond.notify_all()
+        self._ack(cid, d.envelope, None)
+
+    def _status(self, d: Delivery) -> None:
+        state, _ = decode_status(d.payload)
+        cid = d.client
+        with self.cond:
+            if state == "offline":
+                if cid not in self.offline:
+                    log.info("client %s is offline", cid)
+                    self.offline_since[cid] = time.monotonic()
+                self.offline.add(cid)
+                self.seen.pop(cid, None)
+            else:
+                self.offline.discard(cid)
+                self.offline_since.pop(cid, None)
+            self.cond.notify_all()

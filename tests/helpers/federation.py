@@ -1,0 +1,331 @@
+"""A tiny real federation for fault tests: Mosquitto, the server (thread or `fedge server` process) and
+`fedge client` processes on 127.0.0.1, with teardown that kills whatever is left.
+
+The server in a thread runs `fedge.deploy.serve` with an instrumented Fleet (`RecordingFleet`) so a test can
+read the fleet's liveness state and the time every exchange took; `Federation.abort()` makes a stuck server
+give up at once. Client and server logs are printed at teardown, which pytest shows only for a failed test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from helpers.brokers import MosquittoProcess, require_mosquitto
+
+from fedge import deploy
+from fedge.broker import generate_users
+from fedge.config import RunConfig
+from fedge.messages import Result, Task
+from fedge.mqtt import Broker
+from fedge.weights import atomic_write
+from server.fleet import Fleet, FleetError
+
+REPO = Path(__file__).resolve().parents[2]
+POLL_S = 0.05
+EXIT_S = 10.0  # how long a process or the server thread gets to finish after it was told to
+
+
+def make_config(out: Path, **overrides: Any) -> RunConfig:
+    """A run small enough for a fault test: 3 cnn1 clients on mnist-5k, 2 rounds of 1 epoch on 64 samples,
+    1 s heartbeats, a 15 s round deadline; every field can be overridden."""
+    values: dict[str, Any] = dict(
+        strategy="fedavg", dataset="mnist-5k", zoo="cnn1", clients=3, rounds=2, local_epochs=1,
+        max_samples_per_client=64, max_public_samples=64, batch_size=32, finetune_epochs=1, device="cpu",
+        heartbeat_s=1.0, round_deadline_s=15.0, register_timeout_s=60.0, round_retries=0,
+        run_id=f"fault{os.getpid()}x{time.monotonic_ns() % 10**6}", out=str(out))
+    values.update(overrides)
+    values.setdefault("active", values["clients"])
+    return RunConfig(**values)
+
+
+def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> Any:
+    """Poll `condition` until it is truthy and return its value; AssertionError naming `what` on timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(POLL_S)
+
+
+def read_rows(out: Path) -> list[dict[str, Any]]:
+    """The metrics.jsonl rows of a run folder (none if it does not exist yet)."""
+    path = Path(out) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def trained_by_round(out: Path) -> dict[int, list[str]]:
+    """Round → the clients whose training reply was aggregated that round (one entry per metrics row)."""
+    rounds: dict[int, list[str]] = {}
+    for row in read_rows(out):
+        rounds.setdefault(row["round"], [])
+        if row["trained"]:
+            rounds[row["round"]].append(row["client"])
+    return rounds
+
+
+# ---------------------------------------------------------------------------------------------- the server
+
+
+@dataclass
+class Exchange:
+    """One Fleet.exchange call as the round loop saw it."""
+
+    round: int
+    type: str
+    sent: list[str]
+    replied: list[str]
+    start: float
+    end: float
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+class RecordingFleet(Fleet):
+    """The production Fleet, recording every exchange; `abort` makes waits end at once (for teardown).
+
+    `after_send(round, task type)`, when set, is called on the server's thread once an exchange's tasks were
+    all published and acknowledged by the broker, before the fleet starts waiting for replies.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.exchanges: list[Exchange] = []
+        self.aborted = threading.Event()
+        self.after_send: Callable[[int, str], None] | None = None
+        self._unsent = 0
+        self._current = (-1, "")
+        send = self.endpoint.send  # every message goes out through Endpoint.send (publish calls it too)
+
+        def send_and_notify(topic: str, env: Any, payload: bytes, *args: Any, **kwargs: Any) -> None:
+            send(topic, env, payload, *args, **kwargs)
+            if env.type == "task" and self._unsent > 0:
+                self._unsent -= 1
+                if self._unsent == 0 and self.after_send is not None:
+                    self.endpoint.last_sent.wait_for_publish(EXIT_S)
+                    self.after_send(*self._current)
+
+        self.endpoint.send = send_and_notify
+
+    def wait_for_clients(self, expected: int, timeout: float):
+        deadline = time.monotonic() + timeout
+        while not self.aborted.is_set():
+            try:
+                return super().wait_for_clients(expected, min(1.0, max(0.01, deadline - time.monotonic())))
+            except FleetError:
+                if time.monotonic() >= deadline:
+                    raise
+        raise FleetError("aborted by the test")
+
+    def exchange(self, tasks: Mapping[str, Task]) -> dict[str, Result]:
+        if self.aborted.is_set():
+            return {}
+        first = next(iter(tasks.values()), None)
+        self._current = (first.round, first.type) if first else (-1, "")
+        self._unsent = len(tasks)
+        start = time.monotonic()
+        results = super().exchange(tasks)
+        self.exchanges.append(Exchange(first.round if first else -1, first.type if first else "",
+                                       sorted(tasks), sorted(results), start, time.monotonic()))
+        return results
+
+    def abort(self) -> None:
+        """Every client counts as gone from now on, so an exchange in progress returns at its next check."""
+        self.aborted.set()
+        with self.cond:
+            self.cond.notify_all()
+
+    def _gone(self, cid: str) -> bool:  # Fleet's "stop waiting for this client" test
+        return self.aborted.is_set() or super()._gone(cid)
+
+
+class ServerThread:
+    """`fedge.deploy.serve(cfg, broker)` in a background thread: `.summary` or `.error` once it ended,
+    `.fleet` (a RecordingFleet) once it connected, `.strategy` once the rounds started."""
+
+    def __init__(self, cfg: RunConfig, broker: Broker, monkeypatch: Any) -> None:
+        self.cfg, self.broker = cfg, broker
+        self.summary: dict[str, Any] | None = None
+        self.error: BaseException | None = None
+        self.fleet: RecordingFleet | None = None
+        self.strategy: Any = None
+        make_strategy = deploy.make_strategy
+
+        def fleet(*args: Any, **kwargs: Any) -> RecordingFleet:
+            self.fleet = RecordingFleet(*args, **kwargs)
+            return self.fleet
+
+        def strategy(*args: Any, **kwargs: Any) -> Any:
+            self.strategy = make_strategy(*args, **kwargs)
+            return self.strategy
+
+        monkeypatch.setattr(deploy, "Fleet", fleet)
+        monkeypatch.setattr(deploy, "make_strategy", strategy)
+        self.thread = threading.Thread(target=self._run, name="fedge-server", daemon=True)
+
+    def start(self) -> ServerThread:
+        self.thread.start()
+        wait_until(lambda: self.fleet is not None and self.fleet.endpoint.connected.is_set() or self.error,
+                   30, "the server to connect to the broker")
+        if self.error is not None:
+            raise AssertionError(f"the server did not start: {self.error!r}") from self.error
+        return self
+
+    def _run(self) -> None:
+        try:
+            self.summary = deploy.serve(self.cfg, self.broker, progress=False)
+        except BaseException as e:  # handed to the test, which asserts on it
+            self.error = e
+
+    def join(self, timeout: float) -> None:
+        """Wait for the run to end; AssertionError if it is still going after `timeout` s (a hang)."""
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            raise AssertionError(f"the server is still running after {timeout:g} s")
+
+    def stop(self) -> None:
+        if self.thread.is_alive() and self.fleet is not None:
+            self.fleet.abort()
+        self.thread.join(EXIT_S + self.cfg.round_deadline_s)
+
+
+# ---------------------------------------------------------------------------------------------- processes
+
+
+@dataclass
+class Process:
+    """A `fedge` subprocess (client or server) and its log file."""
+
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            self.popen.send_signal(sig)
+
+    def kill(self) -> None:
+        """SIGKILL: the process dies without a word; its sockets are closed by the kernel."""
+        self.signal(signal.SIGKILL)
+        self.popen.wait(EXIT_S)
+
+    def wait(self, timeout: float = EXIT_S) -> int:
+        return self.popen.wait(timeout)
+
+    def stop(self) -> None:
+        """Ctrl-C (a clean exit), then SIGKILL if it does not leave within EXIT_S."""
+        if not self.alive():
+            return
+        self.signal(signal.SIGINT)
+        try:
+            self.popen.wait(EXIT_S)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+
+
+@dataclass
+class Federation:
+    """Mosquitto with a password per client, the run's config and password files, and what was started.
+
+    `extra_users` get passwords too (e.g. a hand-driven test client); `persistence` turns Mosquitto's on. Use
+    as a context manager: on exit every process is killed, the server thread aborted, the broker stopped, and
+    all logs printed.
+    """
+
+    tmp: Path
+    cfg: RunConfig
+    extra_users: tuple[str, ...] = ()
+    persistence: bool = False
+    users: dict[str, str] = field(init=False)
+    broker: MosquittoProcess = field(init=False)
+    processes: list[Process] = field(default_factory=list)
+    servers: list[ServerThread] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        require_mosquitto()
+        self.tmp = Path(self.tmp)
+        self.users = generate_users([*(str(i) for i in range(self.cfg.clients)), *self.extra_users])
+        self.broker = MosquittoProcess(self.tmp / "mosquitto", self.users, persistence=self.persistence,
+                                       print_log=True)
+        self.secrets, self.config = self.tmp / "passwords", self.tmp / "config.json"
+        deploy.write_secrets(self.secrets, self.users)
+        atomic_write(self.config, self.cfg.to_json().encode())
+
+    def __enter__(self) -> Federation:
+        self.broker.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.processes:
+            if p.alive():
+                p.popen.kill()
+                p.popen.wait()
+        for s in self.servers:
+            s.stop()
+        self.broker.stop()
+        for p in self.processes:
+            print(f"--- {p.name} ({p.log_path}) ---\n{p.log()}")
+
+    def credentials(self, user: str, port: int | None = None) -> Broker:
+        """Where `user` connects: the broker, or a proxy in front of it on `port`."""
+        return Broker("127.0.0.1", port or self.broker.port, username=user, password=self.users[user])
+
+    def start_server(self, monkeypatch: Any, cfg: RunConfig | None = None) -> ServerThread:
+        server = ServerThread(cfg or self.cfg, self.credentials("server"), monkeypatch)
+        self.servers.append(server)
+        return server.start()
+
+    def start_server_process(self, *extra: str) -> Process:
+        """`fedge -v server` as a subprocess (its summary or error goes to its log)."""
+        cmd = [sys.executable, "-m", "fedge.cli", "-v", "server", "--broker", self.broker.url, "--password-file",
+               str(self.secrets), "--config", str(self.config), "--no-progress", *extra]
+        return self._spawn("server", cmd)
+
+    def start_clients(self, ids: list[str], port: int | None = None, settings: Mapping[str, Any] = (),
+                      name: str | None = None) -> Process:
+        """One `fedge -v client` process serving `ids`, through a proxy on `port` if given; `settings` are
+        extra `--set key=value` overrides for this process only."""
+        url = f"mqtt://127.0.0.1:{port or self.broker.port}"
+        cmd = deploy.client_command(url, self.config, ids, self.secrets, self.tmp / "client-state", threads=1)
+        cmd.insert(cmd.index("fedge.cli") + 1, "-v")  # INFO logs: registration, acks, reconnects
+        for key, value in dict(settings).items():
+            cmd += ["--set", f"{key}={value}"]
+        return self._spawn(name or f"clients-{','.join(ids)}", cmd)
+
+    def _spawn(self, name: str, cmd: list[str]) -> Process:
+        log_path = self.tmp / f"{name}.log"
+        with log_path.open("ab") as log:
+            popen = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                     env=os.environ | {"PYTHONUNBUFFERED": "1"})
+        process = Process(name, popen, log_path)
+        self.processes.append(process)
+        return process
+
+    def wait_for_log(self, process: Process, text: str, timeout: float = 60) -> None:
+        """Wait until `text` appears in the process's log; AssertionError (with the log) if it dies first."""
+        wait_until(lambda: text in process.log() or not process.alive(), timeout, f"{text!r} in {process.name}")
+        if text not in process.log():
+            raise AssertionError(f"{process.name} exited ({process.popen.returncode}) before logging {text!r}")
+

@@ -1,0 +1,312 @@
+"""Both brokers (embedded amqtt and real Mosquitto) enforce fedge's logins and per-client topic ACL, on 127.0.0.1."""
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import paho.mqtt.client as mqtt
+import pytest
+from helpers.brokers import (
+    MosquittoProcess,
+    close,
+    connack_code,
+    connect_as,
+    free_port,
+    mqtt_client,
+    next_message,
+    pending,
+    protocol_of,
+    publish,
+    require_mosquitto,
+    subscribe,
+    wait_for_port,
+)
+
+from fedge import constants as C
+from fedge.broker import BrokerError, EmbeddedBroker, TlsFiles, generate_users, serve_forever
+
+pytestmark = pytest.mark.timeout(60)
+
+GRACE_S = 0.3  # after a barrier arrived, how long a wrongly routed message would still have to show up
+
+
+@pytest.fixture(params=["embedded", "mosquitto"])
+def broker(request):
+    """Each test runs against both brokers."""
+    return request.getfixturevalue(f"{request.param}_broker")
+
+
+@pytest.fixture
+def clients(broker):
+    """Connected clients "a", "b" and "server", closed after the test."""
+    connected = {name: connect_as(broker, name) for name in ("a", "b", "server")}
+    yield connected
+    for client in connected.values():
+        close(client)
+
+
+def test_server_sends_a_task_that_only_its_client_receives(clients):
+    a, b, server = clients["a"], clients["b"], clients["server"]
+    assert subscribe(a, "fedge/r/task/a") == [1]
+    assert subscribe(b, "fedge/r/task/b") == [1]
+
+    publish(server, "fedge/r/task/a", b"task for a")
+
+    message = next_message(a)
+    assert (message.topic, message.payload) == ("fedge/r/task/a", b"task for a")
+    time.sleep(GRACE_S)
+    assert pending(b) == []
+
+
+def test_every_client_receives_the_server_broadcast(clients):
+    for name in ("a", "b"):
+        assert subscribe(clients[name], "fedge/r/server") == [1]
+
+    publish(clients["server"], "fedge/r/server", b"round 3")
+
+    for name in ("a", "b"):
+        assert next_message(clients[name]).payload == b"round 3"
+
+
+def test_a_client_cannot_subscribe_to_another_clients_tasks(broker, clients):
+    a, server = clients["a"], clients["server"]
+
+    codes = subscribe(a, "fedge/r/task/b")
+
+    if isinstance(broker, EmbeddedBroker):
+        assert codes == [0x80]  # SUBACK failure
+    else:
+        assert codes == [1]  # Mosquitto 2.0's acl_file checks reads at delivery only, never at SUBSCRIBE
+
+    # Nothing arrives either: a's own task is the barrier.
+    assert subscribe(a, "fedge/r/task/a") == [1]
+    publish(server, "fedge/r/task/b", b"secret")
+    publish(server, "fedge/r/task/a", b"barrier")
+    assert next_message(a).payload == b"barrier"
+    time.sleep(GRACE_S)
+    assert pending(a) == []
+
+
+@pytest.mark.parametrize("pattern", ["fedge/#", "fedge/+/task/+", "#", "fedge/r/+/b"])
+def test_a_wildcard_subscription_reveals_nothing_of_other_clients(clients, pattern):
+    a, server = clients["a"], clients["server"]
+    subscribe(a, pattern)  # refused or granted: either way nothing of b's may arrive
+    assert subscribe(a, "fedge/r/task/a") == [1]
+
+    publish(server, "fedge/r/task/b", b"secret")
+    publish(server, "fedge/r/task/a", b"barrier")
+
+    received = [next_message(a)]
+    time.sleep(GRACE_S)
+    received += pending(a)
+    assert {m.payload for m in received} == {b"barrier"}
+
+
+@pytest.mark.parametrize("forbidden", [
+    "fedge/r/result/b", "fedge/r/register/b", "fedge/r/status/b",  # another client's uploads
+    "fedge/r/task/a", "fedge/r/server",  # topics only the server writes
+])
+def test_a_forbidden_publish_reaches_no_subscriber(clients, forbidden):
+    a, server = clients["a"], clients["server"]
+    assert subscribe(server, "fedge/#") == [1]
+
+    publish(a, forbidden, b"forged")
+    publish(a, "fedge/r/result/a", b"barrier")  # same publisher, later: arrives after the forged one would have
+
+    received = [next_message(server)]
+    time.sleep(GRACE_S)
+    received += pending(server)
+    assert [(m.topic, m.payload) for m in received] == [("fedge/r/result/a", b"barrier")]
+
+
+@pytest.mark.parametrize("login", ["wrong password", "unknown user", "anonymous", "no password"])
+def test_bad_logins_are_refused(broker, login):
+    user, password = {
+        "wrong password": ("a", broker.users["b"]),
+        "unknown user": ("mallory", "x"),
+        "anonymous": (None, None),
+        "no password": ("a", None),
+    }[login]
+
+    code = connack_code(broker.url, user, password, client_id=user or "anon", protocol=protocol_of(broker))
+
+    assert code != 0, f"{login} was accepted"
+
+
+@pytest.mark.parametrize("impostor", ["right password", "wrong password", "anonymous"])
+def test_a_connection_claiming_another_clients_id_does_not_disturb_it(broker, clients, impostor):
+    b, server = clients["b"], clients["server"]
+    assert subscribe(b, "fedge/r/task/b") == [1]
+    user, password = {"right password": ("a", broker.users["a"]),
+                      "wrong password": ("b", "guess"), "anonymous": (None, None)}[impostor]
+
+    connack_code(broker.url, user, password, client_id="b", protocol=protocol_of(broker))
+    publish(server, "fedge/r/task/b", b"still yours")
+
+    assert next_message(b).payload == b"still yours"
+    assert b.is_connected()
+
+
+def test_a_4_mib_payload_passes_both_ways(clients):
+    a, server = clients["a"], clients["server"]
+    payload = os.urandom(C.MAX_CHUNK_BYTES)
+    assert subscribe(a, "fedge/r/task/a") == [1]
+    assert subscribe(server, "fedge/r/result/+") == [1]
+
+    publish(server, "fedge/r/task/a", payload)
+    assert next_message(a, timeout=30).payload == payload
+    publish(a, "fedge/r/result/a", payload[::-1])
+    assert next_message(server, timeout=30).payload == payload[::-1]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["embedded", "mosquitto"])
+def test_many_clients_connect_at_once_and_all_get_their_task(tmp_path, kind):
+    names = [f"c{i:03d}" for i in range(120)]
+    users = generate_users(names)
+    if kind == "mosquitto":
+        require_mosquitto()
+        broker = MosquittoProcess(tmp_path, users, print_log=True)
+    else:
+        broker = EmbeddedBroker(users=users)
+    with broker:
+        fleet = {n: connect_as(broker, n) for n in names}
+        server = connect_as(broker, "server")
+        try:
+            for name, client in fleet.items():
+                assert subscribe(client, f"fedge/r/task/{name}") == [1]
+            for name in names:
+                publish(server, f"fedge/r/task/{name}", name.encode())
+            assert all(next_message(client).payload == name.encode() for name, client in fleet.items())
+        finally:
+            for client in [*fleet.values(), server]:
+                close(client)
+
+
+def test_the_embedded_broker_never_logs_a_password(caplog):
+    users = generate_users(["a"])
+    for name in ("amqtt", "transitions", "fedge"):
+        caplog.set_level(logging.DEBUG, logger=name)
+    with EmbeddedBroker(users=users) as broker:
+        close(connect_as(broker, "a"))
+        assert connack_code(broker.url, "a", users["server"], protocol=protocol_of(broker)) != 0
+        assert connack_code(broker.url, "a", "typed-the-wrong-one", protocol=protocol_of(broker)) != 0
+
+    assert "wrong password for user 'a'" in caplog.text  # the refusal is logged ...
+    for secret in (*users.values(), "typed-the-wrong-one"):
+        assert secret not in caplog.text  # ... without any password
+
+
+def test_the_embedded_broker_refuses_mqtt_5_clearly(embedded_broker, caplog):
+    caplog.set_level(logging.INFO, logger="fedge.broker")
+
+    code = connack_code(embedded_broker.url, "a", embedded_broker.users["a"])  # MQTT 5
+
+    assert code != 0
+    assert "only 3.1.1 is served" in caplog.text
+
+
+def test_anonymous_development_mode_has_no_acl():
+    with EmbeddedBroker() as broker:
+        a = mqtt_client(broker.url, None, None, client_id="a", protocol=protocol_of(broker))
+        try:
+            assert subscribe(a, "fedge/r/task/b") == [1]
+            publish(a, "fedge/r/task/b", b"anything goes")
+            assert next_message(a).payload == b"anything goes"
+        finally:
+            close(a)
+
+
+def test_embedded_broker_stop_is_idempotent_and_a_taken_port_is_a_clear_error():
+    broker = EmbeddedBroker().start()
+    with pytest.raises(BrokerError, match="choose another one"):
+        EmbeddedBroker(port=broker.port).start()
+    broker.stop()
+    broker.stop()
+    with pytest.raises(RuntimeError):
+        wait_for_port("127.0.0.1", broker.port, timeout=0.2)
+    with pytest.raises(BrokerError, match="server user"):
+        EmbeddedBroker(users={"a": "pw"})
+
+
+def test_serve_forever_runs_until_sigterm(tmp_path):
+    users = generate_users(["a"])
+    users_file = tmp_path / "users"
+    users_file.write_text("".join(f"{u}:{p}\n" for u, p in users.items()))
+    users_file.chmod(0o600)
+    port = free_port()
+    code = "import sys, pathlib, fedge.broker as b; b.serve_forever(int(sys.argv[1]), pathlib.Path(sys.argv[2]))"
+    process = subprocess.Popen([sys.executable, "-c", code, str(port), str(users_file)], stderr=subprocess.PIPE)
+    try:
+        wait_for_port("127.0.0.1", port, alive=lambda: process.poll() is None)
+        close(mqtt_client(f"mqtt://127.0.0.1:{port}", "a", users["a"], protocol=mqtt.MQTTv311))
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(10) == 0, process.stderr.read().decode()
+    finally:
+        process.kill()
+
+
+def test_serve_forever_reports_bad_input_before_listening(tmp_path):
+    with pytest.raises(BrokerError, match="cannot read users file"):
+        serve_forever(free_port(), tmp_path / "missing")
+    (tmp_path / "users").write_text("a:pw\n")
+    with pytest.raises(BrokerError, match="server user"):
+        serve_forever(free_port(), tmp_path / "users")
+    with pytest.raises(BrokerError, match="refusing an anonymous broker"):
+        serve_forever(free_port(), None, host="0.0.0.0")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Mosquitto only: the written files, persistence and TLS
+
+
+def test_written_mosquitto_files_are_private_and_accepted(mosquitto_broker):
+    for name in ("mosquitto.conf", "passwd", "acl"):
+        assert (mosquitto_broker.directory / name).stat().st_mode & 0o777 == 0o600, name
+    close(connect_as(mosquitto_broker, "server"))  # the hashed passwd file works with the real broker
+    log = mosquitto_broker.log().replace("Warning: Mosquitto should not be run as root", "")
+    assert "Error" not in log and "Warning" not in log, log
+    assert not any(p in log for p in mosquitto_broker.users.values())
+
+
+def test_mosquitto_persistence_keeps_a_retained_message_across_a_restart(tmp_path):
+    require_mosquitto()
+    with MosquittoProcess(tmp_path, generate_users(["a"]), persistence=True, print_log=True) as broker:
+        server = connect_as(broker, "server")
+        publish(server, "fedge/r/server", b"run config", retain=True)
+        close(server)
+        db, deadline = tmp_path / "db" / "mosquitto.db", time.monotonic() + 10
+        while not (db.exists() and b"run config" in db.read_bytes()) and time.monotonic() < deadline:
+            time.sleep(0.1)  # autosave_interval 1: Mosquitto saves every 1 to 2 s (to a temp file, then renames)
+        broker.kill()  # a crash: only what was autosaved survives
+        broker.start()
+        a = connect_as(broker, "a")
+        try:
+            assert subscribe(a, "fedge/r/server") == [1]
+            assert next_message(a).payload == b"run config"
+        finally:
+            close(a)
+
+
+def _openssl(*args, cwd):
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def test_mosquitto_tls_listener(tmp_path):
+    require_mosquitto()
+    if not subprocess.run(["which", "openssl"], capture_output=True).returncode == 0:
+        pytest.skip("openssl not installed")
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=fedge-test-ca",
+             "-keyout", "ca.key", "-out", "ca.pem", cwd=tmp_path)
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", "server.key",
+             "-out", "server.csr", cwd=tmp_path)
+    (tmp_path / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
+    _openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+             "-days", "1", "-extfile", "san.cnf", "-out", "server.pem", cwd=tmp_path)
+    tls = TlsFiles(certfile=tmp_path / "server.pem", keyfile=tmp_path / "server.key", cafile=tmp_path / "ca.pem")
+    with MosquittoProcess(tmp_path / "broker", generate_users(["a"]), tls=tls, print_log=True) as broker:
+        close(mqtt_client(broker.url, "a", broker.users["a"], ca_certs=tmp_path / "ca.pem"))
+        assert connack_code(broker.url, "a", broker.users["a"]) != 0  # plain TCP is not served

@@ -1,0 +1,81 @@
+"""Server crash and resume (reliability notes §10 test 9): a run killed in round 2, after the checkpoint of
+round 1, resumes from the run folder and ends bit-identical to a run that was never interrupted."""
+
+import json
+
+import pytest
+
+from edge_client.agent import ClientAgent
+from fedge.checkpoint import CheckpointError, load_tree, tree_digest
+from fedge.config import RunConfig
+from fedge.simulation import run_simulation
+from server.runlog import CHECKPOINT_FILE
+
+pytestmark = pytest.mark.timeout(600)
+TIMING = ("seconds", "time_")
+
+
+class Crash(BaseException):
+    """The process dying: not an Exception, so nothing between the client and the test catches it."""
+
+
+def config(out, strategy, **kw):
+    base = dict(strategy=strategy, dataset="digits", zoo="cnn1" if strategy == "fedavg" else "I", clients=5,
+                active=3, rounds=3, local_epochs=1, batch_size=32, finetune_epochs=1, max_candidates=2,
+                out=str(out), seed=1)
+    return RunConfig(**(base | kw))
+
+
+def crash_at(monkeypatch, rnd, nth):
+    """Kill the run when the nth training task of round `rnd` reaches its client (earlier ones have trained)."""
+    handle, seen = ClientAgent.handle, []
+
+    def crashing(agent, task):
+        if task.round == rnd and task.type != "evaluate":
+            seen.append(agent.client_id)
+            if len(seen) == nth:
+                raise Crash
+        return handle(agent, task)
+
+    monkeypatch.setattr(ClientAgent, "handle", crashing)
+
+
+def rows(out):
+    """metrics.jsonl without the wall-clock fields."""
+    return [{k: v for k, v in json.loads(line).items() if not any(t in k for t in TIMING)}
+            for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("strategy", ["fedavg", "pfedclub", "pfedhr"])
+def test_a_crashed_run_resumes_bit_identically(tmp_path, monkeypatch, strategy):
+    straight = run_simulation(config(tmp_path / "straight", strategy), progress=False)
+    crash_at(monkeypatch, rnd=2, nth=2)
+    with pytest.raises(Crash):
+        run_simulation(config(tmp_path / "crashed", strategy), progress=False)
+    monkeypatch.undo()
+    assert load_tree(tmp_path / "crashed" / CHECKPOINT_FILE)["next_round"] == 2
+
+    resumed = run_simulation(config(tmp_path / "crashed", strategy), progress=False, resume=True)
+
+    for key in ("final_accuracy", "never_trained", "rejected_replies", "phi", "teacher_params"):
+        assert resumed.get(key) == straight.get(key), key
+    a, b = (load_tree(tmp_path / run / CHECKPOINT_FILE) for run in ("straight", "crashed"))
+    assert a["next_round"] == b["next_round"] == 3
+    assert tree_digest(a["strategy_state"]) == tree_digest(b["strategy_state"])
+    assert rows(tmp_path / "crashed") == rows(tmp_path / "straight")
+    assert len(resumed["server_seconds"]) == 3
+
+
+def test_resume_refuses_another_configuration_and_a_missing_checkpoint(tmp_path):
+    run_simulation(config(tmp_path / "run", "local", rounds=1), progress=False)
+    with pytest.raises(CheckpointError, match="seed"):
+        run_simulation(config(tmp_path / "run", "local", rounds=2, seed=2), progress=False, resume=True)
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        run_simulation(config(tmp_path / "empty", "local"), progress=False, resume=True)
+
+
+def test_a_finished_run_can_be_extended(tmp_path):
+    run_simulation(config(tmp_path / "run", "local", rounds=1), progress=False)
+    summary = run_simulation(config(tmp_path / "run", "local", rounds=2), progress=False, resume=True)
+    assert summary["rounds"] == 2 and len(summary["server_seconds"]) == 2
+    assert sorted({r["round"] for r in rows(tmp_path / "run")}) == [0, 1]
