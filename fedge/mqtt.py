@@ -33,7 +33,7 @@ from fedge.constants import (
     RECONNECT_MAX_S,
     RECONNECT_MIN_S,
 )
-from fedge.wire import Envelope, Reassembler, WireError, encode_status, frames, unframe
+from fedge.wire import Envelope, Reassembler, WireError, encode_status, frames, iter_frames, unframe
 
 log = logging.getLogger(__name__)
 _FATAL_CONNACK = {"Not authorized", "Bad user name or password", "Banned", "Client identifier not valid",
@@ -278,7 +278,7 @@ class Endpoint:
 
     def send(self, topic: str, env: Envelope, payload: bytes, chunk_size: int = CHUNK_SIZE) -> None:
         """(Re-)send an already enveloped payload; a repeat is recognised by its msg_id and ignored."""
-        for data in frames(env, payload, chunk_size):
+        for data in iter_frames(env, payload, chunk_size):
             self.last_sent = self.client.publish(topic, data, qos=MQTT_QOS)
 
     def stop(self) -> None:

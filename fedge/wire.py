@@ -10,7 +10,7 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from fedge.constants import (
     CHUNK_SIZE,
@@ -196,7 +196,7 @@ def _pack(kind: str, fields: dict[str, Any], models: dict[str, Weights]) -> byte
     _check_finite_json(fields, kind)
     header = json.dumps({"kind": kind, "fields": fields, "models": index}, sort_keys=True,
                         separators=(",", ":"), allow_nan=False).encode("utf-8")
-    out = len(header).to_bytes(_LEN_BYTES, "little") + header + b"".join(blobs)
+    out = b"".join([len(header).to_bytes(_LEN_BYTES, "little"), header, *blobs])
     if len(header) > MAX_HEADER_BYTES or len(out) > MAX_PAYLOAD_BYTES:
         raise WireError("too_large", f"{kind} payload header {len(header)} B / total {len(out)} B is over the cap")
     return out
@@ -391,6 +391,14 @@ class _Partial:
     max_size: int
     parts: dict[int, bytes | memoryview] = field(default_factory=dict)
     size: int = 0
+    hasher: Any = field(default_factory=hashlib.sha256)  # the payload's SHA-256, fed in chunk order
+    hashed: int = 0  # chunks 0..hashed-1 are in `hasher`
+
+    def feed_hash(self) -> None:
+        """Hash the chunks that are next in order, as they arrive, so the check at the end costs nothing."""
+        while self.hashed in self.parts:
+            self.hasher.update(self.parts[self.hashed])
+            self.hashed += 1
 
 
 class Reassembler:
@@ -456,11 +464,12 @@ class Reassembler:
         if p.size > max_size:
             raise self._reject(msg_id, "too_large", f"chunks exceed the cap of {max_size} bytes")
         p.parts[index] = data
+        p.feed_hash()
         if len(p.parts) < total:
             return None
         payload = b"".join(p.parts[i] for i in range(total))
         del self._pending[msg_id]
-        if sha256_hex(payload) != expected_sha256:
+        if p.hasher.hexdigest() != expected_sha256:
             raise WireError("hash_mismatch", f"message {msg_id}: SHA-256 of the {len(payload)} joined bytes "
                             "does not match the envelope")
         self._done[msg_id] = None
@@ -487,16 +496,19 @@ class Frame:
 def frames(env: Envelope, payload: bytes, chunk_size: int = CHUNK_SIZE) -> list[bytes]:
     """The transport messages carrying `payload`: 4-byte LE header length, JSON header (envelope, chunk
     index, chunk SHA-256), chunk bytes. `env` must have been made for this payload and chunk size."""
+    return list(iter_frames(env, payload, chunk_size))
+
+
+def iter_frames(env: Envelope, payload: bytes, chunk_size: int = CHUNK_SIZE) -> Iterator[bytes]:
+    """`frames`, one at a time, so the first can be sent while the rest are still being hashed."""
     parts = split(memoryview(payload), chunk_size)
     if len(parts) != env.chunks or env.size != len(payload):
         raise WireError("bad_chunk", f"envelope announces {env.chunks} chunks of {env.size} bytes, payload gives "
                         f"{len(parts)} of {len(payload)}")
-    out = []
     for i, part in enumerate(parts):
         header = json.dumps({"envelope": env.to_dict(), "chunk": i, "chunk_sha256": sha256_hex(part)},
                             sort_keys=True, separators=(",", ":")).encode()
-        out.append(b"".join((len(header).to_bytes(_FRAME_LEN_BYTES, "little"), header, part)))
-    return out
+        yield b"".join((len(header).to_bytes(_FRAME_LEN_BYTES, "little"), header, part))
 
 
 def unframe(data: bytes) -> Frame:
