@@ -208,7 +208,7 @@ def cmd_broker(args: argparse.Namespace) -> None:
         raise ConfigError("TLS needs both --certfile and --keyfile")
     tls = TlsFiles(Path(args.certfile), Path(args.keyfile), Path(args.cafile) if args.cafile else None,
                    args.require_certificate) if args.certfile else None
-    conf = write_mosquitto_config(out, users, port=args.port, host=args.host, tls=tls)
+    conf = write_mosquitto_config(out, users, port=args.port, host=args.host, tls=tls, run_as=args.run_as)
     print(f"wrote {conf} for {len(users) - 1} clients; start it with: mosquitto -c {conf}")
     if not args.users:
         print(f"generated passwords are in {out / 'users'} (username:password, mode 600); give each device its line")
@@ -326,6 +326,8 @@ def add_deploy_parsers(sub: Any) -> None:
     p.add_argument("--certfile", help="TLS: broker certificate")
     p.add_argument("--keyfile", help="TLS: broker key")
     p.add_argument("--require-certificate", action="store_true", help="TLS: demand client certificates")
+    p.add_argument("--run-as", help="the user Mosquitto runs as (started as root it switches to `mosquitto`, "
+                   "which must be able to read the written files; their owner is a safe choice)")
     p.set_defaults(func=cmd_broker)
 
 

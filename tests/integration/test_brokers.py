@@ -27,6 +27,7 @@ from helpers.brokers import (
 
 from fedge import constants as C
 from fedge.broker import BrokerError, EmbeddedBroker, TlsFiles, generate_users, serve_forever
+from fedge.mqtt import Endpoint, MqttError, parse_broker
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -310,3 +311,12 @@ def test_mosquitto_tls_listener(tmp_path):
     with MosquittoProcess(tmp_path / "broker", generate_users(["a"]), tls=tls, print_log=True) as broker:
         close(mqtt_client(broker.url, "a", broker.users["a"], ca_certs=tmp_path / "ca.pem"))
         assert connack_code(broker.url, "a", broker.users["a"]) != 0  # plain TCP is not served
+        # fedge's own connection: mqtts:// with the CA connects; without it the handshake fails and start() says so
+        url = f"mqtts://127.0.0.1:{broker.port}"
+        endpoint = Endpoint(parse_broker(url, "a", broker.users["a"], cafile=str(tmp_path / "ca.pem")), "a", [],
+                            lambda topic, data: None)
+        endpoint.start(10)
+        endpoint.stop()
+        untrusted = Endpoint(parse_broker(url, "a", broker.users["a"]), "a", [], lambda topic, data: None)
+        with pytest.raises(MqttError, match="no connection"):
+            untrusted.start(2)

@@ -3,6 +3,7 @@
 
 import json
 import os
+import pwd
 import subprocess
 import sys
 import threading
@@ -15,7 +16,7 @@ from fedge.config import RunConfig
 from fedge.deploy import serve, write_secrets
 from fedge.mqtt import Broker
 from fedge.simulation import run_simulation
-from helpers.brokers import MosquittoProcess, require_mosquitto
+from helpers.brokers import MOSQUITTO, free_port, require_mosquitto, wait_for_port
 
 pytestmark = pytest.mark.timeout(300)
 IDS = ["0", "1", "2"]
@@ -68,9 +69,11 @@ def test_server_and_clients_on_mosquitto_with_acls(tmp_path):
     server; a client presenting another client's password is refused and says so."""
     require_mosquitto()
     users = generate_users(IDS)
-    written = fedge("broker", "--write-mosquitto-config", str(tmp_path / "conf"), "--users", _users(tmp_path, users))
+    port = free_port()
+    written = fedge("broker", "--write-mosquitto-config", str(tmp_path / "conf"), "--users", _users(tmp_path, users),
+                    "--port", str(port), "--run-as", pwd.getpwuid(os.getuid()).pw_name)
     assert written.returncode == 0 and "mosquitto -c" in written.stdout, written.stderr
-    with MosquittoProcess(tmp_path / "mosq", users) as mosq:
+    with mosquitto_from(tmp_path / "conf" / "mosquitto.conf", port) as mosq:
         cfg = tiny(tmp_path, "run", strategy="fedavg", zoo="cnn1", rounds=2)
         config = _write(tmp_path, cfg)
         secrets = tmp_path / "passwords"
@@ -98,6 +101,23 @@ def test_server_and_clients_on_mosquitto_with_acls(tmp_path):
         rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
         assert {(r["round"], r["client"]) for r in rows if r["trained"]} == {(r, c) for r in range(2) for c in IDS}
         assert all(users[u] not in "".join(outputs) for u in users)  # no secrets in logs
+
+
+class mosquitto_from:
+    """`mosquitto -c CONF`, as a user would start it, stopped on exit."""
+
+    def __init__(self, conf, port: int) -> None:
+        self.conf, self.port, self.url = conf, port, f"mqtt://127.0.0.1:{port}"
+
+    def __enter__(self):
+        self.process = subprocess.Popen([MOSQUITTO, "-c", str(self.conf)], stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT)
+        wait_for_port("127.0.0.1", self.port, alive=lambda: self.process.poll() is None)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.process.terminate()
+        self.process.wait(10)
 
 
 def _users(tmp_path, users: dict[str, str]) -> str:
