@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from device_profiles import ProfileError
+from export import ExportError
 from fedge import constants as C
 from fedge.broker import BrokerError
 from fedge.checkpoint import CheckpointError
@@ -24,8 +25,8 @@ from server.fleet import FleetError
 from server.strategy import StrategyError
 
 # Errors whose message tells the user what to do; anything else is a bug and keeps its traceback.
-USER_ERRORS: tuple[type[Exception], ...] = (BrokerError, CheckpointError, ConfigError, DatasetError, FleetError,
-                                            PartitionError, ProfileError, SpecError, StrategyError, TopicError,
+USER_ERRORS: tuple[type[Exception], ...] = (BrokerError, CheckpointError, ConfigError, DatasetError, ExportError,
+                                            FleetError, PartitionError, ProfileError, SpecError, StrategyError, TopicError,
                                             WeightsError, ZooError, OSError)
 
 
@@ -214,6 +215,84 @@ def cmd_broker(args: argparse.Namespace) -> None:
         print(f"generated passwords are in {out / 'users'} (username:password, mode 600); give each device its line")
 
 
+def cmd_predict(args: argparse.Namespace) -> None:
+    """Accuracy of an ONNX model through onnxruntime on a dataset, or on one client's test shard of a run."""
+    import numpy as np
+
+    from export.onnx import predict_onnx
+    from fedge.data import load_dataset
+
+    ds = load_dataset(args.dataset, args.data)
+    idx, where = np.arange(len(ds)), "all samples"
+    if args.client is not None:
+        from fedge.partition import make_partition
+        from fedge.simulation import partition_config  # the run's split; no training code runs
+
+        if not args.config:
+            raise ConfigError("--client needs --config: the run's config.json (it defines the partition)")
+        cfg = run_config(args, ())
+        if cfg.dataset != ds.name:
+            raise ConfigError(f"the run in {args.config} used dataset {cfg.dataset!r}, not {ds.name!r}")
+        shards = {str(s.client_id): s for s in make_partition(ds.y, ds.num_classes, partition_config(cfg)).clients}
+        if args.client not in shards:
+            raise ConfigError(f"the run has no client {args.client!r}; its clients are 0..{len(shards) - 1}")
+        idx, where = shards[args.client].test, f"client {args.client}'s test shard"
+    if args.limit is not None:
+        idx = idx[:max(args.limit, 0)]
+    x, y = ds.tensors(idx)
+    logits = predict_onnx(args.model, x)
+    if logits.shape[1:] != (ds.num_classes,):
+        raise ExportError(f"{args.model} gives {logits.shape[1:]} outputs per sample, {ds.name} has "
+                          f"{ds.num_classes} classes")
+    correct = int((logits.argmax(1) == y.numpy()).sum())
+    acc = correct / len(y) if len(y) else float("nan")
+    print(f"accuracy {acc:.4f} ({correct}/{len(y)}) on {where} of {ds.name}, onnxruntime, {args.model}")
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    """Export a run's final teacher or a client's newest student to a deployable format."""
+    from export.run_models import load_final_model, model_metadata, parity_sample
+    from fedge.data import load_dataset
+
+    exporters = {"onnx": _export_onnx}
+    if args.format not in exporters:
+        raise ExportError(f"unsupported format {args.format!r}; supported: {', '.join(exporters)}")
+    weights, rnd = load_final_model(args.run_dir, args.client, args.what)
+    cfg = json.loads((Path(args.run_dir) / "config.json").read_text())
+    ds = load_dataset(cfg["dataset"], cfg.get("data"))
+    out = Path(args.out) / f"client{args.client}-{args.what}.{args.format}"
+    exporters[args.format](weights, out, parity_sample(ds), model_metadata(ds, args.client, args.what, rnd))
+
+
+def _export_onnx(weights: Any, out: Path, sample: Any, metadata: dict[str, str]) -> None:
+    from export.onnx import export_onnx
+
+    r = export_onnx(weights.spec, weights.state, out, sample, metadata)
+    print(f"wrote {r.path} (opset {r.opset}, {r.exporter} exporter; onnxruntime vs PyTorch on {r.samples} real "
+          f"inputs: max abs logit difference {r.max_abs_diff:.2g}, argmax identical)")
+
+
+def add_export_parsers(sub: Any) -> None:
+    """`fedge export` and `fedge predict`: deployable files of a run's models, and checking them."""
+    p = sub.add_parser("export", help="export a client's final teacher or student of a run (ONNX)")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (a `fedge run` --out)")
+    p.add_argument("--client", required=True, help="client id")
+    p.add_argument("--what", default="teacher", help="teacher (the server's final teacher) or student "
+                   "(the client's newest model snapshot); default teacher")
+    p.add_argument("--format", default="onnx", help="output format (default onnx)")
+    p.add_argument("--out", required=True, help="output folder")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("predict", help="accuracy of an ONNX model through onnxruntime on a dataset")
+    p.add_argument("model", metavar="MODEL.onnx", help="an ONNX file written by fedge")
+    p.add_argument("--dataset", required=True, help="dataset name")
+    p.add_argument("--data", help="path to the dataset files")
+    p.add_argument("--client", help="only this client's test shard (needs --config)")
+    p.add_argument("--config", help="the run's config.json (defines the client shards)")
+    p.add_argument("--limit", type=int, help="use at most N samples")
+    p.set_defaults(func=cmd_predict, set=None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedge", description="Personalized federated learning for "
                                      "heterogeneous edge fleets (pFedClub, pFedHR, ...).")
@@ -243,6 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_data)
     add_run_parser(sub)
     add_deploy_parsers(sub)
+    add_export_parsers(sub)
     return parser
 
 

@@ -63,6 +63,7 @@ class RunConfig:
     heartbeat_s: float = C.HEARTBEAT_S
     keepalive_s: int = C.KEEPALIVE_S
     chunk_size: int = C.CHUNK_SIZE
+    export_onnx: bool = True
     out: str | None = None
 
     def __post_init__(self) -> None:
@@ -99,6 +100,8 @@ class RunConfig:
         if not 1 <= self.keepalive_s <= 65535:
             raise ConfigError(f"keepalive_s must be 1..65535 seconds (MQTT keep-alive; Mosquitto's max_keepalive "
                               f"caps it), got {self.keepalive_s}")
+        if not isinstance(self.export_onnx, bool):
+            raise ConfigError(f"export_onnx must be true or false, got {self.export_onnx!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
 
@@ -108,6 +111,16 @@ class RunConfig:
     def to_json(self) -> str:
         """The whole config as JSON, readable back by load_config (e.g. by client processes)."""
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+def _boolean(value: Any) -> bool:
+    """A TOML/JSON bool, or true/false/yes/no/on/off/1/0 from the command line; anything else raises TypeError."""
+    if isinstance(value, bool):
+        return value
+    words = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+    if isinstance(value, str) and value.strip().lower() in words:
+        return words[value.strip().lower()]
+    raise TypeError
 
 
 def _coerce(name: str, kind: Any, value: Any) -> Any:
@@ -124,7 +137,7 @@ def _coerce(name: str, kind: Any, value: Any) -> Any:
             items = value.split(",") if isinstance(value, str) else list(value)
             return tuple(str(v).strip() for v in items if str(v).strip())
         if base is bool:
-            raise TypeError
+            return _boolean(value)
         if base is int and isinstance(value, float):
             raise ValueError(f"{value} is not an integer")
         return base(value)

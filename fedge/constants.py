@@ -113,5 +113,6 @@ WILL_TTL_S = 365 * 24 * 3600.0  # a will is composed at connect time and may be 
 CONNECT_TIMEOUT_S = 60.0  # server and clients give up reaching the broker after this long
 CLIENT_EXIT_GRACE_S = 20.0  # `fedge run` waits this long for client processes to exit after the run
 CLIENT_STATE_DIR = "clients"  # <out>/clients/<id>: each client's model snapshots
+FINAL_MODELS_DIR = "models"  # <out>/models/<id>/teacher.{safetensors,onnx}: final models written after a run
 CHECKPOINT_VERSION = 1  # bump when the checkpoint skeleton encoding changes; older files are then refused
 CMSR_INDEX = "raw"  # CMSR's order constraint compares raw block indices (Alg. 1); "relative" = position / depth

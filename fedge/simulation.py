@@ -15,6 +15,7 @@ import torch
 
 from device_profiles import fits, get_profile
 from edge_client.agent import ClientAgent, ClientData
+from export.run_models import write_final_models
 from fedge import constants as C
 from fedge.config import ConfigError, RunConfig
 from fedge.data import Dataset, load_dataset
@@ -115,6 +116,9 @@ def run_federation_rounds(cfg: RunConfig, strategy: Strategy, transport: Transpo
     summary |= extra | {"wall_seconds": time.perf_counter() - start} | transport.report()
     runlog.write_json("summary.json", summary)
     write_plots(runlog.rows(), summary, out, f"{cfg.strategy} on {cfg.dataset}, zoo {cfg.zoo}")
+    finals = strategy.final_models()
+    if finals:
+        write_final_models(out, finals, load_dataset(cfg.dataset, cfg.data), cfg.rounds - 1, cfg.export_onnx)
     return summary
 
 

@@ -179,6 +179,10 @@ class ReassemblyStrategy(Strategy):
                 "teacher_params": {c: mean(c, "teacher_params") for c in cids},
                 "candidates_per_client": {c: mean(c, "candidates") for c in cids}}
 
+    def final_models(self) -> dict[str, dict[str, Weights]]:
+        """Each client's kept teacher (the one it would get at its next selection)."""
+        return {cid: {"teacher": self.teachers[cid]} for cid in sorted(self.teachers, key=client_order)}
+
     def state(self) -> Tree:
         """The kept teachers and each client's teacher records (what ϕ of Eq. (6) is averaged over)."""
         return {"teachers": dict(self.teachers), "history": {cid: list(rows) for cid, rows in self.history.items()}}

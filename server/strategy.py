@@ -9,7 +9,7 @@ import torch
 
 from fedge import constants as C
 from fedge.checkpoint import Tree
-from fedge.messages import ClientInfo, Result, Task
+from fedge.messages import ClientInfo, Result, Task, Weights
 from fedge.registry import Registry
 
 
@@ -84,6 +84,11 @@ class Strategy:
 
     def summary(self) -> dict[str, Any]:
         """Extra fields for summary.json; none by default."""
+        return {}
+
+    def final_models(self) -> dict[str, dict[str, Weights]]:
+        """The server-side models a finished run leaves per client, by role (e.g. {"3": {"teacher": ...}});
+        written to the run folder and exported after the last round. None by default."""
         return {}
 
     def state(self) -> Tree:

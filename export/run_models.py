@@ -1,0 +1,103 @@
+"""A run folder's final models: written at the end of a run (<run>/models/<client>/<role>.safetensors + .onnx),
+and read back for `fedge export` (teachers from there, students from the clients' newest snapshots)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from export import ExportError
+from export.onnx import OnnxReport, export_onnx
+from fedge import constants as C
+from fedge.checkpoint import CheckpointError, load_tree
+from fedge.data import Dataset
+from fedge.messages import Weights
+from fedge.weights import WeightsError, load_model, save_model
+
+log = logging.getLogger(__name__)
+
+ROLES = ("teacher", "student")
+PARITY_SAMPLES = 64  # real dataset images each export is checked on
+
+
+def parity_sample(ds: Dataset, n: int = PARITY_SAMPLES) -> torch.Tensor:
+    """The first `n` images of the dataset, normalised as in training (real inputs for the parity check)."""
+    return ds.tensors(np.arange(min(n, len(ds))))[0]
+
+
+def model_metadata(ds: Dataset, client: str, role: str, rnd: int | None) -> dict[str, str]:
+    """The run-specific metadata props of an export: client, role, round, dataset, classes, normalisation."""
+    return {"client": client, "role": role, "round": "" if rnd is None else str(rnd), "dataset": ds.name,
+            "class_names": json.dumps(list(ds.classes)), "mean": json.dumps(list(ds.mean)),
+            "std": json.dumps(list(ds.std))}
+
+
+def write_final_models(run_dir: str | Path, finals: Mapping[str, Mapping[str, Weights]], ds: Dataset,
+                       rnd: int | None, onnx: bool = True) -> dict[str, dict[str, OnnxReport | None]]:
+    """Save each client's final models as <run>/models/<client>/<role>.safetensors and, with `onnx`, export
+    and check <role>.onnx. An export that fails its check is logged as an error and left out (None): the
+    run's other results stay valid."""
+    reports: dict[str, dict[str, OnnxReport | None]] = {}
+    sample = parity_sample(ds) if onnx and finals else None
+    for client, models in finals.items():
+        for role, weights in models.items():
+            folder = Path(run_dir) / C.FINAL_MODELS_DIR / client
+            save_model(folder / f"{role}.safetensors", weights.spec, weights.state)
+            if sample is None:
+                continue
+            try:
+                report = export_onnx(weights.spec, weights.state, folder / f"{role}.onnx", sample,
+                                     model_metadata(ds, client, role, rnd))
+                log.info("client %s %s → %s (max abs diff %.2g)", client, role, report.path, report.max_abs_diff)
+            except ExportError as e:
+                log.error("client %s: the final %s was not exported to ONNX: %s", client, role, e)
+                report = None
+            reports.setdefault(client, {})[role] = report
+    return reports
+
+
+def run_config(run_dir: str | Path) -> dict[str, Any]:
+    """The config.json of a run folder; a missing folder or file raises ExportError."""
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise ExportError(f"run folder {run} does not exist; pass the folder a `fedge run` wrote (its --out)")
+    try:
+        return json.loads((run / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ExportError(f"{run} is not a fedge run folder (no readable config.json: {e})") from None
+
+
+def load_final_model(run_dir: str | Path, client: str, what: str) -> tuple[Weights, int | None]:
+    """A client's final teacher (<run>/models/<client>/teacher.safetensors) or student (its newest snapshot in
+    <run>/clients/<client>/), with the round it is from (None for teachers). A missing run, an unknown client,
+    an unknown role, or no model on disk raise ExportError saying which."""
+    cfg = run_config(run_dir)
+    if what not in ROLES:
+        raise ExportError(f"unknown model {what!r}; choose one of {', '.join(ROLES)}")
+    clients = [str(i) for i in range(int(cfg.get("clients", 0)))]
+    if client not in clients:
+        raise ExportError(f"run {run_dir} has no client {client!r}; its clients are 0..{len(clients) - 1}")
+    run = Path(run_dir)
+    if what == "teacher":
+        path = run / C.FINAL_MODELS_DIR / client / "teacher.safetensors"
+        if not path.exists():
+            raise ExportError(f"client {client} has no final teacher in {path.parent} (the strategy "
+                              f"{cfg.get('strategy')!r} builds none, or the client never got one)")
+        try:
+            spec, state = load_model(path)
+        except WeightsError as e:
+            raise ExportError(str(e)) from None
+        return Weights(spec, state), None
+    snapshots = sorted((run / C.CLIENT_STATE_DIR / client).glob("round-*.safetensors"), reverse=True)
+    for path in snapshots:
+        try:
+            tree = load_tree(path)
+            return tree["model"], int(tree["round"])
+        except (CheckpointError, KeyError, TypeError, ValueError) as e:
+            log.warning("client %s: snapshot %s is unusable, trying an older one: %s", client, path, e)
+    raise ExportError(f"client {client} has no readable model snapshot in {run / C.CLIENT_STATE_DIR / client}")
