@@ -10,6 +10,7 @@ from typing import Any, Mapping
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from export import ExportError
 from export.onnx import OnnxReport, export_onnx
@@ -38,13 +39,15 @@ def model_metadata(ds: Dataset, client: str, role: str, rnd: int | None) -> dict
 
 
 def write_final_models(run_dir: str | Path, finals: Mapping[str, Mapping[str, Weights]], ds: Dataset,
-                       rnd: int | None, onnx: bool = True) -> dict[str, dict[str, OnnxReport | None]]:
+                       rnd: int | None, onnx: bool = True,
+                       progress: bool = False) -> dict[str, dict[str, OnnxReport | None]]:
     """Save each client's final models as <run>/models/<client>/<role>.safetensors and, with `onnx`, export
     and check <role>.onnx. An export that fails its check is logged as an error and left out (None): the
     run's other results stay valid."""
     reports: dict[str, dict[str, OnnxReport | None]] = {}
     sample = parity_sample(ds) if onnx and finals else None
-    for client, models in finals.items():
+    for client, models in tqdm(finals.items(), desc="export ONNX" if onnx else "save models", unit="client",
+                               disable=not progress, dynamic_ncols=True):
         for role, weights in models.items():
             folder = Path(run_dir) / C.FINAL_MODELS_DIR / client
             save_model(folder / f"{role}.safetensors", weights.spec, weights.state)

@@ -118,7 +118,8 @@ def run_federation_rounds(cfg: RunConfig, strategy: Strategy, transport: Transpo
     write_plots(runlog.rows(), summary, out, f"{cfg.strategy} on {cfg.dataset}, zoo {cfg.zoo}")
     finals = strategy.final_models()
     if finals:
-        write_final_models(out, finals, load_dataset(cfg.dataset, cfg.data), cfg.rounds - 1, cfg.export_onnx)
+        write_final_models(out, finals, load_dataset(cfg.dataset, cfg.data), cfg.rounds - 1, cfg.export_onnx,
+                           progress)
     return summary
 
 
