@@ -134,7 +134,7 @@ class Inbox:
             raise WireError("too_large", f"a {len(data)}-byte message exceeds the per-chunk cap")
         frame = unframe(data)
         env = frame.envelope
-        owner = client if kind in topics.UPLINK else "server"
+        owner = client if kind in topics.UPLINK else topics.SERVER_ID
         if env.sender != owner:
             raise WireError("spoof", f"envelope sender {env.sender!r} on topic {topic!r} (expected {owner!r})")
         expected = {"register": ("register",), "result": ("result",), "status": ("status",),

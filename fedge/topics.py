@@ -15,6 +15,7 @@ ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 UPLINK = ("register", "result", "status")  # client → server, one topic per client
 DOWNLINK = "task"  # server → client (tasks and acknowledgements)
 SERVER = "server"  # the server's own status broadcast
+SERVER_ID = "server"  # the sender every server envelope names (its messages' identity, not an MQTT username)
 
 
 class TopicError(ValueError):

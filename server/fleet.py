@@ -44,7 +44,6 @@ from fedge.wire import (
 )
 
 log = logging.getLogger(__name__)
-SERVER_ID = "server"
 DEAD_AFTER_HEARTBEATS = 3  # silence for this many heartbeat periods counts as dead
 
 
@@ -89,8 +88,8 @@ class Fleet:
         self.counts: Counter[str] = Counter()
         self.cond = threading.Condition()
         self.inbox = Inbox(run, self._accept)
-        will = (topics.server_topic(run), will_frame(run, SERVER_ID, self.session))
-        self.endpoint = Endpoint(broker, SERVER_ID, topics.uplink_filters(run), self._on_frame, self._announce, will,
+        will = (topics.server_topic(run), will_frame(run, topics.SERVER_ID, self.session))
+        self.endpoint = Endpoint(broker, topics.SERVER_ID, topics.uplink_filters(run), self._on_frame, self._announce, will,
                                  keepalive_s)
 
     # ------------------------------------------------------------------------------------------ lifecycle
@@ -98,7 +97,7 @@ class Fleet:
     def _announce(self) -> None:
         """On every (re)connect: tell clients a server is here, so restarted ones register again."""
         self.endpoint.publish(topics.server_topic(self.run), "status", max(self.round, 0),
-                              encode_status("online", self.session), sender=SERVER_ID)
+                              encode_status("online", self.session), sender=topics.SERVER_ID)
         with self.cond:
             pending = list(self.open.values())
         for o in pending:  # a broker without persistence forgot what was in flight
@@ -128,9 +127,9 @@ class Fleet:
         """Tell every client the run is over, announce going offline, and disconnect."""
         for cid in sorted(self.clients, key=client_order):
             self.endpoint.publish(topics.client_topic(self.run, topics.DOWNLINK, cid), "task", max(self.round, 0),
-                                  encode_task(Task("stop", max(self.round, 0))), sender=SERVER_ID)
+                                  encode_task(Task("stop", max(self.round, 0))), sender=topics.SERVER_ID)
         self.endpoint.publish(topics.server_topic(self.run), "status", max(self.round, 0),
-                              encode_status("offline", self.session), sender=SERVER_ID)
+                              encode_status("offline", self.session), sender=topics.SERVER_ID)
         self.endpoint.stop()
 
     # ------------------------------------------------------------------------------------------ the transport
@@ -144,7 +143,7 @@ class Fleet:
             self.round = max((t.round for t in tasks.values()), default=self.round)
         for cid, task in tasks.items():
             payload = encode_task(task)
-            env = Envelope.new(self.run, task.round, "task", SERVER_ID, payload, chunk_size=self.chunk_size)
+            env = Envelope.new(self.run, task.round, "task", topics.SERVER_ID, payload, chunk_size=self.chunk_size)
             with self.cond:  # open before sending: a fast client may answer before publish returns
                 self.open[env.msg_id] = _Open(cid, task, env, payload)
             self.endpoint.send(topics.client_topic(self.run, topics.DOWNLINK, cid), env, payload, self.chunk_size)
@@ -225,7 +224,7 @@ class Fleet:
 
     def _ack(self, cid: str, env: Envelope, error: str | None) -> None:
         self.endpoint.publish(topics.client_topic(self.run, topics.DOWNLINK, cid), "ack", env.round,
-                              encode_ack(error), reply_to=env.msg_id, sender=SERVER_ID)
+                              encode_ack(error), reply_to=env.msg_id, sender=topics.SERVER_ID)
 
     def _register(self, d: Delivery) -> None:
         info = decode_info(d.payload)
