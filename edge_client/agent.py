@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from edge_client.training import TorchTrainer, Trainer
 from fedge.checkpoint import CheckpointError, load_tree, save_tree
 from fedge.messages import ClientInfo, Result, Task, Weights
 from fedge.registry import Registry
@@ -63,6 +64,7 @@ def register_task(name: str, mutates: bool = True) -> Callable[[TaskHandler], Ta
 class ClientAgent:
     """One edge client: its own architecture, weights and data; executes tasks one at a time.
 
+    `trainer` is its runtime's training loop (eager PyTorch by default; see edge_client.executorch_trainer).
     It keeps its model as it was after each of its last SNAPSHOTS_KEPT mutating tasks, by round, and runs
     a task of round r from the newest snapshot before r (mutating tasks) or up to r (the others), so a
     re-sent task gives the same result. With `state_dir` the snapshots are also files there, and an agent
@@ -70,8 +72,9 @@ class ClientAgent:
     """
 
     def __init__(self, client_id: str, spec: ModelSpec, data: ClientData, profile: str, seed: int,
-                 state_dir: Path | None = None) -> None:
+                 state_dir: Path | None = None, trainer: Trainer | None = None) -> None:
         self.client_id = client_id
+        self.trainer = TorchTrainer() if trainer is None else trainer
         self.spec = spec.with_origin(client_id)
         self.data = data
         self.profile = profile

@@ -8,7 +8,7 @@ import time
 
 from edge_client.agent import ClientAgent, TaskError, register_task
 from edge_client.tasks import train_config
-from edge_client.training import Distillation, fit, predict
+from edge_client.training import Distillation
 from fedge import constants as C
 from fedge.messages import Result, Task
 
@@ -33,19 +33,25 @@ def kd_settings(task: Task) -> tuple[float, float]:
 
 
 def _teacher_distillation(agent: ClientAgent, task: Task, lam: float, temperature: float) -> Distillation:
-    """The teacher's logits on the client's training data (teacher in eval mode, no gradient)."""
+    """The teacher's logits on the client's training data, by the client's runtime (eager, or the teacher's
+    ExecuTorch inference program)."""
     weights = task.models["teacher"]
     if weights.spec.input_shape != agent.spec.input_shape or weights.spec.num_classes != agent.spec.num_classes:
         raise TaskError(f"client {agent.client_id}: teacher {weights.spec.name!r} takes "
                         f"{list(weights.spec.input_shape)} and gives {weights.spec.num_classes} classes; "
                         f"this client needs {list(agent.spec.input_shape)} and {agent.spec.num_classes}")
-    teacher = agent.module_for(weights)
-    return Distillation(predict(teacher, agent.data.x_train), lam, temperature)
+    agent.module_for(weights)  # checks the weights against their spec (TaskError)
+    try:
+        logits = agent.trainer.teacher_logits(weights, agent.data.x_train)
+    except ValueError as e:
+        raise TaskError(f"client {agent.client_id}: {e}") from None
+    return Distillation(logits, lam, temperature)
 
 
 @register_task("kd_train")
 def kd_train_task(agent: ClientAgent, task: Task) -> Result:
-    """Train the own model with CE + λ·KL(student ‖ teacher) (pFedClub Eq. (5)), CE alone without a teacher.
+    """Train the own model with CE + λ·KL(student ‖ teacher) (pFedClub Eq. (5)), CE alone without a teacher,
+    on the client's runtime (eager Adam, or SGD through the ExecuTorch training program).
 
     The teacher (task.models["teacher"], optional: absent at a client's first participation) is any
     architecture with the client's input shape and classes. Config: the `train` keys (epochs, batch_size,
@@ -59,7 +65,7 @@ def kd_train_task(agent: ClientAgent, task: Task) -> Result:
     distill = _teacher_distillation(agent, task, lam, temperature) if "teacher" in task.models else None
     if distill is None:
         log.debug("client %s round %d: no teacher yet, training with CE only", agent.client_id, task.round)
-    stats = fit(agent.model, agent.data.x_train, agent.data.y_train, cfg, distill)
+    stats = agent.trainer.fit(agent.model, agent.data.x_train, agent.data.y_train, cfg, distill)
     seconds = time.perf_counter() - start
     models = {"local": agent.weights()} if task.config.get("upload") else {}
     return Result(agent.client_id, task.round, task.type, len(agent.data.y_train),

@@ -4,22 +4,27 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedge.constants import EVAL_BATCH_SIZE, KD_LAMBDA, KD_TEMPERATURE
+from fedge.constants import EVAL_BATCH_SIZE, KD_LAMBDA, KD_TEMPERATURE, SGD_LR, SGD_MOMENTUM
+from fedge.messages import Weights
+from fedge.weights import load_module
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Settings of one local training run."""
+    """Settings of one local training run; `lr` is Adam's (torch runtime), `sgd_*` are the executorch runtime's."""
 
     epochs: int
     batch_size: int
     lr: float
     seed: int
+    sgd_lr: float = SGD_LR
+    sgd_momentum: float = SGD_MOMENTUM
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,8 @@ def train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig) 
     return fit(model, x, y, cfg).loss
 
 
-def _check_kd(kd: Distillation, x: torch.Tensor) -> None:
+def check_distillation(kd: Distillation, x: torch.Tensor) -> None:
+    """ValueError unless the teacher logits match the data and λ, T are valid."""
     if kd.teacher_logits.dim() != 2 or len(kd.teacher_logits) != len(x):
         raise ValueError(f"teacher logits must be (num_samples={len(x)}, classes), "
                          f"got {list(kd.teacher_logits.shape)}")
@@ -90,7 +96,7 @@ def fit(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
     if len(x) == 0:
         raise ValueError("no training data")
     if kd is not None:
-        _check_kd(kd, x)
+        check_distillation(kd, x)
     gen = torch.Generator().manual_seed(cfg.seed)
     torch.manual_seed(cfg.seed)  # dropout draws from the global generator
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
@@ -143,3 +149,28 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float,
         loss += float(F.cross_entropy(logits, yb, reduction="sum"))
         correct += int((logits.argmax(1) == yb).sum())
     return correct / len(x), loss / len(x)
+
+
+class Trainer(Protocol):
+    """A runtime's local training loop: what a task handler calls, whichever runtime the device has."""
+
+    runtime: str
+
+    def fit(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
+            kd: Distillation | None = None) -> TrainStats: ...
+
+    def teacher_logits(self, teacher: Weights, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class TorchTrainer:
+    """The `torch` runtime (Raspberry Pi, Jetson, servers): eager PyTorch, Adam, teacher logits in eager."""
+
+    runtime = "torch"
+
+    def fit(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
+            kd: Distillation | None = None) -> TrainStats:
+        return fit(model, x, y, cfg, kd)
+
+    def teacher_logits(self, teacher: Weights, x: torch.Tensor) -> torch.Tensor:
+        """The teacher's logits on x (weights already checked against their spec)."""
+        return predict(load_module(teacher.spec, teacher.state), x)

@@ -2,18 +2,21 @@
 
 Inference: torch.export → to_edge_transform_and_lower(XnnpackPartitioner) → to_executorch → atomic
 write → load through `executorch.runtime` → compare with eager. Training (experimental ExecuTorch API):
-the student is wrapped so forward(x, y, teacher_logits) returns (CE + λ·KL, logits.detach()), layers the
+the student is wrapped so forward(x, y, teacher_logits, λ, T) returns (CE + λ·KL, CE, KL, logits), layers the
 portable training kernels get wrong or lack are rewritten into exact equivalents, then
-_export_forward_backward → to_edge → to_executorch. A training program is trusted only after a
-gradient-parity check against eager PyTorch (`gradient_parity`).
+_export_forward_backward → to_edge → to_executorch with the weights in a separate .ptd. A training program
+is trusted only after a gradient-parity check against eager PyTorch (`gradient_parity`,
+`gated_training_program`); `TrainingSession` keeps one loaded and steps it (the executorch client runtime).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +25,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from export import ExportError
-from fedge.spec import ModelSpec, SpecModel
+from fedge import constants as C
+from fedge.messages import Weights
+from fedge.spec import ModelSpec, SpecModel, build
 from fedge.weights import State, WeightsError, atomic_write, load_module
 
 log = logging.getLogger(__name__)
@@ -31,6 +36,7 @@ log = logging.getLogger(__name__)
 INFERENCE_ATOL = 1e-4
 GRAD_RTOL = 1e-4
 GRAD_ATOL = 1e-6
+GATE_SEED, GATE_KD_LAMBDA, GATE_TEMPERATURE = 0, 0.2, 2.0  # the gradient-parity gate's inputs
 _STUDENT = "student"  # attribute of the training wrapper; stripped from the program's parameter names
 _BAD_TRAINING_OPS = {  # aten ops whose portable backward is wrong or missing (platform-facts "ExecuTorch")
     "max_pool2d", "max_pool2d_with_indices", "avg_pool2d", "adaptive_avg_pool2d", "_adaptive_avg_pool2d",
@@ -84,6 +90,15 @@ def _check_input(spec: ModelSpec, x: torch.Tensor) -> None:
 
 # --- inference ---------------------------------------------------------------------------------
 
+def dense(x: torch.Tensor) -> torch.Tensor:
+    """`x` with the canonical strides of its shape. The ExecuTorch runtime reads a tensor's dim order from its
+    strides, and a size-1 channel with stride 1 (e.g. torch's view of an (N, 8, 8) array as (N, 1, 8, 8))
+    reads as a permuted layout: XNNPACK then fails (0x10) and the portable convolution refuses it (0x12)."""
+    out = torch.empty(x.shape, dtype=x.dtype)
+    out.copy_(x)
+    return out
+
+
 def _lower_inference(model: nn.Module, sample: torch.Tensor) -> tuple[bytes, int, tuple[str, ...]]:
     """(program bytes, XNNPACK delegate calls, ops left to portable kernels); delegation read before to_executorch."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
@@ -123,6 +138,7 @@ def export_pte(spec: ModelSpec, state: State, path: str | os.PathLike[str], samp
     from executorch.runtime import Runtime
 
     _check_input(spec, sample)
+    sample = dense(sample)  # traced strides become the program's dim order
     model = _eager(spec, state).eval()
     try:
         data, calls, rest = _lower_inference(model, sample)
@@ -145,18 +161,64 @@ def export_pte(spec: ModelSpec, state: State, path: str | os.PathLike[str], samp
     return PteReport(str(path), len(data), diff, same, calls, rest)
 
 
+def predict_pte(path: str | os.PathLike[str], x: torch.Tensor) -> torch.Tensor:
+    """Logits of the inference program at `path` on `x`, in batches of the program's fixed size (the last one
+    padded with zeros, its padding dropped). An unreadable program or inputs of the wrong shape raise ExportError."""
+    from executorch.runtime import Runtime
+
+    try:
+        method = Runtime.get().load_program(Path(path)).load_method("forward")
+        shape = tuple(method.metadata.input_tensor_meta(0).sizes())
+    except Exception as e:
+        raise ExportError(f"{path}: not a loadable ExecuTorch inference program: {type(e).__name__}: {e}") from e
+    if tuple(x.shape[1:]) != shape[1:]:
+        raise ExportError(f"{path} takes inputs of shape {list(shape[1:])}, got {list(x.shape[1:])}")
+    batch, out = shape[0], []
+    for xb in x.split(batch):
+        n = len(xb)
+        if n < batch:
+            xb = torch.cat([xb, xb.new_zeros(batch - n, *shape[1:])])
+        out.append(method.execute([dense(xb)])[0][:n])
+    return torch.cat(out)
+
+
+def teacher_logits_pte(teacher: Weights, x: torch.Tensor, batch_size: int = C.EXECUTORCH_TEACHER_BATCH) -> torch.Tensor:
+    """A teacher's logits on x through its XNNPACK inference program (exported for batches of `batch_size`, checked
+    against eager on the first batch of x, then run over all of x): what an executorch client distills from.
+    ValueError when the teacher cannot be exported or run."""
+    batch = min(batch_size, len(x))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "teacher.pte"
+        try:
+            export_pte(teacher.spec, teacher.state, path, x[:batch])
+            return predict_pte(path, x)
+        except ExportError as e:
+            raise ValueError(f"teacher {teacher.spec.name!r} cannot run under ExecuTorch: {e}") from e
+
+
 # --- training: loss, rewrites, export ----------------------------------------------------------
+
+# The training program's positional inputs and user outputs (the runtime appends gradients and parameters).
+TRAIN_INPUTS = ("input", "labels", "teacher_logits", "kd_lambda", "temperature")
+TRAIN_OUTPUTS = ("loss", "ce", "kl", "logits")
+
+
+def kd_terms(logits: torch.Tensor, y: torch.Tensor, teacher_logits: torch.Tensor, kd_lambda: float | torch.Tensor,
+             temperature: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(CE + λ·KL, CE, KL) with KL = T²·KL(softmax(z_s/T) ‖ softmax(z_t/T)) (pFedClub Eq. (5)): the formula of
+    edge_client.training, restated because export/ may not import edge_client. λ and T may be 0-dim tensors
+    (the training program takes them as inputs, so one program serves every round); λ = 0 gives plain CE."""
+    ce = F.cross_entropy(logits, y)
+    log_q = F.log_softmax(logits / temperature, dim=1)
+    log_p = F.log_softmax(teacher_logits / temperature, dim=1)
+    kl = F.kl_div(log_p, log_q, reduction="batchmean", log_target=True) * temperature ** 2
+    return ce + kd_lambda * kl, ce, kl
+
 
 def kd_loss(logits: torch.Tensor, y: torch.Tensor, teacher_logits: torch.Tensor,
             kd_lambda: float, temperature: float) -> torch.Tensor:
-    """CE + λ·T²·KL(softmax(z_s/T) ‖ softmax(z_t/T)) (pFedClub Eq. (5)), the same formula as
-    edge_client.training (restated: export/ may not import edge_client); λ = 0 gives plain CE."""
-    ce = F.cross_entropy(logits, y)
-    if kd_lambda == 0:
-        return ce
-    log_q = F.log_softmax(logits / temperature, dim=1)
-    log_p = F.log_softmax(teacher_logits / temperature, dim=1)
-    return ce + kd_lambda * F.kl_div(log_p, log_q, reduction="batchmean", log_target=True) * temperature ** 2
+    """CE + λ·KL of pFedClub Eq. (5) (see kd_terms)."""
+    return kd_terms(logits, y, teacher_logits, kd_lambda, temperature)[0]
 
 
 class BlockPool(nn.Module):
@@ -236,17 +298,24 @@ def trainable_form(spec: ModelSpec, model: SpecModel, dropout: bool = True) -> n
     return model
 
 
-class KDTrainer(nn.Module):
-    """forward(x, y, teacher_logits) → (CE + λ·KL, logits.detach()): loss first, as ExecuTorch training needs."""
+def check_trainable(spec: ModelSpec) -> None:
+    """ExportError naming the layer when `spec` has a layer without an exact ExecuTorch training form (BatchNorm,
+    an overlapping pool); cheap (no export), so a server can check every registering executorch client."""
+    trainable_form(spec, build(spec))
 
-    def __init__(self, student: nn.Module, kd_lambda: float, temperature: float) -> None:
+
+class KDTrainer(nn.Module):
+    """forward(x, y, teacher_logits, λ, T) → (CE + λ·KL, CE, KL, logits), loss first as ExecuTorch training needs."""
+
+    def __init__(self, student: nn.Module) -> None:
         super().__init__()
         self.student = student
-        self.kd_lambda, self.temperature = kd_lambda, temperature
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor, teacher_logits: torch.Tensor):
+    def forward(self, x: torch.Tensor, y: torch.Tensor, teacher_logits: torch.Tensor, kd_lambda: torch.Tensor,
+                temperature: torch.Tensor):
         logits = self.student(x)
-        return kd_loss(logits, y, teacher_logits, self.kd_lambda, self.temperature), logits.detach()
+        loss, ce, kl = kd_terms(logits, y, teacher_logits, kd_lambda, temperature)
+        return loss, ce.detach(), kl.detach(), logits.detach()
 
 
 def _refuse_bad_ops(spec: ModelSpec, ep: torch.export.ExportedProgram) -> None:
@@ -259,33 +328,56 @@ def _refuse_bad_ops(spec: ModelSpec, ep: torch.export.ExportedProgram) -> None:
                               f"{where} has no correct portable backward kernel and no exact rewrite")
 
 
-def _check_kd(kd_lambda: float, temperature: float, batch_size: int) -> None:
+def _check_kd(kd_lambda: float, temperature: float) -> None:
     if not (math.isfinite(kd_lambda) and kd_lambda >= 0):
         raise ExportError(f"kd_lambda must be finite and >= 0, got {kd_lambda}")
     if not (math.isfinite(temperature) and temperature > 0):
         raise ExportError(f"temperature must be finite and > 0, got {temperature}")
-    if batch_size < 1:
-        raise ExportError(f"batch size must be positive, got {batch_size}")
 
 
-def export_training(spec: ModelSpec, state: State, path: str | os.PathLike[str] | None, kd_lambda: float,
-                    temperature: float, batch_size: int = 32, dropout: bool = True) -> bytes:
-    """An ExecuTorch training program (forward + backward, fixed `batch_size`) for SGD on CE + λ·KL.
+@dataclass(frozen=True)
+class TrainingProgram:
+    """A joint forward-backward program (.pte) and its trainable weights kept apart from it (.ptd).
 
-    Written atomically to `path` unless it is None; returns the program bytes. Raises ExportError for
-    BatchNorm, a pool without an exact rewrite, bad λ/T/batch size, weights that do not match, or a
-    failing export. `dropout=False` replaces Dropout by Identity (what gradient parity compares).
+    Inputs TRAIN_INPUTS: float32 (B, C, H, W), int64 (B,), float32 (B, classes), float32 λ and T (0-dim);
+    user outputs TRAIN_OUTPUTS. `batch_size` B is fixed at export. The program holds no weights: a new
+    round's weights replace the .ptd (or are copied into the loaded parameters), the program stays.
     """
-    from executorch.exir import EdgeCompileConfig, to_edge
+
+    program: bytes
+    weights: bytes
+    batch_size: int
+    input_shape: tuple[int, ...]
+    num_classes: int
+
+    def write(self, path: str | os.PathLike[str]) -> tuple[Path, Path]:
+        """Write the program to `path` and the weights next to it as .ptd (atomically); returns both paths."""
+        pte = Path(path)
+        ptd = pte.with_suffix(".ptd")
+        atomic_write(pte, self.program)
+        atomic_write(ptd, self.weights)
+        return pte, ptd
+
+
+def export_training(spec: ModelSpec, state: State, batch_size: int = 32, dropout: bool = False) -> TrainingProgram:
+    """An ExecuTorch training program (forward + backward, fixed `batch_size`) of CE + λ·KL for `spec`.
+
+    The .pte holds the program and the .ptd the weights (`state`), via ExecuTorch's external mutable
+    weights. Dropout becomes Identity unless `dropout` is True: the runtime's dropout draws from a generator
+    we cannot seed, and the program that passes the gradient-parity gate is then exactly the one that trains.
+    Raises ExportError for BatchNorm, a pool without an exact rewrite, a bad batch size, weights that do not
+    match, or a failing export.
+    """
+    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge
     from torch.export.experimental import _export_forward_backward
 
-    _check_kd(kd_lambda, temperature, batch_size)
+    if batch_size < 1:
+        raise ExportError(f"batch size must be positive, got {batch_size}")
     student = trainable_form(spec, _eager(spec, state), dropout).train()
-    x = torch.zeros(batch_size, *spec.input_shape)
-    y = torch.zeros(batch_size, dtype=torch.long)
-    t = torch.zeros(batch_size, spec.num_classes)
+    inputs = (torch.zeros(batch_size, *spec.input_shape), torch.zeros(batch_size, dtype=torch.long),
+              torch.zeros(batch_size, spec.num_classes), torch.tensor(0.0), torch.tensor(1.0))
     try:
-        ep = torch.export.export(KDTrainer(student, kd_lambda, temperature), (x, y, t), strict=False)
+        ep = torch.export.export(KDTrainer(student), inputs, strict=False)
     except ExportError:
         raise
     except Exception as e:
@@ -293,12 +385,16 @@ def export_training(spec: ModelSpec, state: State, path: str | os.PathLike[str] 
     _refuse_bad_ops(spec, ep)
     try:
         joint = _export_forward_backward(ep)
-        data = to_edge(joint, compile_config=EdgeCompileConfig(_check_ir_validity=False)).to_executorch().buffer
+        prog = to_edge(joint, compile_config=EdgeCompileConfig(_check_ir_validity=False)).to_executorch(
+            config=ExecutorchBackendConfig(external_mutable_weights=True))
+        with tempfile.TemporaryDirectory() as tmp:  # the public API writes the .ptd files to a folder
+            prog.write_tensor_data_to_file(tmp)
+            data = [f.read_bytes() for f in sorted(Path(tmp).glob("*.ptd"))]
     except Exception as e:
         raise ExportError(f"ExecuTorch training export of {spec.name!r} failed: {type(e).__name__}: {e}") from e
-    if path is not None:
-        atomic_write(path, data)
-    return data
+    if len(data) != 1:
+        raise ExportError(f"ExecuTorch training export of {spec.name!r} gave {len(data)} weight files, expected 1")
+    return TrainingProgram(prog.buffer, data[0], batch_size, tuple(spec.input_shape), spec.num_classes)
 
 
 # --- training: runtime and parity --------------------------------------------------------------
@@ -307,50 +403,93 @@ def _strip(name: str) -> str:
     return name[len(_STUDENT) + 1:] if name.startswith(_STUDENT + ".") else name
 
 
-def train_step_pte(program: bytes, params: State, x: torch.Tensor, y: torch.Tensor, teacher_logits: torch.Tensor,
-                   lr: float) -> tuple[float, State, State]:
-    """One SGD step (no momentum) through the ExecuTorch training runtime: (loss, new params, gradients).
+class TrainingSession:
+    """A training program loaded once and stepped many times (what `TrainingModule` is in an Android app).
 
-    `params` must hold exactly the program's trainable parameters (state names, no buffers) with their
-    shapes; otherwise ExportError. Inputs must have the batch size the program was exported with.
+    Parameter names are the student's state names (the program's `student.` prefix stripped).
+    executorch 1.4.1 hands out parameter handles only after one forward_backward, so loading runs the
+    program once on zeros (no optimizer step).
     """
-    from executorch.extension.training import _load_for_executorch_for_training_from_buffer, get_sgd_optimizer
 
-    buffer = bytes(program)  # the runtime reads this memory for the module's lifetime: keep it referenced
-    module = _load_for_executorch_for_training_from_buffer(buffer)
-    inputs = (x, y.to(torch.long), teacher_logits)
-    module.forward_backward("forward", inputs)  # executorch 1.4 hands out the parameter handles only after a run
-    live = module.named_parameters()
-    names = {_strip(k): k for k in live}
-    if set(names) != set(params):
-        raise ExportError(f"parameters do not match the program: missing {sorted(set(names) - set(params))[:5]}, "
-                          f"unexpected {sorted(set(params) - set(names))[:5]}")
-    for name, full in names.items():
-        if tuple(live[full].shape) != tuple(params[name].shape):
-            raise ExportError(f"parameter {name!r} has shape {list(params[name].shape)}, "
-                              f"the program has {list(live[full].shape)}")
-        live[full].copy_(params[name])
-    loss = module.forward_backward("forward", inputs)[0]
-    grads = module.named_gradients()
-    out_grads = {_strip(k): v.clone() for k, v in grads.items()}
-    get_sgd_optimizer(live, lr, 0.0, 0.0, 0.0, False).step(grads)
-    new = {name: live[full].clone() for name, full in names.items()}
-    del module, buffer
-    return float(loss), new, out_grads
+    def __init__(self, program: TrainingProgram) -> None:
+        from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
+        from executorch.extension.training import TrainingModule
+
+        self.program = program  # the runtime reads these buffers for the module's lifetime: keep them referenced
+        try:
+            self.module = TrainingModule(_load_for_executorch_from_buffer(program.program, program.weights))
+            b = program.batch_size
+            self.module.forward_backward("forward", (torch.zeros(b, *program.input_shape), torch.zeros(b, dtype=torch.long),
+                                                     torch.zeros(b, program.num_classes), torch.tensor(0.0),
+                                                     torch.tensor(1.0)))
+        except Exception as e:  # the runtime raises RuntimeError with an error code
+            raise ExportError(f"the training program does not load or run: {type(e).__name__}: {e}") from e
+        self.live = self.module.named_parameters()
+        self.names = {_strip(k): k for k in self.live}
+
+    def load(self, params: State) -> None:
+        """Copy `params` (exactly the program's trainable parameters, same shapes) into the live program."""
+        if set(self.names) != set(params):
+            raise ExportError(f"parameters do not match the program: missing {sorted(set(self.names) - set(params))[:5]}, "
+                              f"unexpected {sorted(set(params) - set(self.names))[:5]}")
+        for name, full in self.names.items():
+            if tuple(self.live[full].shape) != tuple(params[name].shape):
+                raise ExportError(f"parameter {name!r} has shape {list(params[name].shape)}, "
+                                  f"the program has {list(self.live[full].shape)}")
+            self.live[full].copy_(params[name])
+
+    def params(self) -> State:
+        """A copy of the live parameters."""
+        return {name: self.live[full].clone() for name, full in self.names.items()}
+
+    def optimizer(self, lr: float, momentum: float = 0.0):
+        """ExecuTorch's SGD over the live parameters (a new one starts with empty momentum buffers)."""
+        from executorch.extension.training import get_sgd_optimizer
+
+        return get_sgd_optimizer(self.live, lr, momentum, 0.0, 0.0, False)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, teacher_logits: torch.Tensor, kd_lambda: float,
+             temperature: float, optimizer=None) -> tuple[float, float, float]:
+        """One forward-backward (and an optimizer step if given) on a batch of exactly the exported size;
+        returns (loss, CE, KL)."""
+        _check_kd(kd_lambda, temperature)
+        if len(x) != self.program.batch_size:
+            raise ExportError(f"the training program takes batches of {self.program.batch_size}, got {len(x)}")
+        out = self.module.forward_backward("forward", (dense(x), dense(y.to(torch.long)), dense(teacher_logits),
+                                                       torch.tensor(float(kd_lambda)), torch.tensor(float(temperature))))
+        if optimizer is not None:
+            optimizer.step(self.module.named_gradients())
+        return float(out[0]), float(out[1]), float(out[2])
+
+    def gradients(self) -> State:
+        """The gradients of the last step, by parameter name."""
+        return {_strip(k): v.clone() for k, v in self.module.named_gradients().items()}
+
+
+def train_step_pte(program: TrainingProgram, params: State, x: torch.Tensor, y: torch.Tensor,
+                   teacher_logits: torch.Tensor, lr: float, kd_lambda: float = 0.2,
+                   temperature: float = 1.0) -> tuple[float, State, State]:
+    """One SGD step (no momentum) through a fresh TrainingSession at `params`: (loss, new params, gradients)."""
+    session = TrainingSession(program)
+    session.load(params)
+    loss, _, _ = session.step(x, y, teacher_logits, kd_lambda, temperature, session.optimizer(lr))
+    return loss, session.params(), session.gradients()
 
 
 def gradient_parity(spec: ModelSpec, state: State, x: torch.Tensor, y: torch.Tensor, teacher_logits: torch.Tensor,
-                    kd_lambda: float = 0.2, temperature: float = 1.0) -> ParityReport:
+                    kd_lambda: float = 0.2, temperature: float = 1.0,
+                    program: TrainingProgram | None = None) -> ParityReport:
     """Loss and every parameter's gradient of one step through a .pte against eager PyTorch.
 
-    Dropout is off on both sides (random masks cannot be compared). Raises ExportError when the model
+    Dropout is off on both sides (the program is exported without it). Raises ExportError when the model
     cannot be exported for training; a mismatch is reported (`passed` False), not raised.
     """
     _check_input(spec, x)
-    program = export_training(spec, state, None, kd_lambda, temperature, batch_size=len(x), dropout=False)
+    if program is None:
+        program = export_training(spec, state, batch_size=len(x))
     model = _eager(spec, state).eval()  # eval: dropout off; BN-free models have no other mode difference
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
-    loss_pte, _, grads = train_step_pte(program, params, x, y, teacher_logits, lr=0.0)
+    loss_pte, _, grads = train_step_pte(program, params, x, y, teacher_logits, 0.0, kd_lambda, temperature)
     loss = kd_loss(model(x), y, teacher_logits, kd_lambda, temperature)
     loss.backward()
     rel, passed = {}, math.isclose(loss_pte, float(loss.detach()), rel_tol=GRAD_RTOL, abs_tol=GRAD_ATOL)
@@ -359,3 +498,31 @@ def gradient_parity(spec: ModelSpec, state: State, x: torch.Tensor, y: torch.Ten
         rel[name] = float((got - ref).abs().max() / ref.abs().max().clamp_min(GRAD_ATOL))
         passed = passed and bool(torch.allclose(got, ref, rtol=GRAD_RTOL, atol=GRAD_ATOL))
     return ParityReport(float(loss.detach()), loss_pte, rel, passed)
+
+
+@functools.lru_cache(maxsize=32)
+def _gated(spec_json: str, batch_size: int) -> TrainingProgram:
+    spec = ModelSpec.from_json(spec_json)
+    gen = torch.Generator().manual_seed(GATE_SEED)
+    torch.manual_seed(GATE_SEED)
+    state = {k: v.detach().clone() for k, v in build(spec).state_dict().items()}
+    x = torch.randn(batch_size, *spec.input_shape, generator=gen)
+    y = torch.randint(0, spec.num_classes, (batch_size,), generator=gen)
+    t = 3 * torch.randn(batch_size, spec.num_classes, generator=gen)
+    program = export_training(spec, state, batch_size)
+    report = gradient_parity(spec, state, x, y, t, GATE_KD_LAMBDA, GATE_TEMPERATURE, program)
+    if not report.passed:
+        name = max(report.max_rel_err, key=report.max_rel_err.get)
+        raise ExportError(f"{spec.name!r} fails the ExecuTorch gradient-parity gate: loss {report.loss_pte:.6g} vs "
+                          f"eager {report.loss_eager:.6g}, worst parameter {name} (relative gradient error "
+                          f"{report.max_rel_err[name]:.2g}); it cannot train under the executorch runtime")
+    log.info("%s passes the ExecuTorch gradient-parity gate (batch %d, worst relative gradient error %.2g)",
+             spec.name, batch_size, report.worst)
+    return program
+
+
+def gated_training_program(spec: ModelSpec, batch_size: int) -> TrainingProgram:
+    """The training program of `spec`'s architecture after the gradient-parity gate (one step at seeded random
+    weights and inputs matches eager); ExportError says why a model may not train under `executorch`.
+    Cached per architecture and batch size (block origins do not matter)."""
+    return _gated(spec.with_origin(None).to_json(), batch_size)

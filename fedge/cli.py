@@ -64,14 +64,20 @@ def _shape(text: str) -> tuple[int, int, int]:
 
 
 def cmd_zoo(args: argparse.Namespace) -> None:
+    from export.executorch import check_trainable
     from fedge.zoo import MODELS, ZOOS, create
 
     rows = []
     for name in MODELS:
         spec = create(name, args.input, args.classes)
+        try:
+            check_trainable(spec)
+            executorch = "yes"
+        except ExportError as e:
+            executorch = "no (BatchNorm)" if "BatchNorm" in str(e) else "no"
         rows.append({"name": name, "blocks": len(spec.blocks), "params": spec.params, "macs": spec.macs,
-                     "block_names": [b.name for b in spec.blocks]})
-    _emit(args, rows, ["name", "blocks", "params", "macs"])
+                     "executorch_training": executorch, "block_names": [b.name for b in spec.blocks]})
+    _emit(args, rows, ["name", "blocks", "params", "macs", "executorch_training"])
     if not args.json:
         print("\nzoo presets (models: clients out of 50, pFedClub §4.1):")
         for zoo, weights in ZOOS.items():
@@ -254,17 +260,25 @@ def cmd_export(args: argparse.Namespace) -> None:
     from export.run_models import load_final_model, model_metadata, parity_sample
     from fedge.data import load_dataset
 
-    exporters = {"onnx": _export_onnx}
+    exporters = {"onnx": _export_onnx, "pte": _export_pte, "pte-train": _export_pte_train}
     if args.format not in exporters:
         raise ExportError(f"unsupported format {args.format!r}; supported: {', '.join(exporters)}")
+    if args.batch is not None and args.batch < 1:
+        raise ExportError(f"--batch must be positive, got {args.batch}")
+    if args.format == "pte-train" and args.what != "student":
+        raise ExportError("pte-train is a student's on-device training program; use --what student")
     weights, rnd = load_final_model(args.run_dir, args.client, args.what)
     cfg = json.loads((Path(args.run_dir) / "config.json").read_text())
     ds = load_dataset(cfg["dataset"], cfg.get("data"))
-    out = Path(args.out) / f"client{args.client}-{args.what}.{args.format}"
-    exporters[args.format](weights, out, parity_sample(ds), model_metadata(ds, args.client, args.what, rnd))
+    if args.batch is None:
+        args.batch = cfg.get("batch_size", C.DEFAULT_BATCH_SIZE) if args.format == "pte-train" else 1
+    suffix = {"onnx": ".onnx", "pte": ".pte", "pte-train": "-train.pte"}[args.format]
+    out = Path(args.out) / f"client{args.client}-{args.what}{suffix}"
+    exporters[args.format](weights, out, parity_sample(ds), model_metadata(ds, args.client, args.what, rnd),
+                           args, cfg)
 
 
-def _export_onnx(weights: Any, out: Path, sample: Any, metadata: dict[str, str]) -> None:
+def _export_onnx(weights: Any, out: Path, sample: Any, metadata: dict[str, str], args: Any, cfg: dict) -> None:
     from export.onnx import export_onnx
 
     r = export_onnx(weights.spec, weights.state, out, sample, metadata)
@@ -272,14 +286,80 @@ def _export_onnx(weights: Any, out: Path, sample: Any, metadata: dict[str, str])
           f"inputs: max abs logit difference {r.max_abs_diff:.2g}, argmax identical)")
 
 
+def _manifest(out: Path, weights: Any, metadata: dict[str, str], fields: dict[str, Any]) -> Path:
+    """<out>.json beside an ExecuTorch file: what an app needs to feed it (see docs/android.md)."""
+    from fedge.weights import atomic_write
+
+    meta = {k: json.loads(v) if k in ("class_names", "mean", "std") else v for k, v in metadata.items()}
+    doc = {"model": weights.spec.name, **meta, "params": weights.spec.params, "macs": weights.spec.macs, **fields}
+    path = out.with_suffix(".json")
+    atomic_write(path, (json.dumps(doc, indent=2) + "\n").encode())
+    return path
+
+
+def _export_pte(weights: Any, out: Path, sample: Any, metadata: dict[str, str], args: Any, cfg: dict) -> None:
+    """An XNNPACK inference program for batches of --batch, checked against eager on real inputs."""
+    from export.executorch import export_pte
+
+    spec, b = weights.spec, args.batch
+    r = export_pte(spec, weights.state, out, sample[:b] if len(sample) >= b else sample[:1].expand(b, *spec.input_shape))
+    manifest = _manifest(out, weights, metadata, {
+        "program": out.name, "method": "forward",
+        "inputs": [{"name": "input", "dtype": "float32", "shape": [b, *spec.input_shape]}],
+        "outputs": [{"name": "logits", "dtype": "float32", "shape": [b, spec.num_classes]}],
+        "xnnpack_delegate_calls": r.delegated_calls, "portable_ops": list(r.non_delegated_ops)})
+    print(f"wrote {out} and {manifest.name} (batch {b}; ExecuTorch vs PyTorch max abs logit difference "
+          f"{r.max_abs_diff:.2g}; {r.delegated_calls} XNNPACK delegate call(s), portable ops: "
+          f"{', '.join(r.non_delegated_ops) or 'none'})")
+
+
+def _export_pte_train(weights: Any, out: Path, sample: Any, metadata: dict[str, str], args: Any, cfg: dict) -> None:
+    """The student's training program (.pte) and weights (.ptd), gated by gradient parity on real inputs."""
+    import torch
+
+    from export.executorch import TRAIN_INPUTS, TRAIN_OUTPUTS, export_training, gradient_parity
+
+    spec, b = weights.spec, args.batch
+    program = export_training(spec, weights.state, b)
+    x = sample[:b] if len(sample) >= b else sample[:1].expand(b, *spec.input_shape)
+    y = torch.arange(b) % spec.num_classes
+    teacher = 3 * torch.randn(b, spec.num_classes, generator=torch.Generator().manual_seed(0))
+    lam, temperature = cfg.get("kd_lambda", C.KD_LAMBDA), C.KD_TEMPERATURE
+    report = gradient_parity(spec, weights.state, x, y, teacher, lam, temperature, program)
+    if not report.passed:
+        raise ExportError(f"{spec.name!r}: the training program fails gradient parity on real inputs (worst relative "
+                          f"gradient error {report.worst:.2g}); it is not written")
+    pte, ptd = program.write(out)
+    shapes = [[b, *spec.input_shape], [b], [b, spec.num_classes], [], []]
+    dtypes = ["float32", "int64", "float32", "float32", "float32"]
+    manifest = _manifest(out, weights, metadata, {
+        "program": pte.name, "weights": ptd.name, "method": "forward", "batch_size": b,
+        "inputs": [{"name": n, "dtype": d, "shape": sh} for n, d, sh in zip(TRAIN_INPUTS, dtypes, shapes)],
+        "outputs": [{"name": n, "dtype": "float32", "shape": [b, spec.num_classes] if n == "logits" else []}
+                    for n in TRAIN_OUTPUTS],
+        "parameters": {f"student.{k}": list(v.shape) for k, v in weights.state.items()},
+        "kd_lambda": lam, "temperature": temperature, "optimizer": "SGD",
+        "sgd_lr": cfg.get("sgd_lr", C.SGD_LR), "sgd_momentum": cfg.get("sgd_momentum", C.SGD_MOMENTUM),
+        "gradient_parity": {"loss_pte": report.loss_pte, "loss_eager": report.loss_eager,
+                            "worst_relative_gradient_error": report.worst}})
+    print(f"wrote {pte}, {ptd.name} and {manifest.name} (batch {b}; one step matches PyTorch: loss "
+          f"{report.loss_pte:.6g} vs {report.loss_eager:.6g}, worst relative gradient error {report.worst:.2g})")
+
+
 def add_export_parsers(sub: Any) -> None:
     """`fedge export` and `fedge predict`: deployable files of a run's models, and checking them."""
-    p = sub.add_parser("export", help="export a client's final teacher or student of a run (ONNX)")
+    p = sub.add_parser("export", help="export a client's final teacher or student of a run (ONNX, ExecuTorch)",
+                       description="Export a client's final teacher or newest student: onnx (dynamic batch), pte "
+                       "(ExecuTorch XNNPACK inference program) or pte-train (the student's ExecuTorch training "
+                       "program, .pte + weights .ptd). Each file is loaded back and checked against PyTorch; a "
+                       ".json manifest beside a .pte gives its inputs and outputs (docs/android.md).")
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (a `fedge run` --out)")
     p.add_argument("--client", required=True, help="client id")
     p.add_argument("--what", default="teacher", help="teacher (the server's final teacher) or student "
                    "(the client's newest model snapshot); default teacher")
-    p.add_argument("--format", default="onnx", help="output format (default onnx)")
+    p.add_argument("--format", default="onnx", help="onnx, pte or pte-train (default onnx)")
+    p.add_argument("--batch", type=int, help="fixed batch size of a pte program (default 1) or pte-train program "
+                   "(default: the run's batch_size); ONNX files take any batch")
     p.add_argument("--out", required=True, help="output folder")
     p.set_defaults(func=cmd_export)
 
@@ -335,7 +415,8 @@ def add_run_parser(sub: Any) -> None:
     p.add_argument("--strategy", help=f"pfedclub, pfedclub+, pfedhr, fedavg or local (default {C.DEFAULT_STRATEGY})")
     p.add_argument("--dataset", help=f"dataset name (default {C.DEFAULT_DATASET})")
     p.add_argument("--data", help="path to dataset files, e.g. ../shared/data/mnist.npz")
-    p.add_argument("--zoo", help="I, II, III, or one model name for a homogeneous fleet")
+    p.add_argument("--zoo", help="I, II, III, one model name (a homogeneous fleet), or model names "
+                   "separated by commas, given to clients in turn (e.g. cnn4,cnn2 with profiles rpi-4,android-mid-range)")
     p.add_argument("--clients", type=int, help="number of clients N")
     p.add_argument("--active", type=int, help="clients per round M")
     p.add_argument("--rounds", type=int, help="communication rounds T")

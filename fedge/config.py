@@ -38,6 +38,8 @@ class RunConfig:
     local_epochs: int = C.DEFAULT_LOCAL_EPOCHS
     batch_size: int = C.DEFAULT_BATCH_SIZE
     lr: float = C.DEFAULT_LR
+    sgd_lr: float = C.SGD_LR
+    sgd_momentum: float = C.SGD_MOMENTUM
     seed: int = C.DEFAULT_SEED
     partition: str = C.DEFAULT_PARTITION
     classes_per_client: int = C.CLASSES_PER_CLIENT
@@ -74,8 +76,11 @@ class RunConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}")
         if self.active > self.clients:
             raise ConfigError(f"active ({self.active}) cannot exceed clients ({self.clients})")
-        if not self.lr > 0 or not self.alpha > 0:
-            raise ConfigError(f"lr and alpha must be positive, got lr={self.lr}, alpha={self.alpha}")
+        if not self.lr > 0 or not self.alpha > 0 or not self.sgd_lr > 0:
+            raise ConfigError(f"lr, sgd_lr and alpha must be positive, got lr={self.lr}, sgd_lr={self.sgd_lr}, "
+                              f"alpha={self.alpha}")
+        if not 0 <= self.sgd_momentum < 1:
+            raise ConfigError(f"sgd_momentum must be in [0, 1), got {self.sgd_momentum}")
         if not self.profiles:
             raise ConfigError("profiles must name at least one device profile")
         if not self.eta > -1:

@@ -6,6 +6,11 @@ SPEC_METADATA_KEY = "fedge.spec"
 # Local training (pFedClub §4.1: Adam, lr 1e-3, 10 local epochs).
 DEFAULT_LR = 1e-3
 DEFAULT_BATCH_SIZE = 16
+# Clients on the `executorch` runtime train with ExecuTorch's on-device optimizer, SGD (Android's SGD.create):
+# Adam's lr would barely move it. Momentum 0.9 and lr 0.05 are the usual SGD settings for these CNNs.
+SGD_LR = 0.05
+SGD_MOMENTUM = 0.9
+EXECUTORCH_TEACHER_BATCH = 32  # fixed batch of the teacher's inference program on an executorch client
 EVAL_BATCH_SIZE = 512
 
 # Partitioning (pFedClub §4.1: 72 % train / 20 % test / 8 % public; 2 classes per client).

@@ -20,6 +20,8 @@ from typing import Any, Callable
 import torch
 
 from device_profiles import ProfileError, fits, get_profile
+from export import ExportError
+from export.executorch import check_trainable
 from edge_client.agent import ClientAgent
 from edge_client.runtime import ClientStopped, EdgeClient
 from fedge.broker import EmbeddedBroker, generate_users, read_users
@@ -43,14 +45,21 @@ log = logging.getLogger(__name__)
 
 
 def registration_check(cfg: RunConfig) -> Callable[[ClientInfo], str | None]:
-    """What the server requires of a registering client: a known profile its model fits, some data."""
+    """What the server requires of a registering client: a known profile its model fits (and, on an executorch
+    profile, has an ExecuTorch training form: the full gradient-parity gate runs on the client), some data."""
     def check(info: ClientInfo) -> str | None:
         try:
-            verdict = fits(info.spec, get_profile(info.profile))
+            profile = get_profile(info.profile)
         except ProfileError as e:
             return f"unknown device profile: {e}"
+        verdict = fits(info.spec, profile)
         if not verdict.ok:
             return f"model {info.spec.name} does not fit device profile {info.profile}: {'; '.join(verdict.failures)}"
+        if profile.runtime == "executorch":
+            try:
+                check_trainable(info.spec)
+            except ExportError as e:
+                return f"model {info.spec.name} cannot train on device profile {info.profile} (runtime executorch): {e}"
         if info.num_train < 1 or info.num_test < 1:
             return f"client {info.client_id} has no training or test data"
         return None

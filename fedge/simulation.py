@@ -15,6 +15,9 @@ import torch
 
 from device_profiles import fits, get_profile
 from edge_client.agent import ClientAgent, ClientData
+from edge_client.executorch_trainer import ExecuTorchTrainer
+from export import ExportError
+from export.executorch import TrainingSession, gated_training_program, teacher_logits_pte
 from export.run_models import write_final_models
 from fedge import constants as C
 from fedge.config import ConfigError, RunConfig
@@ -50,17 +53,29 @@ def partition_config(cfg: RunConfig) -> PartitionConfig:
 
 def make_agent(cfg: RunConfig, ds: Dataset, shard: ClientShard, model: str, profile_name: str,
                state_dir: Path | None = None) -> ClientAgent:
-    """One simulated client; its model must fit its device profile (ConfigError says which limit fails).
+    """One simulated client; its model must fit its device profile (ConfigError says which limit fails) and, on
+    an `executorch` profile, pass the ExecuTorch gradient-parity gate (it then trains through ExecuTorch).
     With `state_dir` it keeps its model snapshots there and continues from them when started again."""
     spec = create(model, ds.input_shape, ds.num_classes)
-    verdict = fits(spec, get_profile(profile_name))
+    profile = get_profile(profile_name)
+    verdict = fits(spec, profile)
     if not verdict.ok:
         raise ConfigError(f"client {shard.client_id}: model {model} does not fit device profile {profile_name}: "
                           f"{'; '.join(verdict.failures)}. Choose other --set profiles=... or another zoo")
+    trainer = None
+    if profile.runtime == "executorch":
+        try:
+            trainer = ExecuTorchTrainer(spec, min(cfg.batch_size, len(shard.train)),
+                                        lambda batch: TrainingSession(gated_training_program(spec, batch)),
+                                        teacher_logits_pte)
+        except ExportError as e:
+            raise ConfigError(f"client {shard.client_id}: model {model} cannot train on device profile {profile_name} "
+                              f"(runtime executorch): {e}. Choose a BatchNorm-free model (cnn1-cnn3) for "
+                              "executorch profiles, or a torch profile") from None
     x_train, y_train = ds.tensors(shard.train)
     x_test, y_test = ds.tensors(shard.test)
     return ClientAgent(str(shard.client_id), spec, ClientData(x_train, y_train, x_test, y_test), profile_name, cfg.seed,
-                       state_dir)
+                       state_dir, trainer)
 
 
 def strategy_config(cfg: RunConfig) -> StrategyConfig:
@@ -68,7 +83,8 @@ def strategy_config(cfg: RunConfig) -> StrategyConfig:
     return StrategyConfig(local_epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr, seed=cfg.seed,
                           device=resolve_device(cfg.device), eta=cfg.eta, clusters=cfg.clusters,
                           ablation=cfg.ablation, cmsr_index=cfg.cmsr_index, kd_lambda=cfg.kd_lambda,
-                          finetune_epochs=cfg.finetune_epochs, max_candidates=cfg.max_candidates)
+                          finetune_epochs=cfg.finetune_epochs, max_candidates=cfg.max_candidates, sgd_lr=cfg.sgd_lr,
+                          sgd_momentum=cfg.sgd_momentum)
 
 
 def default_out(cfg: RunConfig) -> Path:

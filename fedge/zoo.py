@@ -178,16 +178,19 @@ ZOOS: dict[str, dict[str, int]] = {
 
 def assign_models(zoo: str, num_clients: int, seed: int) -> list[str]:
     """Model name for each client 0..N-1: a zoo preset's proportions (scaled from N=50 by largest
-    remainder) randomly placed by `seed`, or one model name for a homogeneous fleet.
+    remainder) randomly placed by `seed`; one model name for a homogeneous fleet; or comma-separated model
+    names given to clients in turn (client i gets name i mod k, like the run's `profiles`).
 
     Raises ZooError for an unknown zoo or model name or a non-positive N.
     """
     if num_clients < 1:
         raise ZooError(f"number of clients must be positive, got {num_clients}")
-    if zoo in MODELS:
-        return [zoo] * num_clients
+    names = zoo.split(",")
+    if all(n in MODELS for n in names):
+        return [names[i % len(names)] for i in range(num_clients)]
     if zoo not in ZOOS:
-        raise ZooError(f"unknown zoo {zoo!r}; use one of {', '.join(ZOOS)} or a model name ({', '.join(MODELS)})")
+        raise ZooError(f"unknown zoo {zoo!r}; use one of {', '.join(ZOOS)}, a model name, or comma-separated model "
+                       f"names ({', '.join(MODELS)})")
     weights = ZOOS[zoo]
     total = sum(weights.values())
     exact = {m: num_clients * w / total for m, w in weights.items()}

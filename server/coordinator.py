@@ -255,7 +255,8 @@ class Coordinator:
         """One metrics.jsonl line: the client, its training reply, its evaluation, the strategy's fields."""
         info = self.clients[cid]
         row: dict[str, Any] = {"round": rnd, "client": cid, "model": info.spec.name, "profile": info.profile,
-                               "params": info.spec.params, "macs": info.spec.macs, "trained": trained is not None}
+                               "runtime": self.profiles[cid].runtime, "params": info.spec.params, "macs": info.spec.macs,
+                               "trained": trained is not None}
         if trained is not None:
             row = trained.metrics | row  # a client's metric never overwrites a server field
             row.update(num_examples=trained.num_examples,

@@ -33,6 +33,8 @@ class StrategyConfig:
     kd_lambda: float = C.KD_LAMBDA
     finetune_epochs: int = C.FINETUNE_EPOCHS
     max_candidates: int = C.MAX_CANDIDATES
+    sgd_lr: float = C.SGD_LR
+    sgd_momentum: float = C.SGD_MOMENTUM
 
 
 @dataclass(frozen=True)
@@ -61,9 +63,11 @@ class Strategy:
         self.clients = dict(clients)
 
     def train_config(self, upload: bool) -> dict[str, Any]:
-        """The JSON config of a local-training task (epochs, batch, lr, seed, whether to upload weights)."""
+        """The JSON config of a local-training task (epochs, batch, Adam's lr, the executorch runtime's SGD lr and
+        momentum, seed, whether to upload weights)."""
         c = self.config
-        return {"epochs": c.local_epochs, "batch_size": c.batch_size, "lr": c.lr, "seed": c.seed, "upload": upload}
+        return {"epochs": c.local_epochs, "batch_size": c.batch_size, "lr": c.lr, "sgd_lr": c.sgd_lr,
+                "sgd_momentum": c.sgd_momentum, "seed": c.seed, "upload": upload}
 
     def plan(self, rnd: int, active: Sequence[str]) -> dict[str, Task]:
         """The task for each active client this round. A failed round is planned again, so planning must not

@@ -13,7 +13,6 @@ from fedge.cli import main
 from fedge.config import ConfigError, RunConfig, config_from
 from fedge.data import load_dataset
 from fedge.layers import LayerSpec as L
-from fedge.simulation import run_simulation
 from fedge.spec import build, make_spec
 from fedge.weights import load_model, load_module
 from fedge.zoo import MODELS, create
@@ -130,15 +129,6 @@ def test_export_onnx_config_flag():
     assert config_from({"export_onnx": "false"}).export_onnx is False
     with pytest.raises(ConfigError, match="export_onnx"):
         config_from({"export_onnx": "maybe"})
-
-
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("run") / "pfedclub"
-    cfg = RunConfig(strategy="pfedclub", dataset="digits", zoo="III", clients=3, active=3, rounds=1, local_epochs=1,
-                    batch_size=32, finetune_epochs=1, max_candidates=1, seed=0, transport="inproc", out=str(out))
-    run_simulation(cfg, progress=False)
-    return out
 
 
 def test_run_writes_and_checks_final_teachers(run_dir):

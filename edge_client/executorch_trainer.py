@@ -1,0 +1,97 @@
+"""The `executorch` runtime (Android): local training through an ExecuTorch training program, teacher logits
+through the teacher's XNNPACK inference program; the same .pte files an Android app loads.
+
+The training program is loaded once (per batch size) and kept: each round the client's current weights are
+copied into its parameters, it steps with ExecuTorch's SGD, and the weights are copied back into the client's
+model, which uploads them as any other. edge_client may not import export/, so the launcher (fedge.simulation)
+hands in how to get a loaded program (export.executorch.TrainingSession of a gated program) and how to run a
+teacher (export.executorch.teacher_logits_pte).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Protocol
+
+import torch
+from torch import nn
+
+from edge_client.training import Distillation, TrainConfig, TrainStats, check_distillation
+from fedge.messages import Weights
+from fedge.spec import ModelSpec
+from fedge.weights import State
+
+
+class ProgramSession(Protocol):
+    """A loaded training program (export.executorch.TrainingSession): parameters in and out, SGD steps."""
+
+    def load(self, params: State) -> None: ...
+
+    def params(self) -> State: ...
+
+    def optimizer(self, lr: float, momentum: float) -> Any: ...
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, teacher_logits: torch.Tensor, kd_lambda: float,
+             temperature: float, optimizer: Any) -> tuple[float, float, float]: ...
+
+
+def epoch_batches(n: int, batch: int, gen: torch.Generator) -> list[torch.Tensor]:
+    """A shuffled epoch in batches of exactly `batch` (the program's fixed size): the last one is filled up
+    with the epoch's first samples, so every sample is seen at least once and at most twice."""
+    order = torch.randperm(n, generator=gen)
+    fill = (-n) % batch
+    return list(torch.cat([order, order[:fill]]).split(batch))
+
+
+class ExecuTorchTrainer:
+    """Trains one client's architecture through ExecuTorch training programs; `session_for(batch)` loads the program
+    for batches of `batch` (whatever it raises for a model that may not train propagates from the constructor,
+    which loads the one for `batch_size`), `teacher_logits(weights, x)` runs a teacher (ValueError if it cannot)."""
+
+    runtime = "executorch"
+
+    def __init__(self, spec: ModelSpec, batch_size: int, session_for: Callable[[int], ProgramSession],
+                 teacher_logits: Callable[[Weights, torch.Tensor], torch.Tensor]) -> None:
+        self.spec = spec
+        self.session_for = session_for
+        self.teacher_logits = teacher_logits
+        self.sessions: dict[int, ProgramSession] = {}
+        self.session(batch_size)  # load (and gate) now, so a model that cannot train is refused at start-up
+
+    def session(self, batch: int) -> ProgramSession:
+        """The loaded training program for batches of `batch` (loaded at first use)."""
+        if batch not in self.sessions:
+            self.sessions[batch] = self.session_for(batch)
+        return self.sessions[batch]
+
+    def fit(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
+            kd: Distillation | None = None) -> TrainStats:
+        """Train `model` in place with SGD (cfg.sgd_lr, cfg.sgd_momentum) on CE + λ·KL (pFedClub Eq. (5)) through
+        the program; the same contract as edge_client.training.fit (ValueError on empty data, bad teacher
+        logits or divergence). Without a teacher λ = 0 and the teacher input is zeros, so the update is CE's."""
+        if len(x) == 0:
+            raise ValueError("no training data")
+        if kd is not None:
+            check_distillation(kd, x)
+        batch = min(cfg.batch_size, len(x))
+        session = self.session(batch)
+        params = dict(model.named_parameters())
+        session.load({k: p.detach() for k, p in params.items()})
+        opt = session.optimizer(cfg.sgd_lr, cfg.sgd_momentum)
+        lam, temperature = (kd.kd_lambda, kd.temperature) if kd is not None else (0.0, 1.0)
+        teacher = kd.teacher_logits if kd is not None else torch.zeros(len(x), self.spec.num_classes)
+        gen = torch.Generator().manual_seed(cfg.seed)
+        stats = TrainStats(math.nan, math.nan, 0.0)
+        for _ in range(cfg.epochs):
+            sums, count = [0.0, 0.0, 0.0], 0
+            for idx in epoch_batches(len(x), batch, gen):
+                terms = session.step(x[idx], y[idx], teacher[idx], lam, temperature, opt)
+                sums = [s + t * len(idx) for s, t in zip(sums, terms)]
+                count += len(idx)
+            stats = TrainStats(sums[0] / count, sums[1] / count, sums[2] / count if kd is not None else 0.0)
+            if not math.isfinite(stats.loss):
+                raise ValueError(f"training diverged: loss is {stats.loss}")
+        with torch.no_grad():
+            for name, value in session.params().items():
+                params[name].copy_(value)
+        return stats

@@ -1,0 +1,64 @@
+"""A mixed fleet: Raspberry Pi clients train in eager PyTorch, Android clients through ExecuTorch training programs,
+in one pFedClub run over MQTT (`fedge run`, clients as processes), with the same results as in one process."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fedge.config import RunConfig
+from fedge.simulation import run_simulation
+
+pytestmark = pytest.mark.timeout(600)
+RUNTIMES = {"0": "torch", "1": "executorch", "2": "torch", "3": "executorch"}
+
+
+def mixed(tmp_path, name: str, **kw) -> RunConfig:
+    base = dict(strategy="pfedclub", dataset="digits", zoo="cnn4,cnn2,cnn3,cnn1", profiles=("rpi-4", "android-mid-range"),
+                clients=4, active=4, rounds=2, local_epochs=1, finetune_epochs=1, max_candidates=2, batch_size=16,
+                seed=3, out=str(tmp_path / name), heartbeat_s=1.0, round_deadline_s=300.0, register_timeout_s=300.0,
+                run_id="mixed", export_onnx=False)
+    return RunConfig(**(base | kw))
+
+
+def rows(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_mixed_torch_and_executorch_fleet_completes_pfedclub_over_mqtt(tmp_path):
+    # prepare
+    cfg = mixed(tmp_path, "mqtt")
+    path = tmp_path / "mqtt.json"
+    path.write_text(cfg.to_json())
+    # execute
+    done = subprocess.run([sys.executable, "-m", "fedge.cli", "run", "--config", str(path), "--processes", "2",
+                           "--no-progress"], capture_output=True, text=True, timeout=540)
+    # assert: every client trained in every round on its profile's runtime, and distilled in round 1
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "mqtt" / "summary.json").read_text())
+    assert not summary["rejected_messages"] and not summary["failed_rounds"]
+    got = rows(tmp_path / "mqtt")
+    assert {(r["round"], r["client"]) for r in got if r["trained"]} == {(r, c) for r in (0, 1) for c in RUNTIMES}
+    assert all(r["runtime"] == RUNTIMES[r["client"]] for r in got)
+    assert all(r["kd_loss"] > 0 for r in got if r["round"] == 1)
+    # the same run in one process gives the same accuracies: ExecuTorch training is deterministic too
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each client process did
+    try:
+        inproc = run_simulation(mixed(tmp_path, "inproc", transport="inproc"), progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert summary["final_accuracy"]["per_client"] == inproc["final_accuracy"]["per_client"]
+
+
+def test_an_executorch_profile_with_a_batchnorm_model_fails_before_anything_starts(tmp_path):
+    cfg = mixed(tmp_path, "bad", zoo="cnn4")
+    path = tmp_path / "bad.json"
+    path.write_text(cfg.to_json())
+    done = subprocess.run([sys.executable, "-m", "fedge.cli", "run", "--config", str(path), "--no-progress"],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 2
+    assert "client 1: model cnn4 cannot train on device profile android-mid-range (runtime executorch)" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "bad" / "metrics.jsonl").exists()

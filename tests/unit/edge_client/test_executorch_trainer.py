@@ -1,0 +1,136 @@
+"""The executorch runtime: local training through the ExecuTorch training program equals eager SGD on the same
+batches; teacher logits through the teacher's inference program equal eager; models that cannot train are refused."""
+
+import numpy as np
+import pytest
+import torch
+
+import edge_client  # noqa: F401  (registers the task handlers)
+from edge_client.agent import ClientAgent, ClientData
+from edge_client.executorch_trainer import ExecuTorchTrainer, epoch_batches
+from edge_client.training import Distillation, TrainConfig, predict
+from export.executorch import TrainingSession, gated_training_program, kd_loss, teacher_logits_pte
+from fedge.config import ConfigError, RunConfig
+from fedge.data import load_dataset
+from fedge.deploy import registration_check
+from fedge.messages import Task, Weights
+from fedge.partition import ClientShard
+from fedge.simulation import make_agent
+from fedge.spec import build
+from fedge.zoo import create
+
+pytestmark = pytest.mark.timeout(300)
+
+DIGITS = load_dataset("digits")
+SHAPE, CLASSES = DIGITS.input_shape, DIGITS.num_classes
+
+
+@pytest.fixture(scope="module")
+def digits() -> tuple[torch.Tensor, torch.Tensor]:
+    return DIGITS.tensors(np.arange(40))
+
+
+def et_trainer(spec, batch: int) -> ExecuTorchTrainer:
+    """As fedge.simulation.make_agent wires it for an executorch profile."""
+    return ExecuTorchTrainer(spec, batch, lambda b: TrainingSession(gated_training_program(spec, b)), teacher_logits_pte)
+
+
+def init(spec, seed: int = 0) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return {k: v.detach().clone() for k, v in build(spec).state_dict().items()}
+
+
+def eager_sgd(spec, state, x, y, cfg: TrainConfig, batch: int, kd: Distillation | None) -> dict[str, torch.Tensor]:
+    """The reference: torch.optim.SGD on CE + λ·KL over the same batches, dropout off (as in the program)."""
+    model = build(spec).eval()
+    model.load_state_dict(state)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.sgd_lr, momentum=cfg.sgd_momentum)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    teacher = kd.teacher_logits if kd else torch.zeros(len(x), spec.num_classes)
+    lam, temperature = (kd.kd_lambda, kd.temperature) if kd else (0.0, 1.0)
+    for _ in range(cfg.epochs):
+        for idx in epoch_batches(len(x), batch, gen):
+            opt.zero_grad()
+            kd_loss(model(x[idx]), y[idx], teacher[idx], lam, temperature).backward()
+            opt.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def test_epoch_batches_are_full_and_cover_every_sample():
+    batches = epoch_batches(37, 16, torch.Generator().manual_seed(0))
+    seen = torch.cat(batches)
+    assert [len(b) for b in batches] == [16, 16, 16]
+    assert set(seen.tolist()) == set(range(37))
+    assert max(seen.bincount().tolist()) == 2
+
+
+@pytest.mark.parametrize("teacher", [False, True])
+def test_executorch_training_equals_eager_sgd_on_the_same_batches(digits, teacher):
+    # prepare: cnn2 (max-pools, rewritten in the program), 40 digits in batches of 16 (the last one filled up)
+    x, y = digits
+    spec = create("cnn2", SHAPE, CLASSES)
+    state = init(spec)
+    cfg = TrainConfig(epochs=2, batch_size=16, lr=1e-3, seed=5, sgd_lr=0.05, sgd_momentum=0.9)
+    kd = Distillation(3 * torch.randn(len(x), CLASSES, generator=torch.Generator().manual_seed(1)), 0.5, 2.0) \
+        if teacher else None
+    model = build(spec)
+    model.load_state_dict(state)
+    # execute
+    stats = et_trainer(spec, 16).fit(model, x, y, cfg, kd)
+    # assert
+    want = eager_sgd(spec, state, x, y, cfg, 16, kd)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, want[k], rtol=1e-4, atol=2e-5, msg=k)
+        assert not torch.equal(v, state[k]), f"{k} did not move"
+    assert np.isfinite(stats.loss) and (stats.kd > 0) == teacher
+
+
+def test_teacher_logits_through_the_inference_program_equal_eager(digits):
+    x, _ = digits
+    spec = create("cnn3", SHAPE, CLASSES)
+    teacher = Weights(spec, init(spec, seed=3))
+    got = teacher_logits_pte(teacher, x, batch_size=16)  # 40 inputs: 3 batches, the last padded
+    model = build(spec)
+    model.load_state_dict(teacher.state)
+    torch.testing.assert_close(got, predict(model, x), rtol=0, atol=1e-4)
+
+
+def test_kd_train_task_on_an_executorch_client_uploads_the_trained_weights(digits):
+    x, y = digits
+    spec = create("cnn1", SHAPE, CLASSES)
+    data = ClientData(x[:24], y[:24], x[24:], y[24:])
+    agent = ClientAgent("7", spec, data, "android-mid-range", seed=0, trainer=et_trainer(spec, 8))
+    before = agent.weights().state
+    teacher = Weights(create("cnn2", SHAPE, CLASSES), init(create("cnn2", SHAPE, CLASSES)))
+    task = Task("kd_train", 0, {"epochs": 1, "batch_size": 8, "lr": 1e-3, "sgd_lr": 0.05, "sgd_momentum": 0.9,
+                                "seed": 1, "upload": True}, {"teacher": teacher})
+    result = agent.handle(task)
+    local = result.models["local"].state
+    assert result.metrics["kd_loss"] > 0
+    assert set(local) == set(before) and any(not torch.equal(local[k], before[k]) for k in local)
+    assert all(torch.equal(local[k], v) for k, v in agent.model.state_dict().items())
+
+
+def shard(n: int = 24) -> ClientShard:
+    return ClientShard(0, np.arange(n), np.arange(n, n + 8))
+
+
+def test_an_executorch_profile_refuses_a_batchnorm_model_at_start_up():
+    with pytest.raises(ConfigError, match=r"cnn4 cannot train on device profile android-mid-range \(runtime "
+                                          r"executorch\).*BatchNorm"):
+        make_agent(RunConfig(dataset="digits"), DIGITS, shard(), "cnn4", "android-mid-range")
+
+
+def test_an_executorch_profile_gets_the_executorch_runtime_and_torch_profiles_keep_eager():
+    cfg = RunConfig(dataset="digits", batch_size=16)
+    assert make_agent(cfg, DIGITS, shard(), "cnn1", "android-mid-range").trainer.runtime == "executorch"
+    assert make_agent(cfg, DIGITS, shard(), "cnn4", "rpi-4").trainer.runtime == "torch"
+
+
+def test_the_server_refuses_registering_a_batchnorm_model_on_an_executorch_profile():
+    check = registration_check(RunConfig(dataset="digits"))
+    ok = make_agent(RunConfig(dataset="digits"), DIGITS, shard(), "cnn4", "rpi-4").info()
+    bad = type(ok)(ok.client_id, ok.spec, "android-flagship", ok.num_train, ok.num_test)
+    assert check(ok) is None
+    assert "cannot train on device profile android-flagship (runtime executorch)" in check(bad)
+    assert "BatchNorm" in check(bad)
