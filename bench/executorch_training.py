@@ -29,12 +29,13 @@ from edge_client.executorch_trainer import ExecuTorchTrainer, epoch_batches  # n
 from edge_client.training import Distillation, TrainConfig, fit  # noqa: E402
 from export.executorch import (  # noqa: E402
     TrainingSession, gated_training_program, kd_loss, teacher_logits_pte, trainable_form)
+from fedge import constants as C  # noqa: E402
 from fedge.data import load_dataset  # noqa: E402
 from fedge.messages import Weights  # noqa: E402
 from fedge.spec import build  # noqa: E402
 from fedge.zoo import MODELS, create  # noqa: E402
 
-KD_LAMBDA, TEMPERATURE, SGD_LR, MOMENTUM = 0.2, 1.0, 0.05, 0.9
+KD_LAMBDA, TEMPERATURE, SGD_LR, MOMENTUM = C.KD_LAMBDA, C.KD_TEMPERATURE, C.SGD_LR, C.SGD_MOMENTUM
 
 
 def eager_sgd_epoch(model, x, y, teacher, batch: int, seed: int) -> None:
@@ -67,7 +68,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     ds = load_dataset(args.dataset, args.data)
     x, y = ds.tensors(np.arange(min(args.samples, len(ds))))
-    teacher = 3 * torch.randn(len(x), ds.num_classes, generator=torch.Generator().manual_seed(0))
+    teacher = torch.randn(len(x), ds.num_classes, generator=torch.Generator().manual_seed(0))
     android = [p for p in list_profiles() if p.runtime == "executorch"]
     cfg = TrainConfig(epochs=1, batch_size=args.batch_size, lr=1e-3, seed=1, sgd_lr=SGD_LR, sgd_momentum=MOMENTUM)
     steps = -(-len(x) // args.batch_size)

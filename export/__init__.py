@@ -1,5 +1,9 @@
 """ONNX and ExecuTorch exporters with load-back parity checks."""
 
+# Largest max-abs logit difference, runtime (onnxruntime or ExecuTorch) vs eager PyTorch, that an inference
+# export passes (argmax must also agree on every sample): issue 5's bound for both formats.
+PARITY_ATOL = 1e-4
+
 
 class ExportError(ValueError):
     """A model cannot be exported, or the exported program does not reproduce eager PyTorch; the message

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from export import ExportError
+from export import PARITY_ATOL, ExportError
 from fedge import constants as C
 from fedge.messages import Weights
 from fedge.spec import ModelSpec, SpecModel, build
@@ -32,8 +32,7 @@ from fedge.weights import State, WeightsError, atomic_write, load_module
 
 log = logging.getLogger(__name__)
 
-# Limits of the load-back and parity checks (candidates for fedge.constants once the lead unifies export).
-INFERENCE_ATOL = 1e-4
+# Gradient-parity limits: every gradient entry within GRAD_ATOL + GRAD_RTOL·|eager| (and the loss likewise).
 GRAD_RTOL = 1e-4
 GRAD_ATOL = 1e-6
 GATE_SEED, GATE_KD_LAMBDA, GATE_TEMPERATURE = 0, 0.2, 2.0  # the gradient-parity gate's inputs
@@ -133,7 +132,7 @@ def export_pte(spec: ModelSpec, state: State, path: str | os.PathLike[str], samp
 
     The program has static shapes: it takes batches of exactly len(sample). Raises ExportError when the
     weights do not match the spec, the sample has the wrong shape, export fails, the written file does not
-    load and run, or its output differs from eager by more than INFERENCE_ATOL or in any argmax.
+    load and run, or its output differs from eager by more than PARITY_ATOL or in any argmax.
     """
     from executorch.runtime import Runtime
 
@@ -153,7 +152,7 @@ def export_pte(spec: ModelSpec, state: State, path: str | os.PathLike[str], samp
         want = model(sample)
     diff = float((got - want).abs().max())
     same = bool(torch.equal(got.argmax(1), want.argmax(1)))
-    if not (diff <= INFERENCE_ATOL and same):
+    if not (diff <= PARITY_ATOL and same):
         raise ExportError(f"{path}: ExecuTorch output differs from eager for {spec.name!r} "
                           f"(max |Δ| {diff:.3g}, argmax {'equal' if same else 'differs'})")
     log.info("exported %s to %s (%d bytes, max |Δ| %.2g, %d delegate calls, portable ops %s)",

@@ -15,14 +15,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from export import ExportError
+from export import PARITY_ATOL, ExportError
 from fedge.spec import ModelSpec
 from fedge.weights import State, atomic_write, load_module
 
 log = logging.getLogger(__name__)
 
 # Export-specific limits and defaults (issue 5: parity gate of every ONNX export).
-ONNX_ATOL = 1e-4  # largest max-abs logit difference onnxruntime vs eager PyTorch that passes
 ONNX_OPSET = 18  # opset asked of both exporters (the dynamo exporter may raise it; the report says which)
 ONNX_EXPORTERS = ("dynamo", "torchscript")  # tried in this order; the second only if the first raises
 INPUT_NAME, OUTPUT_NAME, BATCH_DIM = "input", "logits", "batch"
@@ -84,7 +83,7 @@ def _dims(value_info) -> tuple[int | str, ...]:  # noqa: ANN001 - onnx.ValueInfo
 
 
 def export_module(module: nn.Module, path: str | Path, sample: torch.Tensor, metadata: Mapping[str, str],
-                  exporters: tuple[str, ...] = ONNX_EXPORTERS, atol: float = ONNX_ATOL) -> OnnxReport:
+                  exporters: tuple[str, ...] = ONNX_EXPORTERS, atol: float = PARITY_ATOL) -> OnnxReport:
     """Export `module` (in eval mode, on CPU) to `path` and prove the file: onnx.checker, then onnxruntime on
     `sample` (and on its first row alone, for the dynamic batch) against eager PyTorch. Every exporter failing,
     a failed check, a max abs logit difference above `atol` or any differing argmax raise ExportError (and

@@ -143,10 +143,10 @@ def broker_settings(args: argparse.Namespace, username: str | None) -> Any:
 
 def print_summary(summary: dict[str, Any]) -> None:
     final, phi, teacher = summary["final_accuracy"], summary.get("phi", {}), summary.get("teacher_params", {})
-    rows = [{"client": cid, "model": summary["models"][cid], "accuracy": f"{acc:.4f}",
-             "teacher params": f"{teacher[cid]:,.0f}" if cid in teacher else "-",
+    rows = [{"client": cid, "model": summary["models"][cid], "runtime": summary["runtimes"][cid],
+             "accuracy": f"{acc:.4f}", "mean teacher params": f"{teacher[cid]:,.0f}" if cid in teacher else "-",
              "phi": f"{phi[cid]:+.3f}" if cid in phi else "-"} for cid, acc in final["per_client"].items()]
-    print(_table(rows, ["client", "model", "accuracy"] + (["teacher params", "phi"] if phi else [])))
+    print(_table(rows, ["client", "model", "runtime", "accuracy"] + (["mean teacher params", "phi"] if phi else [])))
     mean = "n/a (no client was evaluated)" if final["mean"] is None else f"{final['mean']:.4f}"
     rejected = summary.get("rejected_messages") or {}
     if rejected:

@@ -281,4 +281,5 @@ class Coordinator:
             "rejected_replies": dict(self.rejected),
             "failed_rounds": list(self.failed),
             "models": {cid: info.spec.name for cid, info in self.clients.items()},
+            "runtimes": {cid: self.profiles[cid].runtime for cid in self.clients},
         } | self.strategy.summary()

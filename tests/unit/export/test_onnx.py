@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from export.onnx import ONNX_ATOL, ExportError, export_module, export_onnx, onnx_metadata, predict_onnx
+from export import PARITY_ATOL
+from export.onnx import ExportError, export_module, export_onnx, onnx_metadata, predict_onnx
 from fedge.cli import main
 from fedge.config import ConfigError, RunConfig, config_from
 from fedge.data import load_dataset
@@ -35,7 +36,7 @@ def assert_parity(path, spec, state, x):
     with torch.no_grad():
         want = load_module(spec, state).eval()(x).numpy()
     got = predict_onnx(path, x)
-    assert np.abs(got - want).max() <= ONNX_ATOL
+    assert np.abs(got - want).max() <= PARITY_ATOL
     assert (got.argmax(1) == want.argmax(1)).all()
 
 
@@ -45,7 +46,7 @@ def test_zoo_model_parity_on_real_digits(tmp_path, mnist, name):
     spec = create(name, ds.input_shape, ds.num_classes)
     state = fresh(spec)
     report = export_onnx(spec, state, tmp_path / f"{name}.onnx", x, {"client": "7", "round": "3"})
-    assert report.max_abs_diff <= ONNX_ATOL and report.argmax_agree and report.samples == len(x)
+    assert report.max_abs_diff <= PARITY_ATOL and report.argmax_agree and report.samples == len(x)
     assert report.input_shape == ("batch", 1, 28, 28) and report.output_shape == ("batch", 10)
     for batch in (1, 7):  # dynamic batch: any batch size runs
         assert_parity(report.path, spec, state, x[:batch])
@@ -57,7 +58,7 @@ def test_rgb_32px_parity(tmp_path, name):
     x = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     state = fresh(spec)
     report = export_onnx(spec, state, tmp_path / "m.onnx", x, {})
-    assert report.input_shape == ("batch", 3, 32, 32) and report.max_abs_diff <= ONNX_ATOL
+    assert report.input_shape == ("batch", 3, 32, 32) and report.max_abs_diff <= PARITY_ATOL
     assert_parity(report.path, spec, state, x[:7])
 
 
@@ -86,7 +87,7 @@ def test_conv_to_conv_stitches_with_resizes(tmp_path, mnist):
     ])
     state = fresh(spec, seed=1)
     report = export_onnx(spec, state, tmp_path / "t.onnx", x, {})
-    assert report.max_abs_diff <= ONNX_ATOL
+    assert report.max_abs_diff <= PARITY_ATOL
     assert_parity(report.path, spec, state, x[:1])
 
 
