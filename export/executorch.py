@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from export import PARITY_ATOL, ExportError
+from export import PARITY_ATOL, ExportError, require
 from fedge import constants as C
 from fedge.messages import Weights
 from fedge.spec import ModelSpec, SpecModel, build
@@ -134,6 +134,7 @@ def export_pte(spec: ModelSpec, state: State, path: str | os.PathLike[str], samp
     weights do not match the spec, the sample has the wrong shape, export fails, the written file does not
     load and run, or its output differs from eager by more than PARITY_ATOL or in any argmax.
     """
+    require("executorch")
     from executorch.runtime import Runtime
 
     _check_input(spec, sample)
@@ -163,6 +164,7 @@ def export_pte(spec: ModelSpec, state: State, path: str | os.PathLike[str], samp
 def predict_pte(path: str | os.PathLike[str], x: torch.Tensor) -> torch.Tensor:
     """Logits of the inference program at `path` on `x`, in batches of the program's fixed size (the last one
     padded with zeros, its padding dropped). An unreadable program or inputs of the wrong shape raise ExportError."""
+    require("executorch")
     from executorch.runtime import Runtime
 
     try:
@@ -367,6 +369,7 @@ def export_training(spec: ModelSpec, state: State, batch_size: int = 32, dropout
     Raises ExportError for BatchNorm, a pool without an exact rewrite, a bad batch size, weights that do not
     match, or a failing export.
     """
+    require("executorch")
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge
     from torch.export.experimental import _export_forward_backward
 
@@ -411,6 +414,7 @@ class TrainingSession:
     """
 
     def __init__(self, program: TrainingProgram) -> None:
+        require("executorch")
         from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
         from executorch.extension.training import TrainingModule
 

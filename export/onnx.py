@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from export import PARITY_ATOL, ExportError
+from export import PARITY_ATOL, ExportError, require
 from fedge.spec import ModelSpec
 from fedge.weights import State, atomic_write, load_module
 
@@ -88,6 +88,7 @@ def export_module(module: nn.Module, path: str | Path, sample: torch.Tensor, met
     `sample` (and on its first row alone, for the dynamic batch) against eager PyTorch. Every exporter failing,
     a failed check, a max abs logit difference above `atol` or any differing argmax raise ExportError (and
     leave no file at `path`)."""
+    require("onnx", "onnxscript", "onnxruntime")
     import onnx
 
     path = Path(path)
@@ -158,6 +159,7 @@ def export_onnx(spec: ModelSpec, state: State, path: str | Path, sample: torch.T
 
 
 def _session(path: str | Path):  # noqa: ANN202 - onnxruntime.InferenceSession
+    require("onnxruntime")
     import onnxruntime as ort
 
     try:

@@ -188,3 +188,11 @@ def test_cli_export_errors(run_dir, tmp_path, capsys, argv, message):
 def test_cli_predict_errors(tmp_path, capsys):
     code, _, err = cli(capsys, "predict", tmp_path / "none.onnx", "--dataset", "digits")
     assert code == 2 and "cannot load" in err
+
+
+def test_a_missing_optional_package_names_the_extra_to_install():
+    from export import require
+    require("onnx", "onnxruntime")  # installed: nothing happens
+    with pytest.raises(ExportError, match=r"no_such_package_xyz not installed; install the export extra: "
+                                          r"pip install 'fedge\[export\]'"):
+        require("onnx", "no_such_package_xyz")
