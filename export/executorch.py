@@ -274,11 +274,13 @@ def _pool_rewrite(module: nn.Module, name: str) -> nn.Module | None:
     return None
 
 
-def trainable_form(spec: ModelSpec, model: SpecModel, dropout: bool = True) -> nn.Module:
+def trainable_form(spec: ModelSpec, model: SpecModel) -> nn.Module:
     """A copy of `model` with every layer the ExecuTorch portable training kernels get wrong rewritten.
 
-    MaxPool2d / AvgPool2d (stride = kernel) and AdaptiveAvgPool2d → BlockPool; Dropout → Identity when
-    `dropout` is False. BatchNorm or a pool without an exact form raises ExportError naming the layer.
+    MaxPool2d / AvgPool2d (stride = kernel) and AdaptiveAvgPool2d → BlockPool; Dropout → Identity (the
+    runtime's dropout draws from a generator we cannot seed: without it the program that passes the
+    gradient-parity gate is exactly the one that trains). BatchNorm or a pool without an exact form raises
+    ExportError naming the layer.
     BatchNorm: training-mode BN does not export; an explicit batch-statistics rewrite (mean/var/rsqrt) does
     export, and is exact in a small net, but failed gradient parity on cnn4 under executorch 1.4.1 (up to
     ~4 % relative error in the layers before cov5's BN; cnn4 without BN passes), so it is refused.
@@ -291,7 +293,7 @@ def trainable_form(spec: ModelSpec, model: SpecModel, dropout: bool = True) -> n
                               "training-mode BatchNorm does not export (portable kernels are inference-only); "
                               "use a BN-free model or train it in eager PyTorch")
         new = _pool_rewrite(module, name)
-        if new is None and not dropout and isinstance(module, nn.Dropout):
+        if new is None and isinstance(module, nn.Dropout):
             new = nn.Identity()
         if new is not None:
             parent, _, child = path.rpartition(".")
@@ -360,13 +362,12 @@ class TrainingProgram:
         return pte, ptd
 
 
-def export_training(spec: ModelSpec, state: State, batch_size: int = 32, dropout: bool = False) -> TrainingProgram:
-    """An ExecuTorch training program (forward + backward, fixed `batch_size`) of CE + λ·KL for `spec`.
+def export_training(spec: ModelSpec, state: State, batch_size: int = 32) -> TrainingProgram:
+    """An ExecuTorch training program (forward + backward, fixed `batch_size`) of CE + λ·KL for `spec`, in the
+    trainable form (pools rewritten, no dropout).
 
     The .pte holds the program and the .ptd the weights (`state`), via ExecuTorch's external mutable
-    weights. Dropout becomes Identity unless `dropout` is True: the runtime's dropout draws from a generator
-    we cannot seed, and the program that passes the gradient-parity gate is then exactly the one that trains.
-    Raises ExportError for BatchNorm, a pool without an exact rewrite, a bad batch size, weights that do not
+    weights. Raises ExportError for BatchNorm, a pool without an exact rewrite, a bad batch size, weights that do not
     match, or a failing export.
     """
     require("executorch")
@@ -375,7 +376,7 @@ def export_training(spec: ModelSpec, state: State, batch_size: int = 32, dropout
 
     if batch_size < 1:
         raise ExportError(f"batch size must be positive, got {batch_size}")
-    student = trainable_form(spec, _eager(spec, state), dropout).train()
+    student = trainable_form(spec, _eager(spec, state)).train()
     inputs = (torch.zeros(batch_size, *spec.input_shape), torch.zeros(batch_size, dtype=torch.long),
               torch.zeros(batch_size, spec.num_classes), torch.tensor(0.0), torch.tensor(1.0))
     try:

@@ -384,8 +384,7 @@ def serve_forever(port: int, users_file: Path | None, host: str = "127.0.0.1",
     previous = {s: signal.signal(s, lambda *_: done.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         with EmbeddedBroker(host, port, users, server_user):
-            while not done.wait(C.SIGNAL_POLL_S):  # wake now and then: a signal caught by another thread runs
-                pass                                # its Python handler only when the main thread runs
+            done.wait()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -119,7 +119,6 @@ MQTT_QOS = 1  # at least once: receivers deduplicate by message id and chunk
 FLUSH_TIMEOUT_S = 5.0  # a disconnecting endpoint waits this long for its last messages to leave
 WILL_TTL_S = 365 * 24 * 3600.0  # a will is composed at connect time and may be published much later
 CONNECT_TIMEOUT_S = 60.0  # server and clients give up reaching the broker after this long
-SIGNAL_POLL_S = 0.5  # a blocked main thread wakes this often, so a Ctrl-C caught by another thread is acted on
 CLIENT_EXIT_GRACE_S = 20.0  # `fedge run` waits this long for client processes to exit after the run
 CLIENT_STATE_DIR = "clients"  # <out>/clients/<id>: each client's model snapshots
 FINAL_MODELS_DIR = "models"  # <out>/models/<id>/teacher.{safetensors,onnx}: final models written after a run

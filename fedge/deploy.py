@@ -127,11 +127,8 @@ def run_clients(agents: list[ClientAgent], broker_for: Callable[[str], Broker], 
     try:
         # Wait on a semaphore, not in Thread.join(): Ctrl-C inside join() makes CPython 3.11 mark the thread as
         # finished (bpo-45274), and the process would then exit without saying "offline" or disconnecting.
-        # With a timeout: the kernel may hand SIGINT to a network thread, and Python raises KeyboardInterrupt
-        # only when the main thread runs again (seen once in CI: a Ctrl-C'd client stayed connected for 30 s).
         for _ in threads:
-            while not finished.acquire(timeout=C.SIGNAL_POLL_S):
-                pass
+            finished.acquire()
     except KeyboardInterrupt:
         for c in clients:
             c.stopped.set()

@@ -207,6 +207,13 @@ class ServerThread:
 # ---------------------------------------------------------------------------------------------- processes
 
 
+def default_sigint() -> None:
+    """In a spawned process: Ctrl-C at its default, so Python turns it into KeyboardInterrupt. A test runner
+    started in the background of a non-interactive shell inherits SIGINT ignored, and so would every
+    `fedge` process it starts: the Ctrl-C tests would then wait for an exit that never comes."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @dataclass
 class Process:
     """A `fedge` subprocess (client or server) and its log file."""
@@ -318,7 +325,7 @@ class Federation:
         log_path = self.tmp / f"{name}.log"
         with log_path.open("ab") as log:
             popen = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                     env=os.environ | {"PYTHONUNBUFFERED": "1"})
+                                     env=os.environ | {"PYTHONUNBUFFERED": "1"}, preexec_fn=default_sigint)
         process = Process(name, popen, log_path)
         self.processes.append(process)
         return process
