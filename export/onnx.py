@@ -20,6 +20,9 @@ from fedge.spec import ModelSpec
 from fedge.weights import State, atomic_write, load_module
 
 log = logging.getLogger(__name__)
+# The dynamo exporter warns once per torchvision op ("torchvision is not installed. Skipping ...") on every
+# export; fedge's models use no torchvision op, so those lines are noise in a run's progress output.
+logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
 
 # Export-specific limits and defaults (issue 5: parity gate of every ONNX export).
 ONNX_OPSET = 18  # opset asked of both exporters (the dynamo exporter may raise it; the report says which)
