@@ -297,12 +297,17 @@ def _manifest(out: Path, weights: Any, metadata: dict[str, str], fields: dict[st
     return path
 
 
+def _batch_of(sample: Any, b: int) -> Any:
+    """`b` real inputs for a program's fixed batch: the first b of `sample`, or its first one repeated."""
+    return sample[:b] if len(sample) >= b else sample[:1].expand(b, *sample.shape[1:])
+
+
 def _export_pte(weights: Any, out: Path, sample: Any, metadata: dict[str, str], args: Any, cfg: dict) -> None:
     """An XNNPACK inference program for batches of --batch, checked against eager on real inputs."""
     from export.executorch import export_pte
 
     spec, b = weights.spec, args.batch
-    r = export_pte(spec, weights.state, out, sample[:b] if len(sample) >= b else sample[:1].expand(b, *spec.input_shape))
+    r = export_pte(spec, weights.state, out, _batch_of(sample, b))
     manifest = _manifest(out, weights, metadata, {
         "program": out.name, "method": "forward",
         "inputs": [{"name": "input", "dtype": "float32", "shape": [b, *spec.input_shape]}],
@@ -321,7 +326,7 @@ def _export_pte_train(weights: Any, out: Path, sample: Any, metadata: dict[str, 
 
     spec, b = weights.spec, args.batch
     program = export_training(spec, weights.state, b)
-    x = sample[:b] if len(sample) >= b else sample[:1].expand(b, *spec.input_shape)
+    x = _batch_of(sample, b)
     y = torch.arange(b) % spec.num_classes
     teacher = 3 * torch.randn(b, spec.num_classes, generator=torch.Generator().manual_seed(0))
     lam, temperature = cfg.get("kd_lambda", C.KD_LAMBDA), C.KD_TEMPERATURE

@@ -8,7 +8,6 @@ proxy that cuts it mid-upload or stalls it), or client processes (SIGKILL, Ctrl-
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import signal
 import threading
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.brokers import MosquittoProcess, close, mqtt_client, publish, subscribe
-from helpers.federation import Federation, make_config, read_rows, trained_by_round, wait_until
+from helpers.federation import Federation, make_config, read_rows, run_inproc, trained_by_round, wait_until
 from helpers.proxy import TcpProxy
 
 from edge_client.runtime import MAX_SENDS
@@ -32,7 +31,6 @@ from fedge.deploy import client_agents, registration_check
 from fedge.layers import LayerSpec
 from fedge.messages import Result, Weights
 from fedge.mqtt import Broker, Endpoint, Inbox
-from fedge.simulation import run_simulation
 from fedge.spec import make_spec, tensor_shapes
 from fedge.zoo import create
 from server.coordinator import RoundFailed
@@ -52,13 +50,8 @@ def outcome(out: Path) -> list[tuple]:
 def reference(tmp_path_factory) -> list[tuple]:
     """The fault-free outcome of make_config's run, computed in-process with one torch thread (as the client
     processes train), so that a run through faults must reproduce it bitwise."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        out = tmp_path_factory.mktemp("reference") / "run"
-        run_simulation(dataclasses.replace(make_config(out), transport="inproc"), progress=False)
-    finally:
-        torch.set_num_threads(threads)
+    out = tmp_path_factory.mktemp("reference") / "run"
+    run_inproc(make_config(out))
     return outcome(out)
 
 

@@ -8,6 +8,7 @@ give up at once. Client and server logs are printed at teardown, which pytest sh
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -19,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+import torch
+
 from helpers.brokers import MosquittoProcess, require_mosquitto
 
 from fedge import deploy
@@ -26,6 +29,7 @@ from fedge.broker import generate_users
 from fedge.config import RunConfig
 from fedge.messages import Result, Task
 from fedge.mqtt import Broker
+from fedge.simulation import run_simulation
 from fedge.weights import atomic_write
 from server.fleet import Fleet, FleetError
 
@@ -45,6 +49,17 @@ def make_config(out: Path, **overrides: Any) -> RunConfig:
     values.update(overrides)
     values.setdefault("active", values["clients"])
     return RunConfig(**values)
+
+
+def run_inproc(cfg: RunConfig) -> dict[str, Any]:
+    """`cfg` run in this process over the in-process transport with one torch thread, as each client process
+    trains: the reference a run over MQTT must reproduce bitwise. Returns the run's summary."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return run_simulation(dataclasses.replace(cfg, transport="inproc"), progress=False)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> Any:

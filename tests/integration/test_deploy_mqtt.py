@@ -9,14 +9,13 @@ import sys
 import threading
 
 import pytest
-import torch
 
 from fedge.broker import generate_users
 from fedge.config import RunConfig
 from fedge.deploy import serve, write_secrets
 from fedge.mqtt import Broker
-from fedge.simulation import run_simulation
 from helpers.brokers import MOSQUITTO, free_port, require_mosquitto, wait_for_port
+from helpers.federation import run_inproc
 
 pytestmark = pytest.mark.timeout(300)
 IDS = ["0", "1", "2"]
@@ -49,12 +48,7 @@ def test_fedge_run_over_the_embedded_broker_matches_inproc(tmp_path):
     assert summary["transport"]["run_id"] == "t1" and not summary["rejected_messages"]
     assert sorted(summary["final_accuracy"]["per_client"]) == IDS
     assert {p.name for p in (tmp_path / "mqtt").glob("clients-*.log")} == {"clients-0.log", "clients-1.log"}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each client process did
-    try:
-        inproc = run_simulation(tiny(tmp_path, "inproc", transport="inproc"), progress=False)
-    finally:
-        torch.set_num_threads(threads)
+    inproc = run_inproc(tiny(tmp_path, "inproc"))
     assert summary["final_accuracy"]["per_client"] == inproc["final_accuracy"]["per_client"]
 
 

@@ -6,10 +6,9 @@ import subprocess
 import sys
 
 import pytest
-import torch
+from helpers.federation import run_inproc
 
 from fedge.config import RunConfig
-from fedge.simulation import run_simulation
 
 pytestmark = pytest.mark.timeout(600)
 RUNTIMES = {"0": "torch", "1": "executorch", "2": "torch", "3": "executorch"}
@@ -45,12 +44,7 @@ def test_a_mixed_torch_and_executorch_fleet_completes_pfedclub_over_mqtt(tmp_pat
     assert all(r["runtime"] == RUNTIMES[r["client"]] for r in got)
     assert all(r["kd_loss"] > 0 for r in got if r["round"] == 1)
     # the same run in one process gives the same accuracies: ExecuTorch training is deterministic too
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each client process did
-    try:
-        inproc = run_simulation(mixed(tmp_path, "inproc", transport="inproc"), progress=False)
-    finally:
-        torch.set_num_threads(threads)
+    inproc = run_inproc(mixed(tmp_path, "inproc"))
     assert summary["final_accuracy"]["per_client"] == inproc["final_accuracy"]["per_client"]
 
 
