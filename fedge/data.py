@@ -24,6 +24,7 @@ DIGIT_CLASSES: tuple[str, ...] = tuple(str(d) for d in range(10))
 CIFAR10_CLASSES: tuple[str, ...] = (
     "airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 _NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
+_ZIP_MAGIC = b"PK"  # every .npz is a zip archive, and every zip archive starts with these bytes
 
 
 class DatasetError(ValueError):
@@ -235,6 +236,14 @@ def read_svhn_mat(path: Path) -> tuple[np.ndarray, np.ndarray]:
 
 def _read_npz(path: Path, name: str) -> Parts:
     """Read x_train, y_train, x_test, y_test from an .npz; a bad file raises DatasetError."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(_ZIP_MAGIC))
+    except OSError as exc:
+        raise DatasetError(f"{name}: cannot read {str(path)!r}: {exc}") from exc
+    if head != _ZIP_MAGIC:  # else numpy would guess "pickled data" for any other bytes
+        raise DatasetError(f"{name}: {str(path)!r} is not an .npz file (a zip archive of arrays, as numpy.savez "
+                           f"writes; it starts with {head!r}); give an .npz holding {_NPZ_KEYS}")
     try:
         # allow_pickle=False: an .npz from elsewhere must never be able to run code on load.
         with np.load(path, allow_pickle=False) as npz:

@@ -25,6 +25,7 @@ from export.executorch import check_trainable
 from edge_client.agent import ClientAgent
 from edge_client.runtime import ClientStopped, EdgeClient
 from fedge.broker import EmbeddedBroker, generate_users, read_users
+from fedge.checkpoint import load_tree
 from fedge import constants as C
 from fedge.config import ConfigError, RunConfig
 from fedge.messages import ClientInfo
@@ -35,11 +36,14 @@ from fedge.simulation import (
     make_agent,
     make_strategy,
     run_federation_rounds,
+    run_folder,
 )
 from fedge.topics import check_id
 from fedge.weights import atomic_write
 from fedge.zoo import assign_models
+from server.coordinator import check_resumable, run_identity
 from server.fleet import Fleet
+from server.runlog import CHECKPOINT_FILE
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +73,10 @@ def registration_check(cfg: RunConfig) -> Callable[[ClientInfo], str | None]:
 def serve(cfg: RunConfig, broker: Broker, progress: bool = True, resume: bool = False,
           connect_timeout: float = C.CONNECT_TIMEOUT_S) -> dict[str, Any]:
     """`fedge server`: wait for `cfg.clients` registrations, run the rounds over MQTT, write the run folder."""
+    if resume:  # a corrupt or foreign checkpoint is reported now, not after the whole fleet has registered
+        out = run_folder(cfg, resume)
+        check_resumable(load_tree(out / CHECKPOINT_FILE),
+                        run_identity(cfg.strategy, [str(i) for i in range(cfg.clients)], cfg.seed, cfg.active), out)
     fleet = Fleet(broker, cfg.run_id, registration_check(cfg), cfg.round_deadline_s, cfg.heartbeat_s, cfg.chunk_size,
                   cfg.keepalive_s)
     fleet.start(connect_timeout)

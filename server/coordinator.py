@@ -9,7 +9,8 @@ import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -104,6 +105,21 @@ def norm_outliers(results: Mapping[str, Result]) -> dict[str, str]:
     return out
 
 
+def run_identity(strategy: str, clients: Iterable[str], seed: int, active: int) -> dict[str, Any]:
+    """What a checkpoint must share with a run to be resumed by it."""
+    return {"strategy": strategy, "clients": sorted(clients, key=client_order), "seed": seed, "active": active}
+
+
+def check_resumable(tree: Tree, identity: Mapping[str, Any], out: Path) -> Tree:
+    """`tree` (the checkpoint of the run folder `out`) if it was written by a run of this `identity`; else
+    CheckpointError naming the first field that differs."""
+    for key, mine in identity.items():
+        if tree.get(key) != mine:
+            raise CheckpointError(f"the checkpoint in {out} was written with {key}={tree.get(key)!r}, this run has "
+                                  f"{mine!r}; resume with the run's own configuration")
+    return tree
+
+
 class Coordinator:
     """Drives a strategy over a transport for a number of rounds, records the run, checkpoints every round."""
 
@@ -168,8 +184,7 @@ class Coordinator:
 
     def identity(self) -> dict[str, Any]:
         """What a checkpoint must share with this run to be resumed by it."""
-        return {"strategy": self.strategy.name, "clients": sorted(self.clients, key=client_order),
-                "seed": self.loop.seed, "active": self.loop.active}
+        return run_identity(self.strategy.name, self.clients, self.loop.seed, self.loop.active)
 
     def checkpoint(self, next_round: int) -> Tree:
         """The checkpoint after a completed round: the next round, this loop's counters, the strategy's state."""
@@ -181,11 +196,7 @@ class Coordinator:
 
     def restore(self) -> int:
         """Load the run folder's checkpoint into this loop and the strategy; returns the round to run next."""
-        tree = self.runlog.read_checkpoint()
-        for key, mine in self.identity().items():
-            if tree.get(key) != mine:
-                raise CheckpointError(f"the checkpoint in {self.runlog.out} was written with {key}={tree.get(key)!r}"
-                                      f", this run has {mine!r}; resume with the run's own configuration")
+        tree = check_resumable(self.runlog.read_checkpoint(), self.identity(), self.runlog.out)
         try:
             next_round = int(tree["next_round"])
             self.participated, self.server_seconds = set(tree["participated"]), list(tree["server_seconds"])

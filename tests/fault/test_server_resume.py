@@ -8,7 +8,7 @@ import signal
 import pytest
 from helpers.federation import Federation, make_config, wait_until
 
-from fedge.checkpoint import CheckpointError, load_tree, tree_digest
+from fedge.checkpoint import CheckpointError, load_tree, save_tree, tree_digest
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -54,3 +54,21 @@ def test_server_killed_mid_run_resumes_to_the_uninterrupted_result(tmp_path):
     assert tree_digest(resumed["strategy_state"]) == tree_digest(uninterrupted["strategy_state"])
     rounds = [json.loads(line)["round"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert sorted(set(rounds)) == [0, 1, 2] and rounds == sorted(rounds)  # no round lost or written twice
+
+
+@pytest.mark.parametrize("checkpoint, error", [
+    (b"\x00garbage" * 100, "cannot be read"),
+    ({"strategy": "local", "clients": ["0", "1", "2"], "seed": 0, "active": 3}, "written with strategy='local'"),
+])
+def test_a_bad_checkpoint_is_reported_before_waiting_for_the_fleet(tmp_path, checkpoint, error):
+    cfg = make_config(tmp_path / "run", register_timeout_s=600.0)  # no client ever comes: only the check can end it
+    out = tmp_path / "run"
+    out.mkdir()
+    if isinstance(checkpoint, bytes):
+        (out / "checkpoint.safetensors").write_bytes(checkpoint)
+    else:
+        save_tree(out / "checkpoint.safetensors", checkpoint)
+    with Federation(tmp_path / "fed", cfg) as fed:
+        server = fed.start_server_process("--resume", str(out))
+        assert server.wait(120) == 2, server.log()
+    assert error in server.log() and "waiting up to" not in server.log()

@@ -237,6 +237,15 @@ def test_non_npz_file_is_rejected(tmp_path: Path) -> None:
         load_dataset("mnist", path)
 
 
+def test_random_bytes_named_npz_are_called_what_they_are(tmp_path: Path) -> None:
+    path = tmp_path / "mnist.npz"
+    path.write_bytes(np.random.default_rng(0).bytes(4096))
+    with pytest.raises(DatasetError) as info:
+        load_dataset("mnist", path)
+    message = str(info.value)
+    assert "is not an .npz file" in message and str(path) in message and "pickled" not in message
+
+
 # ---------------------------------------------------------------- official layouts
 
 
