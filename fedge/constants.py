@@ -79,8 +79,15 @@ SUPPORTED_SCHEMA_VERSIONS = (1,)  # envelope versions a receiver accepts, oldest
 CHUNK_SIZE = 256 * 1024  # payload bytes per chunk message
 MAX_PAYLOAD_BYTES = 512 * 1024 * 1024  # largest reassembled payload accepted
 MAX_HEADER_BYTES = 1024 * 1024  # largest JSON header (payload container or envelope); ours are kilobytes
-MAX_PENDING_MESSAGES = 64  # partial chunked messages kept before the oldest is evicted
+# Memory a receiver holds for incomplete messages, counted as whole frames as received (header + chunk) plus
+# the bookkeeping below; over a budget the oldest partial message is evicted (the sender re-sends it whole).
+PENDING_SENDER_BYTES = 16 * 1024 * 1024  # per sender; at least 2x the size limit of the message being joined
+PENDING_TOTAL_BYTES = 1024 * 1024 * 1024  # all senders together; the biggest holder's oldest partial goes first
+PENDING_CHUNK_OVERHEAD_BYTES = 256  # per kept chunk: its dict entry and memoryview
+PENDING_MESSAGE_OVERHEAD_BYTES = 4096  # per partial message: its record, hash state and dicts
+MAX_COMPLETED_IDS = 1024  # ids of finished messages remembered, so a late repeat is recognised
 MESSAGE_TTL_S = 600.0  # default envelope time to live
+MAX_CLOCK_SKEW_S = 300.0  # an envelope created further in the future than this is refused ("clock_skew")
 MAX_CHUNK_BYTES = 4 * 1024 * 1024  # largest chunk a receiver accepts (senders use CHUNK_SIZE)
 REPLY_SLACK_BYTES = 256 * 1024  # allowance over a reply's tensor bytes for headers and the spec JSON
 
@@ -118,6 +125,7 @@ PBKDF2_SALT_BYTES = 12
 MQTT_QOS = 1  # at least once: receivers deduplicate by message id and chunk
 FLUSH_TIMEOUT_S = 5.0  # a disconnecting endpoint waits this long for its last messages to leave
 WILL_TTL_S = 365 * 24 * 3600.0  # a will is composed at connect time and may be published much later
+MAX_TTL_S = WILL_TTL_S  # the longest life an envelope may claim (a will's); longer, or not positive, is "bad_ttl"
 CONNECT_TIMEOUT_S = 60.0  # server and clients give up reaching the broker after this long
 CLIENT_EXIT_GRACE_S = 20.0  # `fedge run` waits this long for client processes to exit after the run
 CLIENT_STATE_DIR = "clients"  # <out>/clients/<id>: each client's model snapshots

@@ -29,6 +29,7 @@ from fedge.constants import (
     WILL_TTL_S,
     KEEPALIVE_S,
     MAX_CHUNK_BYTES,
+    MAX_CLOCK_SKEW_S,
     MAX_HEADER_BYTES,
     RECONNECT_MAX_S,
     RECONNECT_MIN_S,
@@ -100,13 +101,14 @@ Accept = Callable[[str, "str | None", Envelope], int]
 class Inbox:
     """Checks every arriving frame, cheapest first, and joins chunks into whole messages.
 
-    Order (reliability-notes §6): run and topic shape; frame size; envelope schema; chunk hash;
-    identity (the sender named in the envelope must be the topic's client level, or "server" on a
-    client's own topics); the run; expiry; a repeat of a message already delivered is dropped and counted
-    in `reassembler.duplicates`, not rejected; then `accept(kind, client, envelope)`, which may raise
-    WireError (e.g. no open instruction) and returns the largest payload allowed; only then are the
-    bytes kept, and the joined payload's SHA-256 is checked. Rejections are logged in one line each
-    and counted in `rejected` by reason.
+    Order (reliability-notes §6): run and topic shape; frame size; envelope schema and TTL; chunk geometry
+    (a chunk count the announced size cannot need) and hash; identity (the sender named in the envelope must be
+    the topic's client level, or "server" on a client's own topics); the run; expiry and clock skew; a repeat
+    of a message already delivered is dropped and counted in `reassembler.duplicates`, not rejected; then
+    `accept(kind, client, envelope)`, which may raise WireError (e.g. no open instruction) and returns the
+    largest payload allowed; only then are the bytes kept, within the reassembler's per-sender and total
+    budgets (evictions are counted per sender in `reassembler.evicted`), and the joined payload's SHA-256 is
+    checked. Rejections are logged in one line each and counted in `rejected` by reason.
     """
 
     def __init__(self, run: str, accept: Accept) -> None:
@@ -143,19 +145,22 @@ class Inbox:
             raise WireError("bad_format", f"a {env.type!r} message on a {kind} topic")
         if env.run != self.run:
             raise WireError("wrong_run", f"envelope of run {env.run!r} on run {self.run!r}")
-        if env.expired():
-            raise WireError("expired", f"message {env.msg_id} expired {time.time() - env.created_at:.0f} s after "
+        now = time.time()
+        if env.expired(now):
+            raise WireError("expired", f"message {env.msg_id} expired {now - env.created_at:.0f} s after "
                             "it was created")
-        key = f"{owner}/{env.msg_id}"
+        if env.created_at > now + MAX_CLOCK_SKEW_S:
+            raise WireError("clock_skew", f"message {env.msg_id} was created {env.created_at - now:.0f} s in the "
+                            f"future (tolerance {MAX_CLOCK_SKEW_S:g} s); check the sender's clock")
         with self._lock:
-            if self.reassembler.repeated(key):  # a QoS 1 redelivery of a message already delivered: not an error,
-                return None  # whether or not the instruction it answered is still open
+            if self.reassembler.repeated(owner, env.msg_id):  # a QoS 1 redelivery of a message already delivered:
+                return None  # not an error, whether or not the instruction it answered is still open
         limit = self.accept(kind, client, env)
         if env.size > limit:
             raise WireError("too_large", f"{env.type} of {env.size} bytes exceeds the {limit} bytes expected "
                             f"from {owner}")
         with self._lock:
-            payload = self.reassembler.add(key, frame.index, env.chunks, frame.data, env.sha256, limit)
+            payload = self.reassembler.add(owner, frame, limit)
         return None if payload is None else Delivery(kind, client, env, payload)
 
     def receive(self, topic: str, data: bytes) -> Delivery | None:

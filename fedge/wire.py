@@ -4,21 +4,27 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import re
 import time
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from fedge.constants import (
     CHUNK_SIZE,
     MAX_CHUNK_BYTES,
+    MAX_COMPLETED_IDS,
     MAX_HEADER_BYTES,
     MAX_PAYLOAD_BYTES,
-    MAX_PENDING_MESSAGES,
+    MAX_TTL_S,
     MESSAGE_TTL_S,
+    PENDING_CHUNK_OVERHEAD_BYTES,
+    PENDING_MESSAGE_OVERHEAD_BYTES,
+    PENDING_SENDER_BYTES,
+    PENDING_TOTAL_BYTES,
     SUPPORTED_SCHEMA_VERSIONS,
     WIRE_SCHEMA_VERSION,
 )
@@ -28,10 +34,12 @@ from fedge.weights import WeightsError, from_bytes, to_bytes
 
 MESSAGE_TYPES = ("register", "task", "result", "status", "ack")
 REASONS = ("bad_format", "schema_version", "too_large", "hash_mismatch", "bad_chunk", "bad_weights",
-           "bad_spec", "bad_value", "spoof", "wrong_run", "expired", "stale_round", "no_open_task", "duplicate")
+           "bad_spec", "bad_value", "spoof", "wrong_run", "expired", "stale_round", "no_open_task", "duplicate",
+           "clock_skew", "bad_ttl")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _HEX32 = re.compile(r"[0-9a-f]{32}")
 _LEN_BYTES = 8
+log = logging.getLogger(__name__)
 
 
 class WireError(ValueError):
@@ -161,8 +169,8 @@ class Envelope:
         env = cls(version, _str(d, "run"), _int(d, "round"), d["type"], _str(d, "msg_id", _HEX32), reply_to,
                   _str(d, "sender"), _float(d, "created_at"), _float(d, "ttl_s"), _str(d, "sha256", _HEX64),
                   _int(d, "size"), _int(d, "chunks", minimum=1))
-        if env.ttl_s <= 0:
-            raise WireError("bad_format", f"envelope ttl_s must be positive, got {env.ttl_s}")
+        if not 0 < env.ttl_s <= MAX_TTL_S:
+            raise WireError("bad_ttl", f"envelope ttl_s must lie in (0, {MAX_TTL_S:g}] s, got {env.ttl_s:g}")
         if env.size > MAX_PAYLOAD_BYTES:
             raise WireError("too_large", f"payload of {env.size} bytes exceeds the cap of {MAX_PAYLOAD_BYTES}")
         return env
@@ -386,11 +394,15 @@ def split(payload: bytes | memoryview, chunk_size: int = CHUNK_SIZE) -> list[byt
 
 @dataclass
 class _Partial:
+    """A message whose chunks are arriving: what its first frame announced, the chunks so far, their cost."""
+
+    sender: str
     total: int
     sha256: str
-    max_size: int
-    parts: dict[int, bytes | memoryview] = field(default_factory=dict)
-    size: int = 0
+    size: int
+    stride: int  # the uniform chunk length its frames imply (see unframe)
+    parts: dict[int, memoryview] = field(default_factory=dict)
+    cost: int = 0  # bytes held: whole frames as received, plus bookkeeping
     hasher: Any = field(default_factory=hashlib.sha256)  # the payload's SHA-256, fed in chunk order
     hashed: int = 0  # chunks 0..hashed-1 are in `hasher`
 
@@ -402,80 +414,132 @@ class _Partial:
 
 
 class Reassembler:
-    """Joins chunks of many messages arriving in any order, with duplicates; memory is bounded.
+    """Joins chunks of many messages arriving in any order, with duplicates, in bounded memory.
 
-    At most `max_pending` partial messages are kept (the oldest is evicted, counted in `.evicted`); the ids of
-    the last `max_completed` finished messages are remembered so late duplicates are recognised.
+    What a partial message holds is counted as its frames' whole bytes as received (a chunk is a view into its
+    frame, so the header stays alive with it) plus PENDING_CHUNK_OVERHEAD_BYTES per chunk and
+    PENDING_MESSAGE_OVERHEAD_BYTES per message. A sender may hold `sender_budget` bytes, or twice the size
+    limit of the message being joined if that is more; all senders together `total_budget`. Over a budget, the
+    oldest partial of that sender (or, over the total, of the sender holding most) is evicted, counted per
+    sender in `evicted` and logged at the 1st, 2nd, 4th, 8th, ... eviction of each sender. The ids of the last
+    `max_completed` finished messages are remembered so late duplicates are recognised.
     """
 
-    def __init__(self, max_pending: int = MAX_PENDING_MESSAGES, max_completed: int = 16 * MAX_PENDING_MESSAGES):
-        self.max_pending = max_pending
-        self.max_completed = max_completed
+    def __init__(self, sender_budget: int = PENDING_SENDER_BYTES, total_budget: int = PENDING_TOTAL_BYTES,
+                 max_completed: int = MAX_COMPLETED_IDS):
+        self.sender_budget, self.total_budget, self.max_completed = sender_budget, total_budget, max_completed
         self.duplicates = 0
-        self.evicted = 0
-        self._pending: OrderedDict[str, _Partial] = OrderedDict()
-        self._done: OrderedDict[str, None] = OrderedDict()
+        self.evicted: Counter[str] = Counter()
+        self.held: Counter[str] = Counter()  # bytes held per sender
+        self._pending: dict[str, OrderedDict[str, _Partial]] = {}  # sender -> msg_id -> partial, oldest first
+        self._done: OrderedDict[tuple[str, str], None] = OrderedDict()
 
     @property
     def pending(self) -> int:
         """Number of partial messages held."""
-        return len(self._pending)
+        return sum(len(messages) for messages in self._pending.values())
 
-    def _reject(self, msg_id: str, reason: str, message: str) -> WireError:
-        self._pending.pop(msg_id, None)
-        return WireError(reason, f"message {msg_id}: {message}")
+    @property
+    def held_total(self) -> int:
+        """Bytes held for partial messages, by the count above."""
+        return sum(self.held.values())
 
-    def repeated(self, msg_id: str) -> bool:
-        """True, counted in `duplicates`, when `msg_id` was already joined and returned (a repeat to drop)."""
-        if msg_id in self._done:
+    def _drop(self, key: tuple[str, str]) -> _Partial:
+        sender, msg_id = key
+        p = self._pending[sender].pop(msg_id)
+        if not self._pending[sender]:
+            del self._pending[sender]
+        self.held[sender] -= p.cost
+        if not self.held[sender]:
+            del self.held[sender]
+        return p
+
+    def _oldest_other(self, sender: str, key: tuple[str, str]) -> tuple[str, str] | None:
+        """The oldest partial message of `sender` other than `key`, if any."""
+        return next(((sender, m) for m in self._pending.get(sender, ()) if (sender, m) != key), None)
+
+    def _evict(self, key: tuple[str, str], why: str) -> None:
+        p = self._drop(key)
+        self.evicted[p.sender] += 1
+        n = self.evicted[p.sender]
+        if n & (n - 1) == 0:
+            log.warning("evicted partial message %s from %s (%d of %d chunks, %d bytes held): %s; %d eviction(s) "
+                        "from this sender so far", key[1], p.sender, len(p.parts), p.total, p.cost, why, n)
+
+    def _reject(self, key: tuple[str, str], reason: str, message: str) -> WireError:
+        if key[1] in self._pending.get(key[0], ()):
+            self._drop(key)
+        return WireError(reason, f"message {key[1]}: {message}")
+
+    def repeated(self, sender: str, msg_id: str) -> bool:
+        """True, counted in `duplicates`, when this message was already joined and returned (a repeat to drop)."""
+        if (sender, msg_id) in self._done:
             self.duplicates += 1
             return True
         return False
 
-    def add(self, msg_id: str, index: int, total: int, data: bytes | memoryview, expected_sha256: str,
-            max_size: int = MAX_PAYLOAD_BYTES) -> bytes | None:
-        """Store one chunk; return the joined payload when the last one arrives (once), else None.
+    def add(self, sender: str, frame: "Frame", max_size: int = MAX_PAYLOAD_BYTES) -> bytes | None:
+        """Keep one frame's chunk; return the joined payload when the last one arrives (once), else None.
 
-        Index out of range, a total or hash differing from earlier chunks raise WireError "bad_chunk"; more than
-        `max_size` bytes "too_large"; a joined payload whose SHA-256 differs "hash_mismatch". Each rejection
-        drops the message's partial state. Repeated chunks and chunks of finished messages count as duplicates.
+        A frame whose envelope disagrees with earlier frames of its message (count, hash, size, chunk length)
+        raises WireError "bad_chunk"; an announced size above `max_size` "too_large", as does a message whose
+        frames alone exceed its sender's budget; a joined payload whose SHA-256 differs "hash_mismatch". Each
+        rejection drops the message's partial state. Repeated chunks and chunks of finished messages count as
+        duplicates.
         """
-        if msg_id in self._done:
+        env, key = frame.envelope, (sender, frame.envelope.msg_id)
+        if key in self._done:
             self.duplicates += 1
             return None
-        if isinstance(total, bool) or not isinstance(total, int) or total < 1:
-            raise self._reject(msg_id, "bad_chunk", f"chunk total must be a positive integer, got {total!r}")
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < total:
-            raise self._reject(msg_id, "bad_chunk", f"chunk index {index!r} is outside 0..{total - 1}")
-        max_size = min(max_size, MAX_PAYLOAD_BYTES)
-        p = self._pending.get(msg_id)
+        if env.size > min(max_size, MAX_PAYLOAD_BYTES):
+            raise self._reject(key, "too_large", f"{env.size} bytes exceed the cap of {max_size}")
+        p = self._pending.get(sender, {}).get(env.msg_id)
+        if p is not None and (p.total, p.sha256, p.size, p.stride) != (env.chunks, env.sha256, env.size, frame.stride):
+            raise self._reject(key, "bad_chunk", f"chunk {frame.index} says {env.chunks} chunks of {frame.stride} "
+                               f"bytes, {env.size} bytes, sha {env.sha256[:12]}; earlier chunks said {p.total} of "
+                               f"{p.stride}, {p.size}, {p.sha256[:12]}")
+        if p is not None and frame.index in p.parts:
+            self.duplicates += 1
+            return None
+        cost = frame.cost + PENDING_CHUNK_OVERHEAD_BYTES + (PENDING_MESSAGE_OVERHEAD_BYTES if p is None else 0)
+        self._make_room(key, cost, max(self.sender_budget, 2 * max_size + PENDING_MESSAGE_OVERHEAD_BYTES))
         if p is None:
-            while len(self._pending) >= self.max_pending:
-                self._pending.popitem(last=False)
-                self.evicted += 1
-            p = self._pending[msg_id] = _Partial(total, expected_sha256, max_size)
-        if p.total != total or p.sha256 != expected_sha256:
-            raise self._reject(msg_id, "bad_chunk", f"chunk says total {total} / sha {expected_sha256[:12]}, "
-                               f"earlier chunks said {p.total} / {p.sha256[:12]}")
-        if index in p.parts:
-            self.duplicates += 1
-            return None
-        p.size += len(data)
-        if p.size > max_size:
-            raise self._reject(msg_id, "too_large", f"chunks exceed the cap of {max_size} bytes")
-        p.parts[index] = data
+            p = _Partial(sender, env.chunks, env.sha256, env.size, frame.stride)
+            self._pending.setdefault(sender, OrderedDict())[env.msg_id] = p
+        p.parts[frame.index] = frame.data
+        p.cost += cost
+        self.held[sender] += cost
         p.feed_hash()
-        if len(p.parts) < total:
+        if len(p.parts) < p.total:
             return None
-        payload = b"".join(p.parts[i] for i in range(total))
-        del self._pending[msg_id]
-        if p.hasher.hexdigest() != expected_sha256:
-            raise WireError("hash_mismatch", f"message {msg_id}: SHA-256 of the {len(payload)} joined bytes "
+        payload = b"".join(p.parts[i] for i in range(p.total))
+        self._drop(key)
+        if p.hasher.hexdigest() != p.sha256:
+            raise WireError("hash_mismatch", f"message {key[1]}: SHA-256 of the {len(payload)} joined bytes "
                             "does not match the envelope")
-        self._done[msg_id] = None
+        self._done[key] = None
         while len(self._done) > self.max_completed:
             self._done.popitem(last=False)
         return payload
+
+    def _make_room(self, key: tuple[str, str], cost: int, sender_budget: int) -> None:
+        """Evict older partials until `cost` more bytes for message `key` fit both budgets; WireError
+        "too_large" (the message dropped) when the message's own frames do not fit its sender's budget."""
+        sender = key[0]
+        while self.held[sender] + cost > sender_budget:
+            older = self._oldest_other(sender, key)
+            if older is None:
+                raise self._reject(key, "too_large", f"its frames hold {self.held[sender] + cost} bytes, over the "
+                                   f"{sender_budget}-byte budget of sender {sender} (headers far larger than chunks?)")
+            self._evict(older, f"sender {sender} holds over its budget of {sender_budget} bytes")
+        while self.held_total + cost > self.total_budget:
+            candidates = [s for s in self.held if self._oldest_other(s, key) is not None]
+            if not candidates:
+                raise self._reject(key, "too_large", f"{cost} more bytes do not fit the total budget of "
+                                   f"{self.total_budget} bytes")
+            biggest = max(candidates, key=lambda s: self.held[s])
+            self._evict(self._oldest_other(biggest, key),
+                        f"partial messages of all senders hold over {self.total_budget} bytes")
 
 
 # ---------------------------------------------------------------------------------------------- frames
@@ -491,6 +555,8 @@ class Frame:
     envelope: Envelope
     index: int
     data: memoryview  # a view into the received message: no copy until reassembly joins the chunks
+    stride: int  # the uniform chunk length of the message this chunk implies
+    cost: int  # bytes of the whole received message (header and chunk), which `data` keeps alive
 
 
 def frames(env: Envelope, payload: bytes, chunk_size: int = CHUNK_SIZE) -> list[bytes]:
@@ -529,6 +595,26 @@ def unframe(data: bytes) -> Frame:
         raise WireError("bad_chunk", f"chunk {index} of a message announced with {env.chunks} chunks")
     if len(chunk) > MAX_CHUNK_BYTES:
         raise WireError("too_large", f"chunk of {len(chunk)} bytes exceeds {MAX_CHUNK_BYTES}")
+    stride = chunk_stride(env.size, env.chunks, index, len(chunk))
     if sha256_hex(chunk) != _str(header, "chunk_sha256", _HEX64):
         raise WireError("bad_chunk", f"chunk {index} of message {env.msg_id}: SHA-256 mismatch (corrupted)")
-    return Frame(env, index, chunk)
+    return Frame(env, index, chunk, stride, len(data))
+
+
+def chunk_stride(size: int, chunks: int, index: int, length: int) -> int:
+    """The chunk length c with which `split` cuts `size` bytes into `chunks` chunks, as implied by chunk
+    `index` having `length` bytes: every chunk but the last has c bytes, the last 1..c (WireError "bad_chunk"
+    when no such c exists, e.g. more chunks than a payload of that size can need, or empty chunks)."""
+    last = index == chunks - 1
+    if chunks == 1:
+        ok, stride = length == size, size
+    elif not last:
+        ok, stride = length >= 1 and -(-size // length) == chunks, length
+    else:
+        rest = size - length
+        stride = rest // (chunks - 1) if length >= 1 and rest > 0 else 0
+        ok = length >= 1 and stride >= length and stride * (chunks - 1) == rest
+    if not ok:
+        raise WireError("bad_chunk", f"chunk {index} of {length} bytes cannot belong to {size} bytes cut into "
+                        f"{chunks} equal chunks")
+    return stride

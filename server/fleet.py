@@ -169,9 +169,11 @@ class Fleet:
         return results
 
     def report(self) -> dict[str, Any]:
-        """Summary fields: the broker and run, missed deadlines, and every rejected message by reason."""
+        """Summary fields: the broker and run, missed deadlines, every rejected message by reason, and the
+        partial messages evicted from the reassembly budget, by sender."""
         return {"transport": {"kind": "mqtt", "broker": str(self.endpoint.broker), "run_id": self.run}
-                | dict(self.counts), "rejected_messages": dict(self.inbox.rejected)}
+                | dict(self.counts), "rejected_messages": dict(self.inbox.rejected),
+                "evicted_messages": dict(self.inbox.reassembler.evicted)}
 
     def alive(self, cid: str) -> bool:
         """Not announced offline (will or clean exit) and heard from within a few heartbeats."""

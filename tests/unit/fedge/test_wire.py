@@ -1,5 +1,6 @@
 """Wire format: strict envelopes, a safetensors-only payload container, and chunk reassembly."""
 
+import dataclasses
 import json
 import math
 import os
@@ -9,11 +10,11 @@ import random
 import pytest
 import torch
 
-from fedge.constants import MAX_HEADER_BYTES
+from fedge.constants import MAX_HEADER_BYTES, MAX_TTL_S
 from fedge.messages import ClientInfo, Result, Task, Weights
 from fedge.spec import build
 from fedge.wire import (
-    Envelope, Reassembler, WireError, decode_ack, decode_info, decode_result, decode_status, decode_task, encode_ack,
+    Envelope, Frame, Reassembler, WireError, chunk_stride, decode_ack, decode_info, decode_result, decode_status, decode_task, encode_ack,
     encode_info, encode_result, encode_status, encode_task, frames, sha256_hex, split, unframe,
 )
 from fedge.zoo import create
@@ -75,7 +76,9 @@ def test_envelope_round_trip_and_expiry():
     ({"type": "hello"}, "bad_format"),
     ({"msg_id": "not-hex"}, "bad_format"),
     ({"sha256": "00"}, "bad_format"),
-    ({"ttl_s": 0}, "bad_format"),
+    ({"ttl_s": 0}, "bad_ttl"),
+    ({"ttl_s": 1e300}, "bad_ttl"),  # a message that would never expire
+    ({"ttl_s": MAX_TTL_S + 1}, "bad_ttl"),
     ({"chunks": 0}, "bad_format"),
     ({"size": 10**12}, "too_large"),
 ])
@@ -169,48 +172,100 @@ def test_nan_metric_rejected():
     assert e.value.reason == "bad_value"
 
 
+def message(payload: bytes, chunk_size: int, sender: str = "a") -> list[Frame]:
+    """The frames of `payload`, as a receiver parses them."""
+    env = Envelope.new("r", 0, "result", sender, payload, reply_to="0" * 32, chunk_size=chunk_size)
+    return [unframe(f) for f in frames(env, payload, chunk_size)]
+
+
 def test_chunks_shuffled_and_duplicated_reassemble_once():
     payload = os.urandom(10_000)
     chunks = split(payload, 1000)
     assert len(chunks) == 10 and b"".join(chunks) == payload
-    sha = sha256_hex(payload)
-    arrivals = list(enumerate(chunks)) + [(2, chunks[2]), (5, chunks[5])]
+    parts = message(payload, 1000)
+    arrivals = parts + [parts[2], parts[5]]
     random.Random(1).shuffle(arrivals)
     r = Reassembler()
-    done = [out for i, c in arrivals if (out := r.add("m1", i, 10, c, sha, 20_000)) is not None]
+    done = [out for f in arrivals if (out := r.add("a", f, 20_000)) is not None]
     assert done == [payload]
-    assert r.add("m1", 0, 10, chunks[0], sha, 20_000) is None  # late duplicate of a finished message
-    assert r.pending == 0 and r.duplicates == 3
+    assert r.add("a", parts[0], 20_000) is None  # late duplicate of a finished message
+    assert r.pending == 0 and r.duplicates == 3 and r.held_total == 0
 
 
-def test_hash_mismatch_oversize_and_bad_chunks():
+def test_hash_mismatch_oversize_and_inconsistent_chunks():
     r = Reassembler()
+    (lie,) = message(b"abc", 10)
+    lie = dataclasses.replace(lie, envelope=dataclasses.replace(lie.envelope, sha256=sha256_hex(b"abd")))
     with pytest.raises(WireError) as e:
-        r.add("m", 0, 1, b"abc", sha256_hex(b"abd"), 100)
+        r.add("a", lie, 100)
     assert e.value.reason == "hash_mismatch" and r.pending == 0
-    r.add("big", 0, 3, b"x" * 60, "0" * 64, 100)
     with pytest.raises(WireError) as e:
-        r.add("big", 1, 3, b"x" * 60, "0" * 64, 100)
+        r.add("a", message(b"x" * 180, 60)[0], 100)  # announces 180 bytes where 100 are allowed
     assert e.value.reason == "too_large" and r.pending == 0
-    for index, total in [(3, 3), (-1, 3), (0, 0)]:
-        with pytest.raises(WireError) as e:
-            r.add("c", index, total, b"x", "0" * 64, 100)
-        assert e.value.reason == "bad_chunk"
-    r.add("c", 0, 3, b"x", "0" * 64, 100)
+    first, second = message(b"x" * 30, 10)[0], message(b"y" * 40, 10)[1]
+    r.add("a", first, 100)
+    other = dataclasses.replace(second, envelope=first.envelope)  # same message id, other geometry
     with pytest.raises(WireError) as e:
-        r.add("c", 1, 4, b"x", "0" * 64, 100)
-    assert e.value.reason == "bad_chunk" and r.pending == 0
+        r.add("a", dataclasses.replace(other, stride=20), 100)
+    assert e.value.reason == "bad_chunk" and r.pending == 0 and r.held_total == 0
 
 
-def test_oldest_partial_evicted():
-    r = Reassembler(max_pending=2)
-    sha = sha256_hex(b"ab")
-    r.add("m1", 0, 2, b"a", sha, 10)
-    r.add("m2", 0, 2, b"a", sha, 10)
-    r.add("m3", 0, 2, b"a", sha, 10)
-    assert r.pending == 2 and r.evicted == 1
-    assert r.add("m1", 1, 2, b"b", sha, 10) is None  # m1 starts over: its first chunk was evicted
-    assert r.add("m3", 1, 2, b"b", sha, 10) == b"ab"
+@pytest.mark.parametrize("size, chunks, index, length, stride", [
+    (10, 1, 0, 10, 10), (0, 1, 0, 0, 0), (10, 4, 0, 3, 3), (10, 4, 3, 1, 3), (10, 2, 1, 5, 5), (9, 3, 2, 3, 3),
+])
+def test_chunk_stride_of_every_uniform_cut(size, chunks, index, length, stride):
+    assert chunk_stride(size, chunks, index, length) == stride
+
+
+@pytest.mark.parametrize("size, chunks, index, length", [
+    (10, 1, 0, 9),  # one chunk must hold everything
+    (1_000_000, 10**6 + 1, 0, 1),  # more chunks than bytes
+    (1_000_000, 10**6, 0, 0),  # empty chunks announcing a million
+    (1_000_000, 10**6, 10**6 - 1, 0),  # ... the last one first
+    (10, 4, 0, 2),  # chunks of 2 would make 5
+    (10, 4, 3, 4),  # a last chunk longer than the others
+    (10, 4, 3, 2),  # 8 bytes do not split into 3 equal chunks ... of at least 2
+    (0, 2, 1, 0),
+])
+def test_a_chunk_no_uniform_cut_can_make_is_refused_at_once(size, chunks, index, length):
+    with pytest.raises(WireError) as e:
+        chunk_stride(size, chunks, index, length)
+    assert e.value.reason == "bad_chunk"
+
+
+def test_a_flood_of_padded_frames_is_held_to_the_senders_budget():
+    payload = b"z" * 1000
+    env = Envelope.new("r", 0, "register", "x", payload, chunk_size=1)  # 1000 one-byte chunks
+    header = json.dumps({"envelope": env.to_dict(), "chunk": 0, "chunk_sha256": sha256_hex(b"z")}).encode()
+    padded = header + b" " * (100_000 - len(header))  # legal JSON whitespace: each frame costs 100 kB
+    r = Reassembler(sender_budget=1_000_000, total_budget=10_000_000)
+    honest = message(os.urandom(5000), 1000, sender="b")
+    r.add("b", honest[0], 10_000)
+    for i in range(40):  # 40 messages of one frame each, 4 MB of frames, from one sender
+        e = dataclasses.replace(env, msg_id=f"{i:032x}")
+        h = padded.replace(env.msg_id.encode(), e.msg_id.encode())
+        r.add("x", unframe(len(h).to_bytes(4, "little") + h + b"z"), 1000)
+        assert r.held["x"] <= 1_000_000  # every byte of every frame counted
+    assert r.evicted["x"] >= 30 and "b" not in r.evicted
+    assert [r.add("b", f, 10_000) for f in honest[1:]][-1] is not None  # the honest message still completes
+
+
+def test_the_total_budget_evicts_the_biggest_holders_oldest_message():
+    r = Reassembler(sender_budget=100_000, total_budget=20_000)
+    big, small = message(os.urandom(6000), 1000, "big"), message(os.urandom(3000), 1000, "small")
+    r.add("small", small[0], 3000)
+    for f in big[:5]:
+        r.add("big", dataclasses.replace(f, envelope=dataclasses.replace(f.envelope, msg_id=f"{f.index:032x}")), 6000)
+    assert r.held_total <= 20_000 and r.evicted["big"] >= 1 and not r.evicted["small"]
+
+
+def test_one_message_whose_frames_exceed_its_budget_is_refused():
+    r = Reassembler(sender_budget=5_000, total_budget=100_000)
+    parts = message(os.urandom(6000), 100)  # 60 frames of ~650 bytes: over 2 x 6000 bytes in all
+    with pytest.raises(WireError) as e:
+        for f in parts:
+            r.add("a", f, 6000)
+    assert e.value.reason == "too_large" and r.pending == 0 and r.held_total == 0
 
 
 def test_frames_round_trip_in_any_order():
