@@ -2,9 +2,14 @@
 
 Who may do what (the same rules for both brokers; a client's MQTT username is its client id):
 
-- a client publishes only to ``fedge/<run>/{register,result,status}/<itself>``;
+- a client publishes only to ``fedge/<run>/{register,result,status}/<itself>``, and its will may name only its
+  own ``status`` topic (a CONNECT with any other will topic is refused);
 - a client subscribes to (and receives) only ``fedge/<run>/task/<itself>`` and ``fedge/<run>/server``;
-- the server user reads and writes everything under ``fedge/#``.
+- the server user reads and writes everything under ``fedge/#``;
+- nothing is retained: Mosquitto runs with ``retain_available false``; the embedded broker refuses a retained
+  will and keeps no retained message (a retained publish is delivered as an ordinary one, its flag dropped);
+- one connection per client id: a second CONNECT with the same id ends the first connection (its will is
+  published, as Mosquitto does), counted in ``EmbeddedBroker.takeovers``.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import os
 import secrets
 import signal
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
@@ -28,7 +34,7 @@ from amqtt.broker import Broker
 from amqtt.contexts import Action, BaseContext
 from amqtt.codecs_amqtt import read_or_raise
 from amqtt.errors import AMQTTError, MQTTError, NoDataError
-from amqtt.mqtt.connack import BAD_USERNAME_PASSWORD, UNACCEPTABLE_PROTOCOL_VERSION, ConnackPacket
+from amqtt.mqtt.connack import BAD_USERNAME_PASSWORD, NOT_AUTHORIZED, UNACCEPTABLE_PROTOCOL_VERSION, ConnackPacket
 from amqtt.mqtt.connect import ConnectPacket
 from amqtt.mqtt.packet import CONNECT, MQTTFixedHeader
 from amqtt.plugins.base import BaseAuthPlugin, BaseTopicPlugin
@@ -160,6 +166,35 @@ class _Credentials:
         return None
 
 
+def will_refusal(connect: ConnectPacket, server_user: str) -> str | None:
+    """Why a CONNECT's will must be refused: it is retained, or names a topic its user may not publish to."""
+    if not connect.will_flag:
+        return None
+    if connect.will_retain_flag:
+        return f"a retained will on {connect.will_topic!r} (nothing is retained)"
+    if not permitted(connect.username, connect.will_topic or "", "publish", server_user):
+        return f"a will on {connect.will_topic!r}, which user {connect.username!r} may not publish to"
+    return None
+
+
+class _NonRetainingBroker(Broker):
+    """amqtt's broker, keeping no retained message: fedge never uses one, and amqtt would deliver a stored one to
+    a later subscriber without asking the ACL (even one whose SUBSCRIBE it refused)."""
+
+    async def retain_message(self, source_session: Session | None, topic_name: str | None,
+                             data: bytes | bytearray | None, qos: int | None = None) -> None:
+        log.warning("broker: %s published a retained message on %r; delivered, not retained",
+                    source_session.client_id if source_session else "the broker", topic_name)
+
+
+@dataclass
+class _Connection:
+    """A client's live connection as the embedded broker's gate handed it to amqtt; `done` once amqtt let go."""
+
+    writer: asyncio.StreamWriter
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
 class FedgeAuthPlugin(BaseAuthPlugin):
     """amqtt authentication: known user, right password, client id equal to the username.
 
@@ -245,6 +280,8 @@ class EmbeddedBroker:
         self._stop: asyncio.Event | None = None
         self._error: BaseException | None = None
         self._broker: Broker | None = None
+        self._connections: dict[str, _Connection] = {}
+        self.takeovers: Counter[str] = Counter()  # client id -> connections it ended by connecting again
 
     @property
     def url(self) -> str:
@@ -308,7 +345,7 @@ class EmbeddedBroker:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         server = None
         try:
-            self._broker = Broker(self._amqtt_config(), loop=self._loop)
+            self._broker = _NonRetainingBroker(self._amqtt_config(), loop=self._loop)
             await self._broker.start()
             server = await asyncio.start_server(self._accept, self.host, self.port, backlog=C.LISTEN_BACKLOG)
             self.port = server.sockets[0].getsockname()[1]
@@ -323,9 +360,11 @@ class EmbeddedBroker:
             await self._broker.shutdown()
 
     async def _accept(self, stream_reader: asyncio.StreamReader, stream_writer: asyncio.StreamWriter) -> None:
-        """Check a new connection's CONNECT (when users are set), then give the connection to amqtt."""
+        """Check a new connection's CONNECT (when users are set: login, will), end an earlier connection of the
+        same client id, then give the connection to amqtt."""
         reader: ReaderAdapter = StreamReaderAdapter(stream_reader)
         writer = StreamWriterAdapter(stream_writer)
+        client_id = None
         if self._credentials is not None:
             peer = stream_writer.get_extra_info("peername")
             try:
@@ -336,6 +375,9 @@ class EmbeddedBroker:
                     connect = await ConnectPacket.from_stream(BufferReader(raw))
                     reason = self._credentials.refusal(connect.username, connect.password, connect.client_id)
                     code = BAD_USERNAME_PASSWORD
+                    if reason is None:
+                        reason, code = will_refusal(connect, self.server_user), NOT_AUTHORIZED
+                        client_id = connect.client_id
             except (asyncio.TimeoutError, AMQTTError, MQTTError, NoDataError, ConnectionError, ValueError) as exc:
                 log.warning("broker dropped %s: no valid CONNECT (%s)", peer, exc or type(exc).__name__)
                 await writer.close()
@@ -351,7 +393,33 @@ class EmbeddedBroker:
                 return
             reader = _Replay(raw, reader)
         assert self._broker is not None
-        await self._broker.external_connected(reader, writer, "default")
+        if client_id is None:
+            await self._broker.external_connected(reader, writer, "default")
+            return
+        await self._end_earlier_connection(client_id, stream_writer.get_extra_info("peername"))
+        mine = self._connections[client_id] = _Connection(stream_writer)
+        try:
+            await self._broker.external_connected(reader, writer, "default")
+        finally:
+            mine.done.set()
+            if self._connections.get(client_id) is mine:
+                del self._connections[client_id]
+
+    async def _end_earlier_connection(self, client_id: str, peer: object) -> None:
+        """Close the connection `client_id` already has, if any, and wait until amqtt has finished with it (its
+        will published), so that amqtt never sees two connections of one client at once."""
+        earlier = self._connections.get(client_id)
+        if earlier is None:
+            return
+        self.takeovers[client_id] += 1
+        log.warning("broker: client %s connected again from %s; ending its earlier connection (takeover %d)",
+                    client_id, peer, self.takeovers[client_id])
+        earlier.writer.close()
+        try:
+            await asyncio.wait_for(earlier.done.wait(), C.BROKER_STOP_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            log.warning("broker: the earlier connection of %s did not end within %g s", client_id,
+                        C.BROKER_STOP_TIMEOUT_S)
 
 
 async def _read_connect(reader: ReaderAdapter) -> tuple[int, bytes]:
@@ -477,6 +545,7 @@ def write_mosquitto_config(
         f"password_file {passwd}",
         f"acl_file {acl}",
         "use_username_as_clientid true",
+        "retain_available false",
         f"max_packet_size {C.MAX_MESSAGE_BYTES}",
         f"max_queued_messages {C.MAX_QUEUED_MESSAGES}",
         f"max_queued_bytes {C.MAX_QUEUED_BYTES}",

@@ -5,11 +5,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import paho.mqtt.client as mqtt
 import pytest
 from helpers.brokers import (
+    Inbox,
     MosquittoProcess,
     close,
     connack_code,
@@ -151,6 +153,87 @@ def test_a_connection_claiming_another_clients_id_does_not_disturb_it(broker, cl
     assert b.is_connected()
 
 
+def vanish_with_will(broker, topic: str, retain: bool = False) -> int:
+    """Connect as "a" with a will on `topic`, then drop the socket without a DISCONNECT, so that a broker that
+    took the will publishes it; returns the CONNACK reason code (0: accepted)."""
+    codes: list[int] = []
+    c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="a", protocol=protocol_of(broker))
+    c.username_pw_set("a", broker.users["a"])
+    c.will_set(topic, b"forged will", qos=1, retain=retain)
+    c.on_connect = lambda client, userdata, flags, rc, props: codes.append(rc.value)
+    c.connect("127.0.0.1", broker.port)
+    c.loop_start()
+    deadline = time.monotonic() + 10
+    while not codes and time.monotonic() < deadline:
+        time.sleep(0.02)
+    c.loop_stop()
+    if c.socket() is not None:
+        c.socket().close()
+    return codes[0] if codes else -1
+
+
+@pytest.mark.parametrize("topic", ["fedge/r/task/b", "fedge/r/server", "fedge/r/status/b", "fedge/r/result/b"])
+def test_a_will_on_a_topic_the_client_may_not_write_is_never_published(broker, clients, topic):
+    """A will is a publish the broker makes for the client: the same ACL holds (the embedded broker refuses the
+    CONNECT; Mosquitto accepts it and drops the will at publication)."""
+    b, server = clients["b"], clients["server"]
+    assert subscribe(server, "fedge/#") == [1] and subscribe(b, "fedge/r/task/b") == [1]
+    code = vanish_with_will(broker, topic)
+    assert (code not in (0, -1)) if isinstance(broker, EmbeddedBroker) else code == 0  # refused: not authorized
+    time.sleep(1.0)  # the broker notices the lost socket at once; give a forged will time to arrive
+    publish(server, "fedge/r/task/b", b"barrier")
+    assert next_message(b).payload == b"barrier" and pending(b) == []
+    assert all(m.payload != b"forged will" for m in pending(server))
+
+
+def test_a_will_on_the_clients_own_status_topic_is_published(broker, clients):
+    server = clients["server"]
+    assert subscribe(server, "fedge/r/status/a") == [1]
+    assert vanish_with_will(broker, "fedge/r/status/a") == 0
+    assert next_message(server).payload == b"forged will"
+
+
+def test_nothing_is_retained(broker, clients):
+    """A retained will is refused at CONNECT; a retained publish never reaches a later subscriber (Mosquitto
+    disconnects its publisher, the embedded broker delivers it as an ordinary message), not even one whose
+    SUBSCRIBE was refused."""
+    a, b, server = clients["a"], clients["b"], clients["server"]
+    assert vanish_with_will(broker, "fedge/r/status/a", retain=True) not in (0, -1)
+    a = connect_as(broker, "a")  # publishes as "a" (ending the fixture's connection of "a")
+    try:
+        a.publish("fedge/r/status/a", b"retained", qos=1, retain=True).wait_for_publish(5)
+        time.sleep(GRACE_S)
+        assert subscribe(server, "fedge/#") == [1]  # subscribers that came later ...
+        subscribe(b, "fedge/r/status/#")  # ... one refused by the embedded broker (Mosquitto grants, never delivers)
+        publish(server, "fedge/r/server", b"barrier")
+        assert next_message(server).payload == b"barrier"
+        time.sleep(GRACE_S)
+        assert pending(server) == [] and pending(b) == []
+    finally:
+        close(a)
+
+
+def test_a_second_connection_with_the_same_client_id_ends_the_first(broker):
+    """The broker ends the earlier session (Mosquitto does): the first connection is closed, not left deaf."""
+    server = connect_as(broker, "server")
+    first = connect_as(broker, "b")
+    dropped = threading.Event()
+    first.on_disconnect = lambda *args: dropped.set()
+    first.reconnect_delay_set(30, 60)  # stay away: a reconnect would in turn end the second connection
+    assert subscribe(first, "fedge/r/task/b") == [1]
+    second = connect_as(broker, "b")
+    try:
+        assert subscribe(second, "fedge/r/task/b") == [1]
+        assert dropped.wait(10), "the first connection was left open"
+        publish(server, "fedge/r/task/b", b"task")
+        assert next_message(second).payload == b"task"
+        if isinstance(broker, EmbeddedBroker):
+            assert broker.takeovers == {"b": 1}
+    finally:
+        for c in (first, second, server):
+            close(c)
+
+
 def test_a_4_mib_payload_passes_both_ways(clients):
     a, server = clients["a"], clients["server"]
     payload = os.urandom(C.MAX_CHUNK_BYTES)
@@ -273,21 +356,34 @@ def test_written_mosquitto_files_are_private_and_accepted(mosquitto_broker):
     assert not any(p in log for p in mosquitto_broker.users.values())
 
 
-def test_mosquitto_persistence_keeps_a_retained_message_across_a_restart(tmp_path):
-    require_mosquitto()
+def test_mosquitto_persistence_keeps_a_queued_message_across_a_crash(tmp_path):
+    """Nothing is retained (retain_available false), so persistence is shown on what it is for: a QoS 1 message
+    queued for a disconnected persistent session survives a crash and reaches the client when it is back."""
     with MosquittoProcess(tmp_path, generate_users(["a"]), persistence=True, print_log=True) as broker:
+        def persistent_a() -> mqtt.Client:
+            c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="a", clean_session=False,
+                            protocol=mqtt.MQTTv311, userdata=Inbox())
+            c.username_pw_set("a", broker.users["a"])
+            c.on_message = lambda client, inbox, message: inbox.messages.put(message)
+            c.connect("127.0.0.1", broker.port)
+            c.loop_start()
+            return c
+
+        a = persistent_a()
+        assert a.subscribe("fedge/r/task/a", 1)[0] == mqtt.MQTT_ERR_SUCCESS
+        time.sleep(GRACE_S)
+        close(a)
         server = connect_as(broker, "server")
-        publish(server, "fedge/r/server", b"run config", retain=True)
+        publish(server, "fedge/r/task/a", b"queued task")
         close(server)
         db, deadline = tmp_path / "db" / "mosquitto.db", time.monotonic() + 10
-        while not (db.exists() and b"run config" in db.read_bytes()) and time.monotonic() < deadline:
+        while not (db.exists() and b"queued task" in db.read_bytes()) and time.monotonic() < deadline:
             time.sleep(0.1)  # autosave_interval 1: Mosquitto saves every 1 to 2 s (to a temp file, then renames)
         broker.kill()  # a crash: only what was autosaved survives
         broker.start()
-        a = connect_as(broker, "a")
+        a = persistent_a()
         try:
-            assert subscribe(a, "fedge/r/server") == [1]
-            assert next_message(a).payload == b"run config"
+            assert next_message(a).payload == b"queued task"
         finally:
             close(a)
 
