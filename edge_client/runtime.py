@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from edge_client.agent import ClientAgent, TaskError
 from fedge import topics
 from fedge.constants import ACK_TIMEOUT_S, CHUNK_SIZE, HEARTBEAT_S, KEEPALIVE_S, MAX_PAYLOAD_BYTES
+from fedge.messages import Task
 from fedge.mqtt import Broker, Delivery, Endpoint, Inbox, will_frame
 from fedge.wire import (
     Envelope,
@@ -169,8 +170,7 @@ class EdgeClient:
             return
         task = decode_task(d.payload)
         if task.type == STOP_TASK:
-            log.info("client %s: the server ended the run", self.cid)
-            self.stopped.set()
+            self._stop(task)
             return
         try:
             with self.compute:
@@ -179,6 +179,18 @@ class EdgeClient:
             log.error("client %s: cannot execute %s of round %d: %s", self.cid, task.type, task.round, e)
             return
         self._send(self.topic("result"), "result", task.round, encode_result(result), d.envelope.msg_id)
+
+    def _stop(self, task: Task) -> None:
+        """The server ends the run, or (with a session in the config) tells one connection of this client id that
+        a newer one took over: that connection stops with ClientStopped, the other ignores the message."""
+        session = task.config.get("session")
+        if session is None:
+            log.info("client %s: the server ended the run", self.cid)
+            self.stopped.set()
+        elif session == self.session:
+            raise ClientStopped(f"client {self.cid}: another connection with client id {self.cid} took over this "
+                                f"one ({task.config.get('reason')}); is a second `fedge client --id {self.cid}` "
+                                "running? Stopping this one")
 
     def _acknowledged(self, msg_id: str | None, error: str | None) -> None:
         with self.lock:

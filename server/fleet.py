@@ -45,6 +45,7 @@ from fedge.wire import (
 
 log = logging.getLogger(__name__)
 DEAD_AFTER_HEARTBEATS = 3  # silence for this many heartbeat periods counts as dead
+MAX_REPLACED_SESSIONS = 16  # replaced sessions remembered per client, to recognise one that comes back
 
 
 class FleetError(RuntimeError):
@@ -82,6 +83,10 @@ class Fleet:
         self.seen: dict[str, float] = {}
         self.offline: set[str] = set()
         self.offline_since: dict[str, float] = {}
+        self.sessions: dict[str, str] = {}  # client -> the session of its newest connection (status messages)
+        self.replaced: dict[str, list[str]] = {}  # client -> its sessions a newer one replaced, newest last
+        self.takeovers: Counter[str] = Counter()  # client -> replaced sessions that came back (two connections)
+        self.told: set[str] = set()  # revived sessions already counted
         self.open: dict[str, _Open] = {}
         self.results: dict[str, Result] = {}
         self.round = -1
@@ -172,7 +177,8 @@ class Fleet:
         """Summary fields: the broker and run, missed deadlines, every rejected message by reason, and the
         partial messages evicted from the reassembly budget, by sender."""
         return {"transport": {"kind": "mqtt", "broker": str(self.endpoint.broker), "run_id": self.run}
-                | dict(self.counts), "rejected_messages": dict(self.inbox.rejected),
+                | dict(self.counts) | {"takeovers": dict(self.takeovers)},
+                "rejected_messages": dict(self.inbox.rejected),
                 "evicted_messages": dict(self.inbox.reassembler.evicted)}
 
     def alive(self, cid: str) -> bool:
@@ -273,8 +279,15 @@ class Fleet:
         self._ack(cid, d.envelope, None)
 
     def _status(self, d: Delivery) -> None:
-        state, _ = decode_status(d.payload)
+        state, session = decode_status(d.payload)
         cid = d.client
+        assert cid is not None
+        with self.cond:
+            revived = self._track_session(cid, session, state)
+        if revived:
+            if state != "offline":  # it hears this on the task topic both connections subscribe to
+                self._stop_session(cid, session)
+            return
         with self.cond:
             if state == "offline":
                 if cid not in self.offline:
@@ -286,3 +299,33 @@ class Fleet:
                 self.offline.discard(cid)
                 self.offline_since.pop(cid, None)
             self.cond.notify_all()
+
+    def _stop_session(self, cid: str, session: str) -> None:
+        """A `stop` task addressed to one connection of `cid`: the other connection ignores it."""
+        stop = Task("stop", max(self.round, 0), {"session": session,
+                                                 "reason": f"taken over by a newer connection with client id {cid}"})
+        self.endpoint.publish(topics.client_topic(self.run, topics.DOWNLINK, cid), "task", stop.round,
+                              encode_task(stop), sender=topics.SERVER_ID)
+
+    def _track_session(self, cid: str, session: str, state: str) -> bool:
+        """Note which connection (session) of `cid` spoke. A new session replaces the current one (a restart, or
+        a second connection with the same id, which makes the broker end the first). A replaced session that
+        speaks again means two live connections take turns: count a takeover, log it, and tell that older
+        connection to stop (newest wins, as with the broker). Returns True for a replaced session: its status
+        messages (and its late will) say nothing about the client's current connection."""
+        current = self.sessions.get(cid)
+        replaced = self.replaced.setdefault(cid, [])
+        if session in replaced:
+            if state != "offline" and session not in self.told:
+                self.told.add(session)
+                self.takeovers[cid] += 1
+                log.warning("client %s: its connection %s, replaced by connection %s, is back: two processes use "
+                            "client id %s; telling the older one to stop (takeover %d)", cid, session[:8],
+                            (current or "?")[:8], cid, self.takeovers[cid])
+            return True
+        if session != current:
+            if current is not None:
+                replaced.append(current)
+                del replaced[:-MAX_REPLACED_SESSIONS]
+            self.sessions[cid] = session
+        return False

@@ -9,6 +9,7 @@ import time
 
 import psutil
 import pytest
+from helpers.federation import Federation, make_config, read_rows
 from helpers.raw import (  # noqa: F401, F811 (broker, fleet and connect are pytest fixtures)
     ONE_FRAME,
     RUN,
@@ -95,3 +96,28 @@ def test_envelopes_from_the_future_and_immortal_ones_are_refused(fleet, connect)
     assert a.wait_ack(skewed["msg_id"]) is None
     assert same_weights(ex.results()["a"], decode_result(good))
     assert fleet.report()["rejected_messages"] == {"clock_skew": 1, "bad_ttl": 1}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("embedded", [True, False], ids=["embedded", "mosquitto"])
+def test_a_second_client_process_with_the_same_id_takes_over_and_the_first_stops(tmp_path, embedded):
+    """Item 3: `fedge client --id 1` started twice. The broker ends the first connection; when it comes back the
+    server counts a takeover and tells it to stop; it exits 2 naming the cause; the newer process serves
+    client 1 to the end; no round waits for its deadline."""
+    rounds = 10  # long enough for the second process to start (a few seconds) while the run goes on
+    cfg = make_config(tmp_path / "run", clients=2, rounds=rounds, local_epochs=2, max_samples_per_client=400,
+                      round_deadline_s=120.0, heartbeat_s=1.0)
+    with Federation(tmp_path / "fed", cfg, embedded=embedded) as fed:
+        zero, first = fed.start_clients(["0"]), fed.start_clients(["1"], name="first-1")
+        server = fed.start_server_process("--out", cfg.out)
+        fed.wait_for_log(server, "client 1 registered")
+        second = fed.start_clients(["1"], name="second-1")
+        assert first.wait(60) == 2, first.log()
+        assert server.wait(120) == 0, server.log()
+        assert zero.wait(30) == 0 and second.wait(30) == 0, second.log()
+    assert "another connection with client id 1 took over this one" in first.log()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["transport"]["takeovers"] == {"1": 1}
+    assert "deadline_missed" not in summary["transport"], summary["transport"]
+    rows = read_rows(tmp_path / "run")
+    assert sorted({r["round"] for r in rows}) == list(range(rounds)) and all(r["trained"] for r in rows)

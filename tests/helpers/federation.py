@@ -22,10 +22,10 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from helpers.brokers import MosquittoProcess, require_mosquitto
+from helpers.brokers import MosquittoProcess
 
 from fedge import deploy
-from fedge.broker import generate_users
+from fedge.broker import EmbeddedBroker, generate_users
 from fedge.config import RunConfig
 from fedge.messages import Result, Task
 from fedge.mqtt import Broker
@@ -269,7 +269,8 @@ class Process:
 
 @dataclass
 class Federation:
-    """Mosquitto with a password per client, the run's config and password files, and what was started.
+    """A broker with a password per client (Mosquitto, or with `embedded` fedge's own broker in this process),
+    the run's config and password files, and what was started.
 
     `extra_users` get passwords too (e.g. a hand-driven test client); `persistence` turns Mosquitto's on. Use
     as a context manager: on exit every process is killed, the server thread aborted, the broker stopped, and
@@ -280,17 +281,18 @@ class Federation:
     cfg: RunConfig
     extra_users: tuple[str, ...] = ()
     persistence: bool = False
+    embedded: bool = False
     users: dict[str, str] = field(init=False)
-    broker: MosquittoProcess = field(init=False)
+    broker: MosquittoProcess | EmbeddedBroker = field(init=False)
     processes: list[Process] = field(default_factory=list)
     servers: list[ServerThread] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        require_mosquitto()
         self.tmp = Path(self.tmp)
         self.users = generate_users([*(str(i) for i in range(self.cfg.clients)), *self.extra_users])
-        self.broker = MosquittoProcess(self.tmp / "mosquitto", self.users, persistence=self.persistence,
-                                       print_log=True)
+        self.broker = EmbeddedBroker(users=self.users) if self.embedded else \
+            MosquittoProcess(self.tmp / "mosquitto", self.users, persistence=self.persistence, print_log=True)
+        self.tmp.mkdir(parents=True, exist_ok=True)
         self.secrets, self.config = self.tmp / "passwords", self.tmp / "config.json"
         deploy.write_secrets(self.secrets, self.users)
         atomic_write(self.config, self.cfg.to_json().encode())
