@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from edge_client.agent import ClientAgent, TaskError
 from fedge import topics
 from fedge.constants import ACK_TIMEOUT_S, CHUNK_SIZE, HEARTBEAT_S, KEEPALIVE_S, MAX_PAYLOAD_BYTES
-from fedge.messages import Task
+from fedge.messages import Result, Task
 from fedge.mqtt import Broker, Delivery, Endpoint, Inbox, will_frame
 from fedge.wire import (
+    MAX_ERROR_CHARS,
     Envelope,
     WireError,
     decode_ack,
@@ -175,9 +176,10 @@ class EdgeClient:
         try:
             with self.compute:
                 result = self.agent.handle(task)
-        except TaskError as e:
+        except Exception as e:  # noqa: BLE001 - bad weights, a diverged training: report it, keep serving
             log.error("client %s: cannot execute %s of round %d: %s", self.cid, task.type, task.round, e)
-            return
+            reason = f"{type(e).__name__}: {e}" if not isinstance(e, TaskError) else str(e)
+            result = Result(self.cid, task.round, task.type, 0, error=reason[:MAX_ERROR_CHARS])
         self._send(self.topic("result"), "result", task.round, encode_result(result), d.envelope.msg_id)
 
     def _stop(self, task: Task) -> None:

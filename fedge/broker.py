@@ -21,8 +21,10 @@ import hmac
 import ipaddress
 import logging
 import os
+import pwd
 import secrets
 import signal
+import stat
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -46,6 +48,7 @@ from fedge.topics import ID_PATTERN
 log = logging.getLogger(__name__)
 
 DEFAULT_SERVER_USER = "server"
+MOSQUITTO_DEFAULT_USER = "mosquitto"  # whom Mosquitto started as root switches to when its config names no user
 
 # The ACL, once, as patterns; "%u" stands for the connecting username and fills a whole topic level.
 ROOT = C.TOPIC_ROOT
@@ -526,14 +529,18 @@ def write_mosquitto_config(
     """Write ``mosquitto.conf``, ``passwd`` (hashed) and ``acl`` into ``directory`` (all 0600); return the conf.
 
     ``persistence_dir`` turns on persistence, saved every second. ``run_as`` sets Mosquitto's ``user``: started
-    as root, Mosquitto switches to that user (default ``mosquitto``), which must be able to read these files.
-    Raises BrokerError for a bad user table or a port out of range.
+    as root, Mosquitto switches to that user before it reads ``passwd`` and ``acl``. Written as root, the three
+    files then belong to that user (mode 600: readable by it only); without ``run_as`` it is Mosquitto's own
+    default, ``mosquitto``. Raises BrokerError for a bad user table, a port out of range, a run-as user that
+    does not exist, or a directory that user cannot reach (with the fix).
     """
     users = check_users(users, server_user)
     if not 0 < port < 65536:
         raise BrokerError(f"port {port} is out of range 1..65535")
     directory = Path(directory).resolve()
     directory.mkdir(parents=True, exist_ok=True)
+    owner = _run_as_owner(run_as, directory) if os.geteuid() == 0 else None
+    run_as = run_as if owner is None else owner.pw_name
     passwd, acl, conf = directory / "passwd", directory / "acl", directory / "mosquitto.conf"
     _write_private(passwd, "".join(f"{u}:{mosquitto_password_hash(p)}\n" for u, p in sorted(users.items())))
     _write_private(acl, mosquitto_acl(users, server_user))
@@ -563,4 +570,29 @@ def write_mosquitto_config(
         if tls.cafile is not None:
             lines.append(f"cafile {Path(tls.cafile).resolve()}")
     _write_private(conf, "\n".join(lines) + "\n")
+    if owner is not None:
+        for path in (passwd, acl, conf):
+            os.chown(path, owner.pw_uid, owner.pw_gid)
     return conf
+
+
+def _run_as_owner(run_as: str | None, directory: Path) -> pwd.struct_passwd:
+    """The account Mosquitto started as root will run as (``run_as``, else its default ``mosquitto``); BrokerError
+    if it does not exist or cannot traverse to ``directory``, naming the fix."""
+    name = run_as or MOSQUITTO_DEFAULT_USER
+    try:
+        owner = pwd.getpwnam(name)
+    except KeyError:
+        hint = "install Debian's mosquitto package (it adds that user) or " if run_as is None else ""
+        raise BrokerError(f"Mosquitto started as root runs as user {name!r}, which does not exist here; {hint}pass "
+                          "--run-as USER with a user that exists") from None
+    groups = set(os.getgrouplist(name, owner.pw_gid))
+    for path in (directory, *directory.parents):
+        st = path.stat()
+        bit = 0o100 if st.st_uid == owner.pw_uid else 0o010 if st.st_gid in groups else 0o001
+        if owner.pw_uid != 0 and not st.st_mode & bit:
+            raise BrokerError(f"user {name!r}, whom Mosquitto runs as, cannot enter {path} (mode "
+                              f"{stat.filemode(st.st_mode)}), so it could not read the files written to {directory};"
+                              f" write them under a directory it can reach (e.g. /etc/mosquitto/fedge), or chmod o+x "
+                              f"{path}")
+    return owner

@@ -83,6 +83,16 @@ def _digest(skeleton: str, tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def nonfinite(tree: Tree, where: str = "") -> list[str]:
+    """Paths of the floating-point tensors in `tree` (also inside Weights) that hold a NaN or an infinity."""
+    if isinstance(tree, torch.Tensor):
+        return [where or "."] if tree.is_floating_point() and not bool(torch.isfinite(tree).all()) else []
+    if isinstance(tree, Weights):
+        return nonfinite(dict(tree.state), where)
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else ()
+    return [path for key, value in items for path in nonfinite(value, f"{where}/{key}")]
+
+
 def _flatten(tree: Tree) -> tuple[str, dict[str, torch.Tensor]]:
     """The tree's JSON skeleton and its tensors by reference name (TypeError for what cannot be saved)."""
     tensors: dict[str, torch.Tensor] = {}
@@ -97,7 +107,11 @@ def tree_digest(tree: Tree) -> str:
 
 def save_tree(path: str | os.PathLike[str], tree: Tree) -> None:
     """Write `tree` atomically as one safetensors file. A leaf of another type, or a dict key that is not
-    a string or starts with '$', raises TypeError (a programming error) before anything is written."""
+    a string or starts with '$', raises TypeError (a programming error) before anything is written; so does
+    a tensor holding NaN or infinity (ValueError): a model that diverged is never made durable."""
+    bad = nonfinite(tree)
+    if bad:
+        raise ValueError(f"refusing to write {path}: non-finite values in {bad[:3]}")
     skeleton, tensors = _flatten(tree)
     metadata = {_TREE_KEY: skeleton, _VERSION_KEY: str(C.CHECKPOINT_VERSION), _HASH_KEY: _digest(skeleton, tensors)}
     atomic_write(path, st_save(tensors, metadata=metadata))

@@ -492,8 +492,8 @@ def add_deploy_parsers(sub: Any) -> None:
     p.add_argument("--certfile", help="TLS: broker certificate")
     p.add_argument("--keyfile", help="TLS: broker key")
     p.add_argument("--require-certificate", action="store_true", help="TLS: demand client certificates")
-    p.add_argument("--run-as", help="the user Mosquitto runs as (started as root it switches to `mosquitto`, "
-                   "which must be able to read the written files; their owner is a safe choice)")
+    p.add_argument("--run-as", help="the user Mosquitto started as root switches to (default: `mosquitto`, as "
+                   "Mosquitto does); written as root, passwd, acl and the conf then belong to it, mode 600")
     p.set_defaults(func=cmd_broker)
 
 

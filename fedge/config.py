@@ -55,6 +55,7 @@ class RunConfig:
     kd_lambda: float = C.KD_LAMBDA
     finetune_epochs: int = C.FINETUNE_EPOCHS
     max_candidates: int = C.MAX_CANDIDATES
+    max_client_share: float = C.MAX_CLIENT_SHARE
     device: str = "auto"
     transport: str = C.DEFAULT_TRANSPORT
     run_id: str = C.DEFAULT_RUN_ID
@@ -85,6 +86,9 @@ class RunConfig:
             raise ConfigError("profiles must name at least one device profile")
         if not self.eta > -1:
             raise ConfigError(f"eta must be > -1 (pFedClub §4.4), got {self.eta}")
+        if not 0 < self.max_client_share <= 1:
+            raise ConfigError(f"max_client_share must be in (0, 1] (1: FedAvg's plain example weights), got "
+                              f"{self.max_client_share}")
         if self.kd_lambda < 0:
             raise ConfigError(f"kd_lambda must be >= 0, got {self.kd_lambda}")
         if self.public not in ("labeled", "unlabeled"):

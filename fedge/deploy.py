@@ -15,7 +15,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -48,9 +48,12 @@ from server.runlog import CHECKPOINT_FILE
 log = logging.getLogger(__name__)
 
 
-def registration_check(cfg: RunConfig) -> Callable[[ClientInfo], str | None]:
+def registration_check(cfg: RunConfig, shard_sizes: Mapping[str, tuple[int, int]] | None = None
+                       ) -> Callable[[ClientInfo], str | None]:
     """What the server requires of a registering client: a known profile its model fits (and, on an executorch
-    profile, has an ExecuTorch training form: the full gradient-parity gate runs on the client), some data."""
+    profile, has an ExecuTorch training form: the full gradient-parity gate runs on the client), some data, and,
+    where the server made the clients' shards (`shard_sizes`: client id -> (train, test) examples), exactly the
+    data sizes of its shard: a client's word on its size sets its weight in FedAvg."""
     def check(info: ClientInfo) -> str | None:
         try:
             profile = get_profile(info.profile)
@@ -66,6 +69,14 @@ def registration_check(cfg: RunConfig) -> Callable[[ClientInfo], str | None]:
                 return f"model {info.spec.name} cannot train on device profile {info.profile} (runtime executorch): {e}"
         if info.num_train < 1 or info.num_test < 1:
             return f"client {info.client_id} has no training or test data"
+        if shard_sizes is not None:
+            if info.client_id not in shard_sizes:
+                return (f"client id {info.client_id!r} is not a shard of this run's partition "
+                        f"(0..{len(shard_sizes) - 1})")
+            if (info.num_train, info.num_test) != shard_sizes[info.client_id]:
+                train, test = shard_sizes[info.client_id]
+                return (f"client {info.client_id} claims {info.num_train} training and {info.num_test} test examples;"
+                        f" its shard of the run's partition has {train} and {test}")
         return None
     return check
 
@@ -77,14 +88,16 @@ def serve(cfg: RunConfig, broker: Broker, progress: bool = True, resume: bool = 
         out = run_folder(cfg, resume)
         check_resumable(load_tree(out / CHECKPOINT_FILE),
                         run_identity(cfg.strategy, [str(i) for i in range(cfg.clients)], cfg.seed, cfg.active), out)
-    fleet = Fleet(broker, cfg.run_id, registration_check(cfg), cfg.round_deadline_s, cfg.heartbeat_s, cfg.chunk_size,
-                  cfg.keepalive_s)
+    ds, partition = load_partitioned(cfg)
+    sizes = {str(s.client_id): (len(s.train), len(s.test)) for s in partition.clients}
+    fleet = Fleet(broker, cfg.run_id, registration_check(cfg, sizes), cfg.round_deadline_s, cfg.heartbeat_s,
+                  cfg.chunk_size, cfg.keepalive_s)
     fleet.start(connect_timeout)
     try:
         log.info("server: waiting up to %.0f s for %d clients on %s (run %s)", cfg.register_timeout_s, cfg.clients,
                  broker, cfg.run_id)
         clients = fleet.wait_for_clients(cfg.clients, cfg.register_timeout_s)
-        strategy = make_strategy(cfg, *load_partitioned(cfg))
+        strategy = make_strategy(cfg, ds, partition)
         return run_federation_rounds(cfg, strategy, fleet, clients, progress, resume)
     finally:
         fleet.close()

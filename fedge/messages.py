@@ -45,7 +45,8 @@ class Task:
 
 @dataclass(frozen=True)
 class Result:
-    """A client's reply to a Task: example count, scalar metrics, and models by role."""
+    """A client's reply to a Task: example count, scalar metrics, and models by role; or, with `error`, the
+    client's report that it could not execute the task (e.g. training diverged), and why."""
 
     client_id: str
     round: int
@@ -53,3 +54,4 @@ class Result:
     num_examples: int
     metrics: dict[str, float] = field(default_factory=dict)
     models: dict[str, Weights] = field(default_factory=dict)
+    error: str | None = None

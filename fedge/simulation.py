@@ -84,7 +84,7 @@ def strategy_config(cfg: RunConfig) -> StrategyConfig:
                           device=resolve_device(cfg.device), eta=cfg.eta, clusters=cfg.clusters,
                           ablation=cfg.ablation, cmsr_index=cfg.cmsr_index, kd_lambda=cfg.kd_lambda,
                           finetune_epochs=cfg.finetune_epochs, max_candidates=cfg.max_candidates, sgd_lr=cfg.sgd_lr,
-                          sgd_momentum=cfg.sgd_momentum)
+                          sgd_momentum=cfg.sgd_momentum, max_client_share=cfg.max_client_share)
 
 
 def default_out(cfg: RunConfig) -> Path:

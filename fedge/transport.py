@@ -24,7 +24,8 @@ class Transport(Protocol):
 class InProcTransport:
     """Calls each client's handler directly, one after another, in this process.
 
-    A handler that raises is logged and treated as a client that did not reply, as a real transport would.
+    A handler that raises is logged and answers with a failed Result (its `error` says why), as the MQTT edge
+    client does.
     """
 
     def __init__(self, handlers: Mapping[str, Handler]) -> None:
@@ -38,8 +39,9 @@ class InProcTransport:
                 continue
             try:
                 results[cid] = self.handlers[cid](task)
-            except Exception:  # a crashing client is a missing reply, not a crashed server
+            except Exception as e:  # a crashing client is a failed reply, not a crashed server
                 log.exception("client %s failed on task %s of round %d", cid, task.type, task.round)
+                results[cid] = Result(cid, task.round, task.type, 0, error=f"{type(e).__name__}: {e}")
         return results
 
     def report(self) -> dict[str, Any]:

@@ -39,6 +39,7 @@ REASONS = ("bad_format", "schema_version", "too_large", "hash_mismatch", "bad_ch
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _HEX32 = re.compile(r"[0-9a-f]{32}")
 _LEN_BYTES = 8
+MAX_ERROR_CHARS = 1000  # a client's report of why it could not execute a task
 log = logging.getLogger(__name__)
 
 
@@ -295,7 +296,7 @@ def encode_result(result: Result) -> bytes:
     """Result → container bytes; non-finite metrics raise WireError "bad_value"."""
     _metrics(result.metrics)
     fields = {"client_id": result.client_id, "round": result.round, "type": result.type,
-              "num_examples": result.num_examples, "metrics": dict(result.metrics)}
+              "num_examples": result.num_examples, "metrics": dict(result.metrics), "error": result.error}
     return _pack("result", fields, result.models)
 
 
@@ -311,10 +312,14 @@ def _metrics(m: Any) -> dict[str, float]:
 def decode_result(data: bytes) -> Result:
     """Container bytes → Result; metrics must be finite numbers ("bad_value"), else see decode_task."""
     f, index, body = _read_header(data, "result")
-    _exact_keys(f, {"client_id", "round", "type", "num_examples", "metrics"}, "result fields")
+    _exact_keys(f, {"client_id", "round", "type", "num_examples", "metrics", "error"}, "result fields")
     metrics = _metrics(f["metrics"])
+    error = f["error"]
+    if error is not None and not (isinstance(error, str) and len(error) <= MAX_ERROR_CHARS):
+        raise WireError("bad_format", f"result error must be null or a string of at most {MAX_ERROR_CHARS} "
+                        "characters")
     return Result(_str(f, "client_id"), _int(f, "round"), _str(f, "type"), _int(f, "num_examples"), metrics,
-                  _unpack_models(index, body))
+                  _unpack_models(index, body), error)
 
 
 def encode_info(info: ClientInfo) -> bytes:

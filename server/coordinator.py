@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import statistics
@@ -13,13 +14,15 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
 from device_profiles import get_profile, train_seconds
 from fedge import constants as C
-from fedge.checkpoint import CheckpointError, Tree
+from fedge.checkpoint import CheckpointError, Tree, nonfinite
 from fedge.messages import ClientInfo, Result, Task, Weights, client_order
 from fedge.seeding import derive_seed
+from fedge.spec import ModelSpec, build
 from fedge.transport import Transport
 from fedge.weights import WeightsError, check_state
 from server.runlog import RunLog
@@ -65,6 +68,8 @@ def rejection(res: Result, task: Task | None, info: ClientInfo) -> tuple[str, st
     client's registered architecture for `local`)."""
     if task is None or res.client_id != info.client_id or res.round != task.round or res.type != task.type:
         return "no_open_task", f"answers no open task (round {res.round}, type {res.type!r})"
+    if res.error is not None:
+        return "client_failed", f"the client could not execute {task.type} of round {task.round}: {res.error}"
     limit = info.num_test if task.type == "evaluate" else info.num_train
     if isinstance(res.num_examples, bool) or not isinstance(res.num_examples, int) \
             or not 1 <= res.num_examples <= limit:
@@ -87,6 +92,28 @@ def rejection(res: Result, task: Task | None, info: ClientInfo) -> tuple[str, st
 def upload_norm(weights: Weights) -> float:
     """The L2 norm over every floating-point tensor of one uploaded model."""
     return math.sqrt(sum(float(t.double().square().sum()) for t in weights.state.values() if t.is_floating_point()))
+
+
+@functools.lru_cache(maxsize=64)
+def fresh_norm(spec_json: str) -> float:
+    """The norm of a freshly initialised model of this architecture (fixed seed; the global RNG is left as is)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        spec = ModelSpec.from_json(spec_json)
+        return upload_norm(Weights(spec, build(spec).state_dict()))
+
+
+def reference_norm(weights: Weights, task: Task, previous: float | None) -> tuple[float, str]:
+    """What an upload's norm is bounded by, and its name: the model of the same architecture the server sent in
+    the task (FedAvg's global model), else the client's previous accepted upload of that role, else a fresh
+    initialisation of the architecture. Each is the server's own state or was checked before."""
+    arch = weights.spec.with_origin(None)
+    sent = [m for m in task.models.values() if m.spec.with_origin(None) == arch]
+    if sent:
+        return upload_norm(sent[0]), "the model it was sent"
+    if previous is not None:
+        return previous, "its previous accepted upload"
+    return fresh_norm(arch.to_json()), "a fresh initialisation of its architecture"
 
 
 def norm_outliers(results: Mapping[str, Result]) -> dict[str, str]:
@@ -138,6 +165,8 @@ class Coordinator:
         self.final: dict[str, float] = {}
         self.last_mean = float("nan")
         self.rejected: Counter[str] = Counter()
+        self.upload_norms: dict[str, float] = {}  # "<client>/<role>" -> norm of its last accepted upload
+        self.discarded: list[int] = []  # rounds whose aggregate was not finite and was thrown away
         self.failed: list[dict[str, int]] = []
         self.bar: tqdm | None = None
 
@@ -151,12 +180,30 @@ class Coordinator:
                 keep[cid] = res
             else:
                 reasons[cid] = reason
-        reasons |= {cid: ("norm_outlier", message) for cid, message in norm_outliers(keep).items()}
+        reasons |= {cid: ("norm_bound", message) for cid, message in self.beyond_bound(keep, tasks).items()}
+        reasons |= {cid: ("norm_outlier", message) for cid, message in norm_outliers(keep).items()
+                    if cid not in reasons}
         for cid, (code, message) in reasons.items():
             log.warning("rejected reply from client %s: %s", cid, message)
             self.rejected[code] += 1
             keep.pop(cid, None)
+        for cid, res in keep.items():
+            self.upload_norms.update({f"{cid}/{role}": upload_norm(w) for role, w in res.models.items()})
         return keep
+
+    def beyond_bound(self, results: Mapping[str, Result], tasks: Mapping[str, Task]) -> dict[str, str]:
+        """Client → message for each reply with an upload whose norm exceeds UPLOAD_NORM_FACTOR times its
+        reference (see reference_norm): a bound that holds for a round of one or two uploads, where the
+        median of norm_outliers does not exist."""
+        out: dict[str, str] = {}
+        for cid, res in results.items():
+            for role, weights in res.models.items():
+                ref, what = reference_norm(weights, tasks[cid], self.upload_norms.get(f"{cid}/{role}"))
+                norm = upload_norm(weights)
+                if norm > C.UPLOAD_NORM_FACTOR * ref:
+                    out.setdefault(cid, f"model {role!r} has norm {norm:.4g}, over {C.UPLOAD_NORM_FACTOR:g} x the "
+                                        f"{ref:.4g} of {what}")
+        return out
 
     def exchange(self, tasks: Mapping[str, Task]) -> dict[str, Result]:
         """The transport's replies; a transport that raises is logged and counts as no replies."""
@@ -192,6 +239,7 @@ class Coordinator:
             "next_round": next_round, "participated": sorted(self.participated, key=client_order),
             "server_seconds": list(self.server_seconds), "final": dict(self.final), "last_mean": self.last_mean,
             "rejected": dict(self.rejected), "failed_rounds": list(self.failed),
+            "upload_norms": dict(self.upload_norms), "discarded_aggregates": list(self.discarded),
             "strategy_state": self.strategy.state()}
 
     def restore(self) -> int:
@@ -202,6 +250,7 @@ class Coordinator:
             self.participated, self.server_seconds = set(tree["participated"]), list(tree["server_seconds"])
             self.final, self.last_mean = dict(tree["final"]), float(tree["last_mean"])
             self.rejected, self.failed = Counter(tree["rejected"]), list(tree["failed_rounds"])
+            self.upload_norms, self.discarded = dict(tree["upload_norms"]), list(tree["discarded_aggregates"])
             self.strategy.load_state(tree["strategy_state"])
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"the checkpoint in {self.runlog.out} lacks or garbles a field: {e}") from None
@@ -246,7 +295,7 @@ class Coordinator:
             log.warning("round %d: %d of %d clients replied", rnd, len(results), len(tasks))
         self.show("server aggregating")
         start = time.perf_counter()
-        self.strategy.aggregate(rnd, results)
+        self.aggregate(rnd, results)
         last = rnd == self.loop.rounds - 1
         final = self.participated if self.strategy.personalized else self.clients
         eval_tasks = self.strategy.evaluation(rnd, sorted(final) if last else active)
@@ -261,6 +310,18 @@ class Coordinator:
         accs = [r.metrics["accuracy"] for r in evals.values()]
         self.last_mean = statistics.fmean(accs) if accs else float("nan")
         return self.last_mean
+
+    def aggregate(self, rnd: int, results: Mapping[str, Result]) -> None:
+        """The strategy's aggregate; a state that comes out non-finite (which every check of the replies should
+        prevent) is thrown away, the state before it kept and the round recorded in `discarded_aggregates`."""
+        before = self.strategy.state()
+        self.strategy.aggregate(rnd, results)
+        bad = nonfinite(self.strategy.state())
+        if bad:
+            log.error("round %d: the aggregate holds non-finite values (%s); it is discarded and the server keeps "
+                      "its state from before the round", rnd, ", ".join(bad[:3]))
+            self.strategy.load_state(before)
+            self.discarded.append(rnd)
 
     def row(self, rnd: int, cid: str, trained: Result | None, evaluated: Result | None) -> dict[str, Any]:
         """One metrics.jsonl line: the client, its training reply, its evaluation, the strategy's fields."""
@@ -290,6 +351,7 @@ class Coordinator:
             "server_seconds": self.server_seconds,
             "never_trained": sorted(set(self.clients) - self.participated, key=client_order),
             "rejected_replies": dict(self.rejected),
+            "discarded_aggregates": list(self.discarded),
             "failed_rounds": list(self.failed),
             "models": {cid: info.spec.name for cid, info in self.clients.items()},
             "runtimes": {cid: self.profiles[cid].runtime for cid in self.clients},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Mapping, Sequence
 
 import torch
@@ -12,6 +13,29 @@ from fedge.seeding import derive_seed
 from fedge.spec import build
 from fedge.weights import State
 from server.strategy import Strategy, StrategyError, register_strategy
+
+log = logging.getLogger(__name__)
+
+
+def capped_shares(weights: Sequence[float], cap: float) -> list[float]:
+    """Each weight's share of the total, no share above `cap` (reliability-notes §6.8: self-reported example
+    counts set the weights, so one client's share is capped): shares over the cap are set to it and the rest of
+    the mass is split over the others in proportion to their weights, repeatedly (water-filling). With
+    len(weights) * cap <= 1 no split fits and every share is equal. ValueError for no or non-positive weights."""
+    if not weights or min(weights) <= 0:
+        raise ValueError(f"capped_shares needs positive weights, got {list(weights)}")
+    n = len(weights)
+    if cap * n <= 1:
+        return [1 / n] * n
+    capped: set[int] = set()
+    while True:
+        free = sum(w for i, w in enumerate(weights) if i not in capped)
+        mass = 1 - cap * len(capped)
+        shares = [cap if i in capped else mass * w / free for i, w in enumerate(weights)]
+        over = {i for i, share in enumerate(shares) if i not in capped and share > cap}
+        if not over:
+            return shares
+        capped |= over
 
 
 def weighted_average(states: Sequence[State], weights: Sequence[float]) -> State:
@@ -45,20 +69,31 @@ class FedAvg(Strategy):
             raise StrategyError(f"fedavg needs every client on the same model, but this fleet has {names}; "
                                 f"use a single-model zoo (e.g. --zoo cnn1) or a heterogeneous strategy")
         spec = archs[0]
+        self.shares: dict[str, float] = {}  # the last aggregation's share per client
         torch.manual_seed(derive_seed(self.config.seed, "fedavg-init"))
         self.global_model = Weights(spec, build(spec).state_dict())
 
     def plan(self, rnd: int, active: Sequence[str]) -> dict[str, Task]:
+        self.shares = {}
         models = {"global": self.global_model}
         return {cid: Task("train", rnd, self.train_config(upload=True), models) for cid in active}
 
     def aggregate(self, rnd: int, results: Mapping[str, Result]) -> None:
-        replies = [r for r in results.values() if "local" in r.models]
+        replies = sorted((r for r in results.values() if "local" in r.models), key=lambda r: r.client_id)
         if not replies:
             return
-        states = [r.models["local"].state for r in sorted(replies, key=lambda r: r.client_id)]
-        counts = [r.num_examples for r in sorted(replies, key=lambda r: r.client_id)]
-        self.global_model = Weights(self.global_model.spec, weighted_average(states, counts))
+        counts = [r.num_examples for r in replies]
+        shares = capped_shares(counts, self.config.max_client_share)
+        self.shares = {r.client_id: share for r, share in zip(replies, shares)}
+        if any(abs(share - count / sum(counts)) > 1e-12 for share, count in zip(shares, counts)):
+            log.info("round %d: aggregation shares capped at max_client_share=%g: %s", rnd,
+                     self.config.max_client_share, {cid: round(x, 4) for cid, x in self.shares.items()})
+        self.global_model = Weights(self.global_model.spec, weighted_average([r.models["local"].state for r in replies],
+                                                                             shares))
+
+    def record(self, rnd: int, client: str) -> dict[str, float]:
+        """The client's share of this round's average (its example count's, capped at max_client_share)."""
+        return {"aggregation_share": self.shares[client]} if client in self.shares else {}
 
     def evaluation(self, rnd: int, clients: Sequence[str]) -> dict[str, Task]:
         return {cid: Task("evaluate", rnd, models={"global": self.global_model}) for cid in clients}

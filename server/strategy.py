@@ -35,6 +35,7 @@ class StrategyConfig:
     max_candidates: int = C.MAX_CANDIDATES
     sgd_lr: float = C.SGD_LR
     sgd_momentum: float = C.SGD_MOMENTUM
+    max_client_share: float = C.MAX_CLIENT_SHARE
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@ Fleet over a real broker (embedded and Mosquitto), with a hand-driven client (te
 from __future__ import annotations
 
 import json
+import math
 import os
+import threading
 import time
 
 import psutil
@@ -13,6 +15,7 @@ from helpers.federation import Federation, make_config, read_rows
 from helpers.raw import (  # noqa: F401, F811 (broker, fleet and connect are pytest fixtures)
     ONE_FRAME,
     RUN,
+    RawClient,
     broker,
     connect,
     fleet,
@@ -25,8 +28,12 @@ from helpers.raw import (  # noqa: F401, F811 (broker, fleet and connect are pyt
     wait_for,
 )
 
+from fedge.checkpoint import load_tree, nonfinite
 from fedge.constants import MAX_CLOCK_SKEW_S, PENDING_SENDER_BYTES, PENDING_TOTAL_BYTES
-from fedge.wire import Envelope, decode_result, sha256_hex
+from fedge.messages import ClientInfo, Result, Weights
+from fedge.simulation import load_partitioned
+from fedge.wire import Envelope, decode_result, encode_info, encode_result, sha256_hex
+from fedge.zoo import create
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -121,3 +128,77 @@ def test_a_second_client_process_with_the_same_id_takes_over_and_the_first_stops
     assert "deadline_missed" not in summary["transport"], summary["transport"]
     rows = read_rows(tmp_path / "run")
     assert sorted({r["round"] for r in rows}) == list(range(rounds)) and all(r["trained"] for r in rows)
+
+
+class Hostile:
+    """Client 1 of a Federation driven by hand: registers with `num_train` and answers every training task with
+    `scale` times the model it was sent, every evaluation with a plausible score, until the server says stop."""
+
+    def __init__(self, fed: Federation, num_train: int, num_test: int, scale: float = 1e30) -> None:
+        self.client = RawClient(fed.broker, "1", fed.cfg.run_id)
+        self.spec = create(fed.cfg.zoo, (1, 28, 28), 10).with_origin("1")
+        self.profile = fed.cfg.profiles[1 % len(fed.cfg.profiles)]
+        self.num_train, self.num_test, self.scale = num_train, num_test, scale
+        self.thread = threading.Thread(target=self._serve, daemon=True, name="hostile")
+
+    def register(self, num_train: int | None = None) -> str | None:
+        """The server's verdict on a registration claiming `num_train` (default: the true size)."""
+        info = ClientInfo("1", self.spec, self.profile, num_train or self.num_train, self.num_test)
+        return self.client.wait_ack(self.client.send("register", "register", 0, encode_info(info)).msg_id)
+
+    def _serve(self) -> None:
+        while True:
+            env, task = self.client.next_task(timeout=120)
+            if task.type == "stop":
+                return
+            if task.type == "evaluate":
+                result = Result("1", task.round, "evaluate", self.num_test, {"accuracy": 0.1, "loss": 2.3})
+            else:
+                sent = task.models["global"]
+                huge = {k: v * self.scale if v.is_floating_point() else v for k, v in sent.state.items()}
+                result = Result("1", task.round, task.type, self.num_train, {"train_loss": 0.1},
+                                {"local": Weights(self.spec, huge)})
+            self.client.answer(env, encode_result(result))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("embedded", [True, False], ids=["embedded", "mosquitto"])
+def test_a_finite_1e30_upload_in_rounds_of_two_cannot_poison_the_run(tmp_path, monkeypatch, embedded):
+    """Item 5: active = 2, so the median check has too few uploads; the bound against the model the server sent
+    rejects the upload every round, the global model and the checkpoint stay finite, the honest client trains in
+    every round and the run completes."""
+    cfg = make_config(tmp_path / "run", clients=2, active=2, rounds=3)
+    shard = load_partitioned(cfg)[1].clients[1]
+    with Federation(tmp_path / "fed", cfg, embedded=embedded) as fed:
+        honest = fed.start_clients(["0"])
+        server = fed.start_server(monkeypatch)
+        hostile = Hostile(fed, len(shard.train), len(shard.test))
+        assert hostile.register() is None
+        hostile.thread.start()
+        server.join(180)
+        assert server.error is None, server.error
+        assert honest.wait(30) == 0, honest.log()
+        hostile.client.close()
+    summary = server.summary
+    assert summary["rejected_replies"] == {"norm_bound": 3} and summary["discarded_aggregates"] == []
+    assert nonfinite(load_tree(tmp_path / "run" / "checkpoint.safetensors")) == []
+    assert nonfinite(server.strategy.global_model.state) == []
+    assert [r["round"] for r in read_rows(tmp_path / "run") if r["client"] == "0" and r["trained"]] == [0, 1, 2]
+    assert math.isfinite(summary["final_accuracy"]["per_client"]["0"])
+
+
+@pytest.mark.timeout(120)
+def test_a_registration_claiming_another_data_size_is_refused(tmp_path, monkeypatch):
+    """Item 6: the server made the partition, so it knows client 1's shard: a claim of a million examples (which
+    would set its FedAvg weight) is refused with both numbers; the true size is accepted."""
+    cfg = make_config(tmp_path / "run", clients=2)
+    shard = load_partitioned(cfg)[1].clients[1]
+    with Federation(tmp_path / "fed", cfg, embedded=True) as fed:
+        server = fed.start_server(monkeypatch)
+        hostile = Hostile(fed, len(shard.train), len(shard.test))
+        refusal = hostile.register(num_train=1_000_000)
+        assert refusal is not None and f"claims 1000000 training and {len(shard.test)} test examples; its shard" \
+            in refusal and f"has {len(shard.train)} and {len(shard.test)}" in refusal, refusal
+        assert hostile.register() is None
+        assert server.fleet.inbox.rejected == {"bad_spec": 1} and "1" in server.fleet.clients
+        hostile.client.close()

@@ -110,7 +110,7 @@ def split_container(payload: bytes) -> tuple[dict[str, Any], bytes]:
 def result_fields(cid: str, rnd: int, type: str = "train", num_examples: Any = NUM_TRAIN,
                   metrics: Any = None) -> dict[str, Any]:
     return {"client_id": cid, "round": rnd, "type": type, "num_examples": num_examples,
-            "metrics": {"train_loss": 0.5} if metrics is None else metrics}
+            "metrics": {"train_loss": 0.5} if metrics is None else metrics, "error": None}
 
 
 def valid_result(cid: str, rnd: int, spec: ModelSpec, type: str = "train", scale: float = 0.01,

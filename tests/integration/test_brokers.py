@@ -2,15 +2,20 @@
 
 import logging
 import os
+import pwd
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
 from helpers.brokers import (
+    MOSQUITTO,
     Inbox,
     MosquittoProcess,
     close,
@@ -28,7 +33,14 @@ from helpers.brokers import (
 )
 
 from fedge import constants as C
-from fedge.broker import BrokerError, EmbeddedBroker, TlsFiles, generate_users, serve_forever
+from fedge.broker import (
+    BrokerError,
+    EmbeddedBroker,
+    TlsFiles,
+    generate_users,
+    serve_forever,
+    write_mosquitto_config,
+)
 from fedge.mqtt import Endpoint, MqttError, parse_broker
 
 pytestmark = pytest.mark.timeout(60)
@@ -386,6 +398,61 @@ def test_mosquitto_persistence_keeps_a_queued_message_across_a_crash(tmp_path):
             assert next_message(a).payload == b"queued task"
         finally:
             close(a)
+
+
+@pytest.mark.parametrize("run_as", ["mosquitto", None], ids=["--run-as mosquitto", "as root, default user"])
+def test_the_written_deployment_starts_as_printed_when_written_as_root(run_as):
+    """`fedge broker --write-mosquitto-config DIR [--run-as mosquitto]` as root, then the printed
+    `mosquitto -c DIR/mosquitto.conf`: Mosquitto drops to the run-as user, which can read passwd and acl."""
+    require_mosquitto()
+    if os.geteuid() != 0 or not _user_exists("mosquitto"):
+        pytest.skip("needs root and Debian's mosquitto user")
+    base = Path(tempfile.mkdtemp(prefix="fedge-broker-", dir="/tmp"))  # pytest's tmp_path is private to root
+    base.chmod(0o755)
+    port = free_port()
+    try:
+        out = subprocess.run([sys.executable, "-m", "fedge.cli", "broker", "--write-mosquitto-config",
+                              str(base / "broker"), "--clients", "0,1", "--port", str(port),
+                              *(["--run-as", run_as] if run_as else [])],
+                             capture_output=True, text=True, check=True).stdout
+        command = out.split("start it with: ")[1].split("\n")[0].split()
+        assert command[:2] == ["mosquitto", "-c"]
+        for name in ("passwd", "acl", "mosquitto.conf"):
+            st = (base / "broker" / name).stat()
+            assert (pwd.getpwuid(st.st_uid).pw_name, st.st_mode & 0o777) == ("mosquitto", 0o600), name
+        with open(base / "mosquitto.log", "wb") as log:
+            process = subprocess.Popen([MOSQUITTO, *command[1:]], stdout=log, stderr=log)
+        try:
+            wait_for_port("127.0.0.1", port, alive=lambda: process.poll() is None)
+            password = dict(line.split(":", 1) for line in (base / "broker" / "users").read_text().split())["0"]
+            assert connack_code(f"mqtt://127.0.0.1:{port}", "0", password) == 0
+        finally:
+            process.terminate()
+            process.wait(10)
+    except (RuntimeError, AssertionError):
+        print((base / "mosquitto.log").read_text(errors="replace") if (base / "mosquitto.log").exists() else "")
+        raise
+    finally:
+        shutil.rmtree(base)
+
+
+def test_writing_for_a_user_who_cannot_reach_the_directory_says_how_to_fix_it(tmp_path):
+    if os.geteuid() != 0 or not _user_exists("mosquitto"):
+        pytest.skip("needs root and Debian's mosquitto user")
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    with pytest.raises(BrokerError, match=r"user 'mosquitto', whom Mosquitto runs as, cannot enter .*chmod o\+x"):
+        write_mosquitto_config(private / "broker", generate_users(["0"]), run_as="mosquitto")
+    with pytest.raises(BrokerError, match="does not exist here"):
+        write_mosquitto_config(tmp_path / "b", generate_users(["0"]), run_as="no-such-user-here")
+
+
+def _user_exists(name: str) -> bool:
+    try:
+        pwd.getpwnam(name)
+        return True
+    except KeyError:
+        return False
 
 
 def _openssl(*args, cwd):

@@ -155,7 +155,7 @@ def test_an_upload_with_an_outlying_norm_is_rejected(tmp_path, caplog):
     loop = LoopConfig(1, 4, 0, 1, progress=False)
     inflated, with_outlier = federation(tmp_path, "a", {"1": inflating}, loop)
     summary = inflated.run()
-    assert summary["rejected_replies"] == {"norm_outlier": 1} and summary["never_trained"] == ["1"]
+    assert summary["rejected_replies"] == {"norm_bound": 1} and summary["never_trained"] == ["1"]
     assert "rejected reply from client 1: model 'local' has norm" in caplog.text
     without, reference = federation(tmp_path, "b", {"1": dead_in_training}, loop)
     without.run()

@@ -2,6 +2,8 @@
 
 import base64
 import hashlib
+import os
+import pwd
 
 import pytest
 
@@ -19,6 +21,7 @@ from fedge.broker import (
 )
 
 pytestmark = pytest.mark.timeout(30)
+ME = pwd.getpwuid(os.getuid()).pw_name  # the files' owner: as root, Mosquitto would otherwise run as `mosquitto`
 
 
 # --- read_users
@@ -161,7 +164,7 @@ def test_hashes_are_salted():
 def test_write_mosquitto_config_writes_three_private_files(tmp_path):
     users = generate_users(["a", "b"])
 
-    conf = write_mosquitto_config(tmp_path / "etc", users, port=18831)
+    conf = write_mosquitto_config(tmp_path / "etc", users, port=18831, run_as=ME)
 
     assert conf == (tmp_path / "etc" / "mosquitto.conf").resolve()
     for name in ("mosquitto.conf", "passwd", "acl"):
@@ -174,13 +177,14 @@ def test_write_mosquitto_config_writes_three_private_files(tmp_path):
                      "max_keepalive 60", "persistence false"):
         assert expected in lines
     assert MAX_MESSAGE_BYTES == 4 * 1024 * 1024 + 64 * 1024
-    assert not any(line.startswith(("certfile", "user ")) for line in lines)
+    assert f"user {ME}" in lines and "retain_available false" in lines
+    assert not any(line.startswith("certfile") for line in lines)
 
 
 def test_the_passwd_file_holds_hashes_that_verify_and_no_password(tmp_path):
     users = generate_users(["a"])
 
-    write_mosquitto_config(tmp_path, users)
+    write_mosquitto_config(tmp_path, users, run_as=ME)
 
     text = (tmp_path / "passwd").read_text()
     assert not any(p in text for p in users.values())
@@ -196,13 +200,13 @@ def test_write_mosquitto_config_persistence_tls_and_user(tmp_path):
                    require_certificate=True)
 
     conf = write_mosquitto_config(tmp_path / "etc", generate_users([]), port=8883, host="0.0.0.0", tls=tls,
-                                  persistence_dir=tmp_path / "db", run_as="fedge")
+                                  persistence_dir=tmp_path / "db", run_as=ME)
 
     lines = conf.read_text().splitlines()
     for expected in ("listener 8883 0.0.0.0", "persistence true", f"persistence_location {tmp_path / 'db'}/",
                      "autosave_interval 1", f"certfile {tmp_path / 's.pem'}", f"keyfile {tmp_path / 's.key'}",
                      f"cafile {tmp_path / 'ca.pem'}", "require_certificate true", "tls_version tlsv1.2",
-                     "user fedge"):
+                     f"user {ME}"):
         assert expected in lines
 
 

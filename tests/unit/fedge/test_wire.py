@@ -58,6 +58,11 @@ def test_result_and_info_round_trip(weights):
     _same_state(out.models["local"].state, weights.state)
     info = ClientInfo("7", weights.spec, "rpi4", 100, 20)
     assert decode_info(encode_info(info)) == info
+    failed = Result("7", 2, "train", 0, error="training diverged: loss is nan")
+    assert decode_result(encode_result(failed)) == failed
+    long = _container({"kind": "result", "fields": {**encode_fields(failed), "error": "x" * 1001}, "models": {}})
+    with pytest.raises(WireError, match="error must be"):
+        decode_result(long)
 
 
 def test_envelope_round_trip_and_expiry():
@@ -161,8 +166,16 @@ def test_overlapping_offsets_and_corrupt_blob(weights):
     assert e.value.reason == "bad_weights"
 
 
+def encode_fields(result: Result) -> dict:
+    """The JSON fields of an encoded result (its header, as the container holds it)."""
+    data = encode_result(result)
+    n = int.from_bytes(data[:8], "little")
+    return json.loads(data[8:8 + n])["fields"]
+
+
 def test_nan_metric_rejected():
-    fields = {"client_id": "1", "round": 0, "type": "train", "num_examples": 1, "metrics": {"loss": math.nan}}
+    fields = {"client_id": "1", "round": 0, "type": "train", "num_examples": 1, "metrics": {"loss": math.nan},
+              "error": None}
     data = _container({"kind": "result", "fields": fields, "models": {}})
     with pytest.raises(WireError) as e:
         decode_result(data)
