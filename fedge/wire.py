@@ -360,7 +360,7 @@ def decode_status(data: bytes) -> tuple[str, str]:
     f = _control(data, "status", {"state", "session"})
     if f["state"] not in STATUS_STATES:
         raise WireError("bad_format", f"status {f['state']!r} is not one of {list(STATUS_STATES)}")
-    return f["state"], _str(f, "session")
+    return f["state"], _str(f, "session", _HEX32)
 
 
 def encode_ack(error: str | None) -> bytes:

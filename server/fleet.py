@@ -84,9 +84,9 @@ class Fleet:
         self.offline: set[str] = set()
         self.offline_since: dict[str, float] = {}
         self.sessions: dict[str, str] = {}  # client -> the session of its newest connection (status messages)
-        self.replaced: dict[str, list[str]] = {}  # client -> its sessions a newer one replaced, newest last
+        self.replaced: dict[str, dict[str, bool]] = {}  # client -> sessions a newer one replaced (oldest first)
+        # -> whether it came back since (counted)
         self.takeovers: Counter[str] = Counter()  # client -> replaced sessions that came back (two connections)
-        self.told: set[str] = set()  # revived sessions already counted
         self.open: dict[str, _Open] = {}
         self.results: dict[str, Result] = {}
         self.round = -1
@@ -314,10 +314,10 @@ class Fleet:
         connection to stop (newest wins, as with the broker). Returns True for a replaced session: its status
         messages (and its late will) say nothing about the client's current connection."""
         current = self.sessions.get(cid)
-        replaced = self.replaced.setdefault(cid, [])
+        replaced = self.replaced.setdefault(cid, {})
         if session in replaced:
-            if state != "offline" and session not in self.told:
-                self.told.add(session)
+            if state != "offline" and not replaced[session]:
+                replaced[session] = True
                 self.takeovers[cid] += 1
                 log.warning("client %s: its connection %s, replaced by connection %s, is back: two processes use "
                             "client id %s; telling the older one to stop (takeover %d)", cid, session[:8],
@@ -325,7 +325,8 @@ class Fleet:
             return True
         if session != current:
             if current is not None:
-                replaced.append(current)
-                del replaced[:-MAX_REPLACED_SESSIONS]
+                replaced[current] = False
+                for old in list(replaced)[:-MAX_REPLACED_SESSIONS]:
+                    del replaced[old]
             self.sessions[cid] = session
         return False

@@ -14,6 +14,7 @@ import pytest
 from helpers.federation import Federation, make_config, read_rows
 from helpers.raw import (  # noqa: F401, F811 (broker, fleet and connect are pytest fixtures)
     ONE_FRAME,
+    PADDED_HEADER_BYTES,
     RUN,
     RawClient,
     broker,
@@ -22,6 +23,7 @@ from helpers.raw import (  # noqa: F401, F811 (broker, fleet and connect are pyt
     frame_bytes,
     open_round,
     own,
+    padded_frame,
     rejected_only,
     same_weights,
     valid_result,
@@ -32,21 +34,13 @@ from fedge.checkpoint import load_tree, nonfinite
 from fedge.constants import MAX_CLOCK_SKEW_S, PENDING_SENDER_BYTES, PENDING_TOTAL_BYTES
 from fedge.messages import ClientInfo, Result, Weights
 from fedge.simulation import load_partitioned
-from fedge.wire import Envelope, decode_result, encode_info, encode_result, sha256_hex
+from fedge.wire import Envelope, decode_result, encode_info, encode_result
 from fedge.zoo import create
 
 pytestmark = pytest.mark.timeout(120)
 
 FLOOD_FRAMES = 300
-HEADER_BYTES = 1000 * 1000  # a legal frame header (MAX_HEADER_BYTES is 1 MiB), almost all of it whitespace
 RSS_GROWTH_BOUND = 128 * 1024 * 1024  # the flood is 300 MB of frames; the server may keep its 16 MiB budget
-
-
-def padded_frame(env: dict, index: int, chunk: bytes) -> bytes:
-    """A frame whose JSON header is padded with whitespace to HEADER_BYTES: legal JSON of a legal size."""
-    header = json.dumps({"envelope": env, "chunk": index, "chunk_sha256": sha256_hex(chunk)}).encode()
-    header += b" " * (HEADER_BYTES - len(header))
-    return len(header).to_bytes(4, "little") + header + chunk
 
 
 def rss() -> int:
@@ -75,7 +69,7 @@ def test_a_flood_of_padded_partial_frames_is_held_to_the_senders_budget(fleet, c
     print(f"RSS {before / 2**20:.0f} MiB before the flood, peak {peak / 2**20:.0f} MiB; held by c "
           f"{reassembler.held['c'] / 2**20:.1f} MiB in {reassembler.pending} partials, evicted {reassembler.evicted}")
     assert reassembler.held["c"] <= PENDING_SENDER_BYTES and reassembler.held_total <= PENDING_TOTAL_BYTES
-    assert reassembler.evicted["c"] >= FLOOD_FRAMES - PENDING_SENDER_BYTES // HEADER_BYTES
+    assert reassembler.evicted["c"] >= FLOOD_FRAMES - PENDING_SENDER_BYTES // PADDED_HEADER_BYTES
     assert set(reassembler.evicted) == {"c"}
     assert fleet.report()["evicted_messages"] == {"c": reassembler.evicted["c"]}
     assert peak - before < RSS_GROWTH_BOUND
@@ -108,21 +102,23 @@ def test_envelopes_from_the_future_and_immortal_ones_are_refused(fleet, connect)
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("embedded", [True, False], ids=["embedded", "mosquitto"])
 def test_a_second_client_process_with_the_same_id_takes_over_and_the_first_stops(tmp_path, embedded):
-    """Item 3: `fedge client --id 1` started twice. The broker ends the first connection; when it comes back the
-    server counts a takeover and tells it to stop; it exits 2 naming the cause; the newer process serves
-    client 1 to the end; no round waits for its deadline."""
-    rounds = 10  # long enough for the second process to start (a few seconds) while the run goes on
+    """Item 3: `fedge client --id 1` started twice. Each connection ends the other's at the broker, and each
+    ended one reconnects: once the server sees a replaced connection come back it counts a takeover and tells
+    that one to stop; it exits 2 naming the cause; the other serves client 1 to the end; no round waits for its
+    deadline."""
+    rounds = 10
     cfg = make_config(tmp_path / "run", clients=2, rounds=rounds, local_epochs=2, max_samples_per_client=400,
                       round_deadline_s=120.0, heartbeat_s=1.0)
     with Federation(tmp_path / "fed", cfg, embedded=embedded) as fed:
-        zero, first = fed.start_clients(["0"]), fed.start_clients(["1"], name="first-1")
+        zero = fed.start_clients(["0"])
+        twins = [fed.start_clients(["1"], name=f"twin-{k}") for k in (1, 2)]
         server = fed.start_server_process("--out", cfg.out)
-        fed.wait_for_log(server, "client 1 registered")
-        second = fed.start_clients(["1"], name="second-1")
-        assert first.wait(60) == 2, first.log()
-        assert server.wait(120) == 0, server.log()
-        assert zero.wait(30) == 0 and second.wait(30) == 0, second.log()
-    assert "another connection with client id 1 took over this one" in first.log()
+        assert server.wait(180) == 0, server.log()
+        codes = sorted(((twin.wait(60), twin) for twin in twins), key=lambda pair: pair[0])
+        assert zero.wait(30) == 0, zero.log()
+    (kept, _), (code, stopped) = codes
+    assert (kept, code) == (0, 2), [t.log() for t in twins]
+    assert "another connection with client id 1 took over this one" in stopped.log()
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["transport"]["takeovers"] == {"1": 1}
     assert "deadline_missed" not in summary["transport"], summary["transport"]

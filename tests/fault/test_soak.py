@@ -21,11 +21,12 @@ import psutil
 import pytest
 from helpers.brokers import TIMEOUT_S, protocol_of
 from helpers.federation import Federation, make_config, read_rows
+from helpers.raw import padded_frame
 from paho.mqtt.enums import CallbackAPIVersion
 
 from fedge import topics
 from fedge.messages import Task
-from fedge.wire import Envelope, encode_status, encode_task, frames, sha256_hex
+from fedge.wire import Envelope, encode_status, encode_task, frames
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -33,15 +34,7 @@ ATTACKER = "x"
 ROUNDS = 6
 MAX_FRAMES = 1500  # the flood's bound: about 1.5 GB through the broker at ~1 MiB a frame
 MAX_SECONDS = 60.0
-HEADER_BYTES = 1000 * 1000  # a legal frame header (MAX_HEADER_BYTES is 1 MiB), almost all of it whitespace
 RSS_GROWTH_BOUND = 256 * 1024 * 1024  # the server may keep 16 MiB of the attacker's frames, plus data and models
-
-
-def padded_frame(env: Envelope, index: int, chunk: bytes) -> bytes:
-    """A frame whose JSON header is padded with whitespace to HEADER_BYTES (legal JSON, legal size)."""
-    header = json.dumps({"envelope": env.to_dict(), "chunk": index, "chunk_sha256": sha256_hex(chunk)}).encode()
-    header += b" " * (HEADER_BYTES - len(header))
-    return len(header).to_bytes(4, "little") + header + chunk
 
 
 class Attacker:
@@ -100,10 +93,10 @@ class Attacker:
             topic = topics.client_topic(self.run, kind, ATTACKER)
             size = 1000 * 1000
             empty = Envelope.new(self.run, 0, kind, ATTACKER, b"x" * size, chunk_size=1)  # announces 10^6 chunks
-            client.publish(topic, padded_frame(empty, 0, b""), qos=0)
+            client.publish(topic, padded_frame(empty.to_dict(), 0, b""), qos=0)
             ones = Envelope.new(self.run, 0, kind, ATTACKER, b"x" * size, chunk_size=1)
             for index in range(3):
-                client.publish(topic, padded_frame(ones, index, b"x"), qos=0)
+                client.publish(topic, padded_frame(ones.to_dict(), index, b"x"), qos=0)
             self.frames += 4
 
     def _retained(self) -> None:

@@ -316,7 +316,10 @@ def test_frame_corruption_and_lies_rejected():
 
 
 def test_status_and_ack_bodies():
-    assert decode_status(encode_status("alive", "s1")) == ("alive", "s1")
+    session = "ab" * 16  # a uuid4().hex
+    assert decode_status(encode_status("alive", session)) == ("alive", session)
+    with pytest.raises(WireError, match="session"):
+        decode_status(encode_status("alive", "x" * 100_000))  # a session id is a uuid, not a payload
     assert decode_ack(encode_ack(None)) is None
     assert decode_ack(encode_ack("too_large: no")) == "too_large: no"
     with pytest.raises(WireError):
