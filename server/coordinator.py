@@ -171,7 +171,8 @@ class Coordinator:
         self.bar: tqdm | None = None
 
     def accepted(self, results: Mapping[str, Result], tasks: Mapping[str, Task]) -> dict[str, Result]:
-        """The replies that pass `rejection` and `norm_outliers`; each other one is logged in one line and counted."""
+        """The replies that pass `rejection`, `beyond_bound` and `norm_outliers`; each other one is logged in one
+        line and counted."""
         keep, reasons = {}, {}
         for cid, res in results.items():
             reason = rejection(res, tasks.get(cid), self.clients[cid]) if cid in self.clients \
@@ -180,7 +181,8 @@ class Coordinator:
                 keep[cid] = res
             else:
                 reasons[cid] = reason
-        reasons |= {cid: ("norm_bound", message) for cid, message in self.beyond_bound(keep, tasks).items()}
+        norms = {(cid, role): upload_norm(w) for cid, res in keep.items() for role, w in res.models.items()}
+        reasons |= {cid: ("norm_bound", message) for cid, message in self.beyond_bound(keep, tasks, norms).items()}
         reasons |= {cid: ("norm_outlier", message) for cid, message in norm_outliers(keep).items()
                     if cid not in reasons}
         for cid, (code, message) in reasons.items():
@@ -188,18 +190,19 @@ class Coordinator:
             self.rejected[code] += 1
             keep.pop(cid, None)
         for cid, res in keep.items():
-            self.upload_norms.update({f"{cid}/{role}": upload_norm(w) for role, w in res.models.items()})
+            self.upload_norms.update({f"{cid}/{role}": norms[cid, role] for role in res.models})
         return keep
 
-    def beyond_bound(self, results: Mapping[str, Result], tasks: Mapping[str, Task]) -> dict[str, str]:
-        """Client → message for each reply with an upload whose norm exceeds UPLOAD_NORM_FACTOR times its
-        reference (see reference_norm): a bound that holds for a round of one or two uploads, where the
-        median of norm_outliers does not exist."""
+    def beyond_bound(self, results: Mapping[str, Result], tasks: Mapping[str, Task],
+                     norms: Mapping[tuple[str, str], float]) -> dict[str, str]:
+        """Client → message for each reply with an upload whose norm (`norms`, by client and role) exceeds
+        UPLOAD_NORM_FACTOR times its reference (see reference_norm): a bound that holds for a round of one or
+        two uploads, where the median of norm_outliers does not exist."""
         out: dict[str, str] = {}
         for cid, res in results.items():
             for role, weights in res.models.items():
                 ref, what = reference_norm(weights, tasks[cid], self.upload_norms.get(f"{cid}/{role}"))
-                norm = upload_norm(weights)
+                norm = norms[cid, role]
                 if norm > C.UPLOAD_NORM_FACTOR * ref:
                     out.setdefault(cid, f"model {role!r} has norm {norm:.4g}, over {C.UPLOAD_NORM_FACTOR:g} x the "
                                         f"{ref:.4g} of {what}")
