@@ -29,7 +29,7 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 from amqtt.adapters import BufferReader, ReaderAdapter, StreamReaderAdapter, StreamWriterAdapter
 from amqtt.broker import Broker
@@ -169,14 +169,15 @@ class _Credentials:
         return None
 
 
-def will_refusal(connect: ConnectPacket, server_user: str) -> str | None:
-    """Why a CONNECT's will must be refused: it is retained, or names a topic its user may not publish to."""
+def will_refusal(connect: ConnectPacket, server_user: str) -> tuple[str, str] | None:
+    """(reason code, why) a CONNECT's will must be refused: it is retained, or names a topic its user may not
+    publish to; None for no will or an allowed one."""
     if not connect.will_flag:
         return None
     if connect.will_retain_flag:
-        return f"a retained will on {connect.will_topic!r} (nothing is retained)"
+        return "retained_will", f"a retained will on {connect.will_topic!r} (nothing is retained)"
     if not permitted(connect.username, connect.will_topic or "", "publish", server_user):
-        return f"a will on {connect.will_topic!r}, which user {connect.username!r} may not publish to"
+        return "forbidden_will", f"a will on {connect.will_topic!r}, which user {connect.username!r} may not publish to"
     return None
 
 
@@ -184,8 +185,11 @@ class _NonRetainingBroker(Broker):
     """amqtt's broker, keeping no retained message: fedge never uses one, and amqtt would deliver a stored one to
     a later subscriber without asking the ACL (even one whose SUBSCRIBE it refused)."""
 
+    refused: Counter[str]  # EmbeddedBroker's counter of refusals, shared
+
     async def retain_message(self, source_session: Session | None, topic_name: str | None,
                              data: bytes | bytearray | None, qos: int | None = None) -> None:
+        self.refused["retained_publish"] += 1
         log.warning("broker: %s published a retained message on %r; delivered, not retained",
                     source_session.client_id if source_session else "the broker", topic_name)
 
@@ -285,11 +289,17 @@ class EmbeddedBroker:
         self._broker: Broker | None = None
         self._connections: dict[str, _Connection] = {}
         self.takeovers: Counter[str] = Counter()  # client id -> connections it ended by connecting again
+        self.refused: Counter[str] = Counter()  # reason code -> connections or messages refused (see report)
 
     @property
     def url(self) -> str:
         """``mqtt://host:port`` of the listening broker."""
         return f"mqtt://{self.host}:{self.port}"
+
+    def report(self) -> dict[str, Any]:
+        """For summary.json: what the broker refused, by reason (bad_connect, bad_login, forbidden_will,
+        retained_will, retained_publish), and the connections it ended because their id connected again."""
+        return {"kind": "embedded", "refused": dict(self.refused), "takeovers": dict(self.takeovers)}
 
     def start(self) -> EmbeddedBroker:
         """Start the broker and return once it listens; BrokerError if it cannot (the port is taken, ...)."""
@@ -349,6 +359,7 @@ class EmbeddedBroker:
         server = None
         try:
             self._broker = _NonRetainingBroker(self._amqtt_config(), loop=self._loop)
+            self._broker.refused = self.refused
             await self._broker.start()
             server = await asyncio.start_server(self._accept, self.host, self.port, backlog=C.LISTEN_BACKLOG)
             self.port = server.sockets[0].getsockname()[1]
@@ -377,15 +388,18 @@ class EmbeddedBroker:
                 else:
                     connect = await ConnectPacket.from_stream(BufferReader(raw))
                     reason = self._credentials.refusal(connect.username, connect.password, connect.client_id)
-                    code = BAD_USERNAME_PASSWORD
+                    code, counted = BAD_USERNAME_PASSWORD, "bad_login"
                     if reason is None:
-                        reason, code = will_refusal(connect, self.server_user), NOT_AUTHORIZED
-                        client_id = connect.client_id
+                        counted, reason = will_refusal(connect, self.server_user) or (None, None)
+                        code, client_id = NOT_AUTHORIZED, connect.client_id
             except (asyncio.TimeoutError, AMQTTError, MQTTError, NoDataError, ConnectionError, ValueError) as exc:
+                self.refused["bad_connect"] += 1
                 log.warning("broker dropped %s: no valid CONNECT (%s)", peer, exc or type(exc).__name__)
                 await writer.close()
                 return
             if reason:  # a wrong protocol level is routine (clients try MQTT 5 first), a bad login is not
+                if code != UNACCEPTABLE_PROTOCOL_VERSION:
+                    self.refused[counted] += 1
                 log.log(logging.INFO if code == UNACCEPTABLE_PROTOCOL_VERSION else logging.WARNING,
                         "broker refused %s: %s", peer, reason)
                 try:

@@ -82,8 +82,10 @@ def registration_check(cfg: RunConfig, shard_sizes: Mapping[str, tuple[int, int]
 
 
 def serve(cfg: RunConfig, broker: Broker, progress: bool = True, resume: bool = False,
-          connect_timeout: float = C.CONNECT_TIMEOUT_S) -> dict[str, Any]:
-    """`fedge server`: wait for `cfg.clients` registrations, run the rounds over MQTT, write the run folder."""
+          connect_timeout: float = C.CONNECT_TIMEOUT_S,
+          broker_report: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """`fedge server`: wait for `cfg.clients` registrations, run the rounds over MQTT, write the run folder
+    (with `broker_report`'s fields, for a broker in this process, in summary.json)."""
     if resume:  # a corrupt or foreign checkpoint is reported now, not after the whole fleet has registered
         out = run_folder(cfg, resume)
         check_resumable(load_tree(out / CHECKPOINT_FILE),
@@ -91,7 +93,7 @@ def serve(cfg: RunConfig, broker: Broker, progress: bool = True, resume: bool = 
     ds, partition = load_partitioned(cfg)
     sizes = {str(s.client_id): (len(s.train), len(s.test)) for s in partition.clients}
     fleet = Fleet(broker, cfg.run_id, registration_check(cfg, sizes), cfg.round_deadline_s, cfg.heartbeat_s,
-                  cfg.chunk_size, cfg.keepalive_s)
+                  cfg.chunk_size, cfg.keepalive_s, broker_report)
     fleet.start(connect_timeout)
     try:
         log.info("server: waiting up to %.0f s for %d clients on %s (run %s)", cfg.register_timeout_s, cfg.clients,
@@ -207,7 +209,7 @@ def run_federation(cfg: RunConfig, progress: bool = True, processes: int | None 
             log_file.close()
         try:
             server = Broker("127.0.0.1", broker.port, username="server", password=users["server"])
-            return serve(cfg, server, progress)
+            return serve(cfg, server, progress, broker_report=broker.report)
         finally:
             stop_processes(procs)
 

@@ -73,8 +73,9 @@ class Fleet:
 
     def __init__(self, broker: Broker, run: str, check_info: Callable[[ClientInfo], str | None],
                  deadline_s: float = ROUND_DEADLINE_S, heartbeat_s: float = HEARTBEAT_S,
-                 chunk_size: int = CHUNK_SIZE, keepalive_s: int = KEEPALIVE_S) -> None:
-        self.run, self.check_info = run, check_info
+                 chunk_size: int = CHUNK_SIZE, keepalive_s: int = KEEPALIVE_S,
+                 broker_report: Callable[[], dict[str, Any]] | None = None) -> None:
+        self.run, self.check_info, self.broker_report = run, check_info, broker_report
         self.deadline_s, self.heartbeat_s, self.chunk_size = deadline_s, heartbeat_s, chunk_size
         self.session = uuid.uuid4().hex
         self.clients: dict[str, ClientInfo] = {}
@@ -174,12 +175,14 @@ class Fleet:
         return results
 
     def report(self) -> dict[str, Any]:
-        """Summary fields: the broker and run, missed deadlines, every rejected message by reason, and the
-        partial messages evicted from the reassembly budget, by sender."""
+        """Summary fields: the broker and run, missed deadlines, takeovers per client, every rejected message by
+        reason, the partial messages evicted from the reassembly budget by sender, and, when the broker runs in
+        this process, what it refused (`broker_report`)."""
+        broker = {} if self.broker_report is None else {"broker": self.broker_report()}
         return {"transport": {"kind": "mqtt", "broker": str(self.endpoint.broker), "run_id": self.run}
                 | dict(self.counts) | {"takeovers": dict(self.takeovers)},
                 "rejected_messages": dict(self.inbox.rejected),
-                "evicted_messages": dict(self.inbox.reassembler.evicted)}
+                "evicted_messages": dict(self.inbox.reassembler.evicted)} | broker
 
     def alive(self, cid: str) -> bool:
         """Not announced offline (will or clean exit) and heard from within a few heartbeats."""

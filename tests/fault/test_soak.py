@@ -168,6 +168,8 @@ def test_a_federation_completes_while_one_authenticated_device_floods_and_forges
     assert max(samples) - baseline < RSS_GROWTH_BOUND
     if embedded:  # fedge's broker refuses every forged will at CONNECT (Mosquitto drops them by its ACL)
         assert attacker.will_connacks and all(code != 0 for code in attacker.will_connacks)
+        refused = fed.broker.report()["refused"]
+        assert refused["forbidden_will"] == 2 * refused["retained_will"] > 0 and refused["retained_publish"] > 0
     refused = summary["rejected_messages"]
     assert refused.get("bad_chunk", 0) > 0  # the empty chunks announcing 10^6 chunks
     assert sum(summary.get("evicted_messages", {}).values()) + refused.get("too_large", 0) > 0

@@ -196,6 +196,8 @@ def test_a_will_on_a_topic_the_client_may_not_write_is_never_published(broker, c
     publish(server, "fedge/r/task/b", b"barrier")
     assert next_message(b).payload == b"barrier" and pending(b) == []
     assert all(m.payload != b"forged will" for m in pending(server))
+    if isinstance(broker, EmbeddedBroker):
+        assert broker.report()["refused"] == {"forbidden_will": 1}
 
 
 def test_a_will_on_the_clients_own_status_topic_is_published(broker, clients):
@@ -221,6 +223,8 @@ def test_nothing_is_retained(broker, clients):
         assert next_message(server).payload == b"barrier"
         time.sleep(GRACE_S)
         assert pending(server) == [] and pending(b) == []
+        if isinstance(broker, EmbeddedBroker):
+            assert broker.report()["refused"] == {"retained_will": 1, "retained_publish": 1}
     finally:
         close(a)
 

@@ -46,6 +46,7 @@ def test_fedge_run_over_the_embedded_broker_matches_inproc(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "mqtt" / "summary.json").read_text())
     assert summary["transport"]["run_id"] == "t1" and not summary["rejected_messages"]
+    assert summary["broker"] == {"kind": "embedded", "refused": {}, "takeovers": {}}  # its own broker's counters
     assert sorted(summary["final_accuracy"]["per_client"]) == IDS
     assert {p.name for p in (tmp_path / "mqtt").glob("clients-*.log")} == {"clients-0.log", "clients-1.log"}
     inproc = run_inproc(tiny(tmp_path, "inproc"))
