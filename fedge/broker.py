@@ -181,11 +181,27 @@ def will_refusal(connect: ConnectPacket, server_user: str) -> tuple[str, str] | 
     return None
 
 
-class _NonRetainingBroker(Broker):
-    """amqtt's broker, keeping no retained message: fedge never uses one, and amqtt would deliver a stored one to
-    a later subscriber without asking the ACL (even one whose SUBSCRIBE it refused)."""
+class _Snapshots(dict):
+    """A dict whose iteration runs over a copy: amqtt walks its subscription table across awaits while other
+    connections subscribe ("dictionary changed size during iteration", and that broadcast is lost)."""
+
+    def __iter__(self) -> Any:
+        return iter(list(super().keys()))
+
+    def items(self) -> Any:
+        return [(key, list(value)) for key, value in super().items()]
+
+
+class _FedgeAmqttBroker(Broker):
+    """amqtt's broker with two changes: it keeps no retained message (fedge never uses one, and amqtt would
+    deliver a stored one to a later subscriber without asking the ACL, even one whose SUBSCRIBE it refused), and
+    its subscription table is iterated over snapshots (see _Snapshots)."""
 
     refused: Counter[str]  # EmbeddedBroker's counter of refusals, shared
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._subscriptions = _Snapshots()
 
     async def retain_message(self, source_session: Session | None, topic_name: str | None,
                              data: bytes | bytearray | None, qos: int | None = None) -> None:
@@ -358,7 +374,7 @@ class EmbeddedBroker:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         server = None
         try:
-            self._broker = _NonRetainingBroker(self._amqtt_config(), loop=self._loop)
+            self._broker = _FedgeAmqttBroker(self._amqtt_config(), loop=self._loop)
             self._broker.refused = self.refused
             await self._broker.start()
             server = await asyncio.start_server(self._accept, self.host, self.port, backlog=C.LISTEN_BACKLOG)

@@ -1,5 +1,6 @@
 """Both brokers (embedded amqtt and real Mosquitto) enforce fedge's logins and per-client topic ACL, on 127.0.0.1."""
 
+import gc
 import logging
 import os
 import pwd
@@ -284,6 +285,37 @@ def test_many_clients_connect_at_once_and_all_get_their_task(tmp_path, kind):
         finally:
             for client in [*fleet.values(), server]:
                 close(client)
+
+
+def test_clients_subscribing_while_the_server_broadcasts_lose_no_broadcast(caplog):
+    """amqtt walked its subscription table across awaits while others subscribed: each collision raised
+    "dictionary changed size during iteration" in a broadcast task and that message went to nobody after it."""
+    names = [f"c{i:02d}" for i in range(60)]
+    with EmbeddedBroker(users=generate_users(names)) as broker:
+        server, stop = connect_as(broker, "server"), threading.Event()
+
+        def pump() -> None:
+            while not stop.is_set():
+                server.publish("fedge/r/server", b"status", qos=0)
+                time.sleep(0.001)
+        pumping = threading.Thread(target=pump, daemon=True)
+        pumping.start()
+        fleet = [connect_as(broker, n) for n in names]
+        try:
+            for name, client in zip(names, fleet):
+                assert subscribe(client, f"fedge/r/task/{name}") == [1]
+                assert subscribe(client, "fedge/r/server") == [1]
+            stop.set()
+            pumping.join()
+            publish(server, "fedge/r/server", b"last")
+            for client in fleet:
+                while next_message(client).payload != b"last":
+                    pass
+        finally:
+            for client in (*fleet, server):
+                close(client)
+    gc.collect()  # asyncio reports a task's unretrieved exception when the task is collected
+    assert "changed size during iteration" not in caplog.text
 
 
 def test_the_embedded_broker_never_logs_a_password(caplog):
