@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fedge.config import RunConfig  # noqa: E402
-from fedge.simulation import run_simulation  # noqa: E402
+from launch.simulation import run_simulation  # noqa: E402
 
 STRATEGIES = ("local", "pfedhr", "pfedclub", "pfedclub+")
 

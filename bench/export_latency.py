@@ -57,7 +57,7 @@ def latency(fn, warmup: int, runs: int) -> tuple[float, float]:
 
 def run_federation(out: Path, dataset: str, data: str | None) -> None:
     """A small pFedClub federation in this machine's one process (transport inproc) into `out`."""
-    cmd = [sys.executable, "-m", "fedge.cli", "run", "--transport", "inproc", "--no-progress", "--out", str(out),
+    cmd = [sys.executable, "-m", "launch.cli", "run", "--transport", "inproc", "--no-progress", "--out", str(out),
            "--dataset", dataset]
     cmd += ["--data", data] if data else []
     for key, value in FEDERATION.items():

@@ -25,9 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.compare import hardware  # noqa: E402
 from bench.transfer import MOSQUITTO  # noqa: E402
-from fedge.broker import generate_users, write_mosquitto_config  # noqa: E402
+from fedge.access import generate_users  # noqa: E402
+from fedge.mosquitto import write_mosquitto_config  # noqa: E402
 from fedge.config import RunConfig  # noqa: E402
-from fedge.deploy import write_secrets  # noqa: E402
+from launch.federation import write_secrets  # noqa: E402
 
 TIMEOUT_S = 900
 
@@ -50,7 +51,7 @@ def peak_rss_mb(pid: int) -> float | None:
 
 
 def fedge_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "fedge.cli", *args]
+    return [sys.executable, "-m", "launch.cli", *args]
 
 
 def one_fleet(n: int, rounds: int, processes: int, work: Path) -> dict[str, float]:

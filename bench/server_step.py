@@ -24,7 +24,9 @@ from fedge.config import RunConfig  # noqa: E402
 from fedge.data import load_dataset  # noqa: E402
 from fedge.messages import Result  # noqa: E402
 from fedge.partition import make_partition  # noqa: E402
-from fedge.simulation import make_agent, partition_config, strategy_config  # noqa: E402
+from launch.client import make_agent  # noqa: E402
+from launch.runs import partition_config  # noqa: E402
+from launch.server import strategy_config  # noqa: E402
 from fedge.zoo import assign_models  # noqa: E402
 from server.reassembly import STAGES  # noqa: E402
 from server.strategy import PublicData, create_strategy  # noqa: E402

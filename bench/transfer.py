@@ -30,7 +30,9 @@ import paho.mqtt.client as paho  # noqa: E402
 import torch  # noqa: E402
 
 from bench.compare import hardware  # noqa: E402
-from fedge.broker import EmbeddedBroker, generate_users, write_mosquitto_config  # noqa: E402
+from fedge.access import generate_users  # noqa: E402
+from fedge.embedded_broker import EmbeddedBroker  # noqa: E402
+from fedge.mosquitto import write_mosquitto_config  # noqa: E402
 from fedge.constants import CHUNK_SIZE  # noqa: E402
 from fedge.layers import LayerSpec  # noqa: E402
 from fedge.messages import Result, Weights  # noqa: E402

@@ -3,7 +3,7 @@ through the teacher's XNNPACK inference program; the same .pte files an Android 
 
 The training program is loaded once (per batch size) and kept: each round the client's current weights are
 copied into its parameters, it steps with ExecuTorch's SGD, and the weights are copied back into the client's
-model, which uploads them as any other. edge_client may not import export/, so the launcher (fedge.simulation)
+model, which uploads them as any other. edge_client may not import export/, so the launcher (launch.client)
 hands in how to get a loaded program (export.executorch.TrainingSession of a gated program) and how to run a
 teacher (export.executorch.teacher_logits_pte).
 """

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from fedge import constants as C
+from fedge.errors import UserError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -20,7 +21,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration key or value is invalid; the message names it and what is allowed."""
 
 

@@ -115,7 +115,7 @@ UPLOAD_NORM_FACTOR = 10.0
 # the default fleet's balanced rounds of 4 as they are; with two replies it makes unequal counts count equally.
 MAX_CLIENT_SHARE = 0.5
 
-# Brokers (fedge/broker.py: the embedded amqtt broker and the Mosquitto configuration).
+# Brokers (fedge/embedded_broker.py and fedge/mosquitto.py).
 MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + 64 * 1024  # largest MQTT packet a broker accepts: one chunk plus headers
 MAX_QUEUED_MESSAGES = 4096  # Mosquitto: per-client queue beyond the in-flight window; holds a whole model's chunks
 MAX_QUEUED_BYTES = 2 * MAX_PAYLOAD_BYTES  # ... and its byte cap (Mosquitto drops what is over, silently)

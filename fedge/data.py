@@ -17,6 +17,7 @@ import torch
 
 from fedge.constants import CIFAR10_BINARY_MD5, CIFAR10_BINARY_URL, DATA_CACHE_DIR
 from fedge.registry import Registry
+from fedge.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ _NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
 _ZIP_MAGIC = b"PK"  # every .npz is a zip archive, and every zip archive starts with these bytes
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError, ValueError):
     """A dataset name, path or file that cannot be used; the message says what to do."""
 
 

@@ -11,11 +11,12 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedge.registry import Registry
+from fedge.errors import UserError
 
 Shape = tuple[int, ...]
 
 
-class SpecError(ValueError):
+class SpecError(UserError, ValueError):
     """A ModelSpec (or one of its layers) is malformed; the message names the block and the mismatch."""
 
 

@@ -19,11 +19,12 @@ from fedge.constants import (
     PUBLIC_FRACTION,
     TEST_FRACTION_OF_CLIENT,
 )
+from fedge.errors import UserError
 
 logger = logging.getLogger(__name__)
 
 
-class PartitionError(ValueError):
+class PartitionError(UserError, ValueError):
     """A partition that cannot be made; the message names the field and what is allowed."""
 
 

@@ -1,7 +1,7 @@
 """MQTT topic names, in one place: everything of a run lives under fedge/<run>/.
 
 Clients write register/<id>, result/<id> and status/<id>, and read task/<id> and the server's status
-topic; the broker's ACLs (fedge/broker.py) and the server's identity check enforce that the <id>
+topic; the broker's ACLs (fedge/access.py) and the server's identity check enforce that the <id>
 level is the sender's own.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 from fedge.constants import TOPIC_ROOT
+from fedge.errors import UserError
 
 ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 UPLINK = ("register", "result", "status")  # client → server, one topic per client
@@ -18,7 +19,7 @@ SERVER = "server"  # the server's own status broadcast
 SERVER_ID = "server"  # the sender every server envelope names (its messages' identity, not an MQTT username)
 
 
-class TopicError(ValueError):
+class TopicError(UserError, ValueError):
     """A topic or identifier that fedge does not use; says which part is wrong."""
 
 

@@ -14,11 +14,12 @@ from safetensors.torch import save as st_save
 
 from fedge.constants import SPEC_METADATA_KEY
 from fedge.spec import Device, ModelSpec, SpecError, SpecModel, build, tensor_shapes
+from fedge.errors import UserError
 
 State = dict[str, torch.Tensor]
 
 
-class WeightsError(ValueError):
+class WeightsError(UserError, ValueError):
     """A weights blob or file is malformed or does not match its spec; the message says what."""
 
 

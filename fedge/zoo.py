@@ -21,11 +21,12 @@ import numpy as np
 from fedge.layers import LayerSpec as L
 from fedge.registry import Registry
 from fedge.spec import ModelSpec, make_spec
+from fedge.errors import UserError
 
 Factory = Callable[[int, int, int], ModelSpec]
 
 
-class ZooError(ValueError):
+class ZooError(UserError, ValueError):
     """Unknown model or zoo name, or an input the model cannot take; the message lists valid names."""
 
 

@@ -42,13 +42,14 @@ from fedge.wire import (
     encode_status,
     encode_task,
 )
+from fedge.errors import UserError
 
 log = logging.getLogger(__name__)
 DEAD_AFTER_HEARTBEATS = 3  # silence for this many heartbeat periods counts as dead
 MAX_REPLACED_SESSIONS = 16  # replaced sessions remembered per client, to recognise one that comes back
 
 
-class FleetError(RuntimeError):
+class FleetError(UserError, RuntimeError):
     """The fleet did not assemble (too few registrations in time); says how many came and what to check."""
 
 

@@ -11,9 +11,10 @@ from fedge import constants as C
 from fedge.checkpoint import Tree
 from fedge.messages import ClientInfo, Result, Task, Weights
 from fedge.registry import Registry
+from fedge.errors import UserError
 
 
-class StrategyError(ValueError):
+class StrategyError(UserError, ValueError):
     """A strategy cannot run on this fleet or configuration; the message says what to change."""
 
 

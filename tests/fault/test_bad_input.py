@@ -32,7 +32,7 @@ from helpers.raw import (  # noqa: F401, F811 (broker, fleet and connect are pyt
     wait_for,
 )
 
-from fedge.broker import EmbeddedBroker
+from fedge.embedded_broker import EmbeddedBroker
 from fedge.constants import MAX_MESSAGE_BYTES
 from fedge.constants import MAX_CHUNK_BYTES, MAX_HEADER_BYTES, REPLY_SLACK_BYTES, SUPPORTED_SCHEMA_VERSIONS
 from fedge.wire import Envelope, decode_result, frames

@@ -33,7 +33,7 @@ from helpers.raw import (  # noqa: F401, F811 (broker, fleet and connect are pyt
 from fedge.checkpoint import load_tree, nonfinite
 from fedge.constants import MAX_CLOCK_SKEW_S, PENDING_SENDER_BYTES, PENDING_TOTAL_BYTES
 from fedge.messages import ClientInfo, Result, Weights
-from fedge.simulation import load_partitioned
+from launch.runs import load_partitioned
 from fedge.wire import Envelope, decode_result, encode_info, encode_result
 from fedge.zoo import create
 

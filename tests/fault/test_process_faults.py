@@ -1,7 +1,7 @@
 """Real processes, a real Mosquitto, real failures (reliability-notes §10, tests 1, 2, 3, 6, 7, 12, 28).
 
 Each test runs a tiny federation on 127.0.0.1 (3–4 cnn1 clients on 64 mnist-5k samples, 1 local epoch):
-the server in a thread (deploy.serve with an instrumented Fleet), the clients as `fedge client` processes,
+the server in a thread (launch.server.serve with an instrumented Fleet), the clients as `fedge client` processes,
 and breaks something: the broker (SIGTERM / SIGKILL, restarted on the same port), a client's link (a TCP
 proxy that cuts it mid-upload or stalls it), or client processes (SIGKILL, Ctrl-C).
 """
@@ -23,11 +23,12 @@ from helpers.proxy import TcpProxy
 
 from edge_client.runtime import MAX_SENDS
 from fedge import topics, wire
-from fedge.broker import generate_users
+from fedge.access import generate_users
 from fedge.checkpoint import load_tree
-from fedge.cli import USER_ERRORS
+from launch.cli import USER_ERRORS
 from fedge.constants import MAX_PAYLOAD_BYTES, RECONNECT_GRACE_S
-from fedge.deploy import client_agents, registration_check
+from launch.client import client_agents
+from server.registration import registration_check
 from fedge.layers import LayerSpec
 from fedge.messages import Result, Weights
 from fedge.mqtt import Broker, Endpoint, Inbox
@@ -292,7 +293,7 @@ def test_liveness_via_will_status_and_heartbeats(tmp_path):
     dead: dict[str, float] = {}  # client → seconds until Fleet.alive() turned False
     offline: dict[str, float] = {}  # client → seconds until it was in Fleet.offline (will or status message)
     with Federation(tmp_path, cfg) as fed, TcpProxy(fed.broker.port) as proxy:
-        fleet = Fleet(fed.credentials("server"), cfg.run_id, registration_check(cfg), cfg.round_deadline_s,
+        fleet = Fleet(fed.credentials("server"), cfg.run_id, registration_check(), cfg.round_deadline_s,
                       cfg.heartbeat_s, cfg.chunk_size, cfg.keepalive_s)
         fleet.start(10)
         try:

@@ -24,7 +24,9 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from fedge.broker import DEFAULT_SERVER_USER, EmbeddedBroker, TlsFiles, generate_users, write_mosquitto_config
+from fedge.access import DEFAULT_SERVER_USER, generate_users
+from fedge.embedded_broker import EmbeddedBroker
+from fedge.mosquitto import TlsFiles, write_mosquitto_config
 
 MOSQUITTO = os.environ.get("FEDGE_MOSQUITTO", "/usr/sbin/mosquitto")
 CLIENT_IDS = ("a", "b")
@@ -65,7 +67,7 @@ def require_mosquitto() -> None:
 
 
 class MosquittoProcess:
-    """A Mosquitto subprocess configured by fedge.broker.write_mosquitto_config in ``directory``.
+    """A Mosquitto subprocess configured by fedge.mosquitto.write_mosquitto_config in ``directory``.
 
     Its log goes to ``directory/mosquitto.log`` and is printed by stop() only when ``print_log`` is set (a
     fixture's output is shown by pytest only for a failed test).

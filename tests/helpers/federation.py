@@ -1,7 +1,7 @@
 """A tiny real federation for fault tests: Mosquitto, the server (thread or `fedge server` process) and
 `fedge client` processes on 127.0.0.1, with teardown that kills whatever is left.
 
-The server in a thread runs `fedge.deploy.serve` with an instrumented Fleet (`RecordingFleet`) so a test can
+The server in a thread runs `launch.server.serve` with an instrumented Fleet (`RecordingFleet`) so a test can
 read the fleet's liveness state and the time every exchange took; `Federation.abort()` makes a stuck server
 give up at once. Client and server logs are printed at teardown, which pytest shows only for a failed test.
 """
@@ -24,12 +24,13 @@ import torch
 
 from helpers.brokers import MosquittoProcess
 
-from fedge import deploy
-from fedge.broker import EmbeddedBroker, generate_users
+from fedge.access import generate_users
+from fedge.embedded_broker import EmbeddedBroker
 from fedge.config import RunConfig
 from fedge.messages import Result, Task
 from fedge.mqtt import Broker
-from fedge.simulation import run_simulation
+from launch import federation, server
+from launch.simulation import run_simulation
 from fedge.weights import atomic_write
 from server.fleet import Fleet, FleetError
 
@@ -170,7 +171,7 @@ class RecordingFleet(Fleet):
 
 
 class ServerThread:
-    """`fedge.deploy.serve(cfg, broker)` in a background thread: `.summary` or `.error` once it ended,
+    """`launch.server.serve(cfg, broker)` in a background thread: `.summary` or `.error` once it ended,
     `.fleet` (a RecordingFleet) once it connected, `.strategy` once the rounds started."""
 
     def __init__(self, cfg: RunConfig, broker: Broker, monkeypatch: Any) -> None:
@@ -179,7 +180,7 @@ class ServerThread:
         self.error: BaseException | None = None
         self.fleet: RecordingFleet | None = None
         self.strategy: Any = None
-        make_strategy = deploy.make_strategy
+        make_strategy = server.make_strategy
 
         def fleet(*args: Any, **kwargs: Any) -> RecordingFleet:
             self.fleet = RecordingFleet(*args, **kwargs)
@@ -189,8 +190,8 @@ class ServerThread:
             self.strategy = make_strategy(*args, **kwargs)
             return self.strategy
 
-        monkeypatch.setattr(deploy, "Fleet", fleet)
-        monkeypatch.setattr(deploy, "make_strategy", strategy)
+        monkeypatch.setattr(server, "Fleet", fleet)
+        monkeypatch.setattr(server, "make_strategy", strategy)
         self.thread = threading.Thread(target=self._run, name="fedge-server", daemon=True)
 
     def start(self) -> ServerThread:
@@ -203,7 +204,7 @@ class ServerThread:
 
     def _run(self) -> None:
         try:
-            self.summary = deploy.serve(self.cfg, self.broker, progress=False)
+            self.summary = server.serve(self.cfg, self.broker, progress=False)
         except BaseException as e:  # handed to the test, which asserts on it
             self.error = e
 
@@ -294,7 +295,7 @@ class Federation:
             MosquittoProcess(self.tmp / "mosquitto", self.users, persistence=self.persistence, print_log=True)
         self.tmp.mkdir(parents=True, exist_ok=True)
         self.secrets, self.config = self.tmp / "passwords", self.tmp / "config.json"
-        deploy.write_secrets(self.secrets, self.users)
+        federation.write_secrets(self.secrets, self.users)
         atomic_write(self.config, self.cfg.to_json().encode())
 
     def __enter__(self) -> Federation:
@@ -323,7 +324,7 @@ class Federation:
 
     def start_server_process(self, *extra: str) -> Process:
         """`fedge -v server` as a subprocess (its summary or error goes to its log)."""
-        cmd = [sys.executable, "-m", "fedge.cli", "-v", "server", "--broker", self.broker.url, "--password-file",
+        cmd = [sys.executable, "-m", "launch.cli", "-v", "server", "--broker", self.broker.url, "--password-file",
                str(self.secrets), "--config", str(self.config), "--no-progress", *extra]
         return self._spawn("server", cmd)
 
@@ -332,8 +333,8 @@ class Federation:
         """One `fedge -v client` process serving `ids`, through a proxy on `port` if given; `settings` are
         extra `--set key=value` overrides for this process only."""
         url = f"mqtt://127.0.0.1:{port or self.broker.port}"
-        cmd = deploy.client_command(url, self.config, ids, self.secrets, self.tmp / "client-state", threads=1)
-        cmd.insert(cmd.index("fedge.cli") + 1, "-v")  # INFO logs: registration, acks, reconnects
+        cmd = federation.client_command(url, self.config, ids, self.secrets, self.tmp / "client-state", threads=1)
+        cmd.insert(cmd.index("launch.cli") + 1, "-v")  # INFO logs: registration, acks, reconnects
         for key, value in dict(settings).items():
             cmd += ["--set", f"{key}={value}"]
         return self._spawn(name or f"clients-{','.join(ids)}", cmd)

@@ -26,10 +26,10 @@ from helpers.brokers import TIMEOUT_S, MosquittoProcess, close, connect_as, requ
 from safetensors.torch import save as st_save
 
 from fedge import topics, zoo
-from fedge.broker import EmbeddedBroker, generate_users
-from fedge.config import RunConfig
+from fedge.access import generate_users
+from fedge.embedded_broker import EmbeddedBroker
 from fedge.constants import MAX_PAYLOAD_BYTES, SPEC_METADATA_KEY
-from fedge.deploy import registration_check
+from server.registration import registration_check
 from fedge.messages import ClientInfo, Result, Task, Weights
 from fedge.mqtt import Inbox, parse_broker
 from fedge.spec import ModelSpec, tensor_shapes
@@ -308,7 +308,7 @@ def broker(request, tmp_path):
 @pytest.fixture
 def fleet(broker):
     """The server's transport, connected as the server user."""
-    f = Fleet(parse_broker(broker.url, "server", broker.users["server"]), RUN, registration_check(RunConfig()),
+    f = Fleet(parse_broker(broker.url, "server", broker.users["server"]), RUN, registration_check(),
               deadline_s=DEADLINE_S, heartbeat_s=HEARTBEAT_S)
     f.start(10)
     yield f

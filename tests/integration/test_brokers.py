@@ -34,14 +34,9 @@ from helpers.brokers import (
 )
 
 from fedge import constants as C
-from fedge.broker import (
-    BrokerError,
-    EmbeddedBroker,
-    TlsFiles,
-    generate_users,
-    serve_forever,
-    write_mosquitto_config,
-)
+from fedge.access import BrokerError, generate_users
+from fedge.embedded_broker import EmbeddedBroker, serve_forever
+from fedge.mosquitto import TlsFiles, write_mosquitto_config
 from fedge.mqtt import Endpoint, MqttError, parse_broker
 
 pytestmark = pytest.mark.timeout(60)
@@ -333,7 +328,7 @@ def test_the_embedded_broker_never_logs_a_password(caplog):
 
 
 def test_the_embedded_broker_refuses_mqtt_5_clearly(embedded_broker, caplog):
-    caplog.set_level(logging.INFO, logger="fedge.broker")
+    caplog.set_level(logging.INFO, logger="fedge.embedded_broker")
 
     code = connack_code(embedded_broker.url, "a", embedded_broker.users["a"])  # MQTT 5
 
@@ -370,7 +365,7 @@ def test_serve_forever_runs_until_sigterm(tmp_path):
     users_file.write_text("".join(f"{u}:{p}\n" for u, p in users.items()))
     users_file.chmod(0o600)
     port = free_port()
-    code = "import sys, pathlib, fedge.broker as b; b.serve_forever(int(sys.argv[1]), pathlib.Path(sys.argv[2]))"
+    code = "import sys, pathlib, fedge.embedded_broker as b; b.serve_forever(int(sys.argv[1]), pathlib.Path(sys.argv[2]))"
     process = subprocess.Popen([sys.executable, "-c", code, str(port), str(users_file)], stderr=subprocess.PIPE)
     try:
         wait_for_port("127.0.0.1", port, alive=lambda: process.poll() is None)
@@ -447,7 +442,7 @@ def test_the_written_deployment_starts_as_printed_when_written_as_root(run_as):
     base.chmod(0o755)
     port = free_port()
     try:
-        out = subprocess.run([sys.executable, "-m", "fedge.cli", "broker", "--write-mosquitto-config",
+        out = subprocess.run([sys.executable, "-m", "launch.cli", "broker", "--write-mosquitto-config",
                               str(base / "broker"), "--clients", "0,1", "--port", str(port),
                               *(["--run-as", run_as] if run_as else [])],
                              capture_output=True, text=True, check=True).stdout

@@ -10,9 +10,10 @@ import threading
 
 import pytest
 
-from fedge.broker import generate_users
+from fedge.access import generate_users
 from fedge.config import RunConfig
-from fedge.deploy import serve, write_secrets
+from launch.federation import write_secrets
+from launch.server import serve
 from fedge.mqtt import Broker
 from helpers.brokers import MOSQUITTO, free_port, require_mosquitto, wait_for_port
 from helpers.federation import run_inproc
@@ -29,12 +30,12 @@ def tiny(tmp_path, name: str, **kw) -> RunConfig:
 
 
 def fedge(*args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fedge.cli", *args], capture_output=True, text=True, timeout=240,
+    return subprocess.run([sys.executable, "-m", "launch.cli", *args], capture_output=True, text=True, timeout=240,
                           **kw)
 
 
 def client_process(url: str, config: str, ids: str, secrets, state) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "fedge.cli", "client", "--broker", url, "--config", config,
+    return subprocess.Popen([sys.executable, "-m", "launch.cli", "client", "--broker", url, "--config", config,
                              "--id", ids, "--password-file", str(secrets), "--state-dir", str(state), "--threads", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

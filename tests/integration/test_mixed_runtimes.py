@@ -32,7 +32,7 @@ def test_a_mixed_torch_and_executorch_fleet_completes_pfedclub_over_mqtt(tmp_pat
     path = tmp_path / "mqtt.json"
     path.write_text(cfg.to_json())
     # execute
-    done = subprocess.run([sys.executable, "-m", "fedge.cli", "run", "--config", str(path), "--processes", "2",
+    done = subprocess.run([sys.executable, "-m", "launch.cli", "run", "--config", str(path), "--processes", "2",
                            "--no-progress"], capture_output=True, text=True, timeout=540)
     # assert: every client trained in every round on its profile's runtime, and distilled in round 1
     assert done.returncode == 0, done.stderr[-3000:]
@@ -52,7 +52,7 @@ def test_an_executorch_profile_with_a_batchnorm_model_fails_before_anything_star
     cfg = mixed(tmp_path, "bad", zoo="cnn4")
     path = tmp_path / "bad.json"
     path.write_text(cfg.to_json())
-    done = subprocess.run([sys.executable, "-m", "fedge.cli", "run", "--config", str(path), "--no-progress"],
+    done = subprocess.run([sys.executable, "-m", "launch.cli", "run", "--config", str(path), "--no-progress"],
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 2
     assert "client 1: model cnn4 cannot train on device profile android-mid-range (runtime executorch)" in done.stderr

@@ -3,7 +3,7 @@
 import pytest
 from helpers import brokers
 
-from fedge.broker import generate_users
+from fedge.access import generate_users
 
 
 def test_starting_mosquitto_without_the_binary_skips_or_fails_as_asked(tmp_path, monkeypatch):

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from fedge.config import RunConfig
-from fedge.simulation import run_simulation
+from launch.simulation import run_simulation
 
 pytestmark = pytest.mark.timeout(600)
 

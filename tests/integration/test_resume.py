@@ -8,7 +8,7 @@ import pytest
 from edge_client.agent import ClientAgent
 from fedge.checkpoint import CheckpointError, load_tree, tree_digest
 from fedge.config import RunConfig
-from fedge.simulation import run_simulation
+from launch.simulation import run_simulation
 from server.runlog import CHECKPOINT_FILE
 
 pytestmark = pytest.mark.timeout(600)

@@ -12,7 +12,9 @@ from fedge.config import RunConfig
 from fedge.data import load_dataset
 from fedge.messages import Result, Task, Weights
 from fedge.partition import make_partition
-from fedge.simulation import make_agent, partition_config, run_simulation
+from launch.client import make_agent
+from launch.runs import partition_config
+from launch.simulation import run_simulation
 from fedge.transport import InProcTransport
 from fedge.zoo import assign_models
 from server.coordinator import Coordinator, LoopConfig, RoundFailed

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from fedge.cli import main
+from launch.cli import main
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -93,6 +93,6 @@ def test_bad_input_shape_is_an_argparse_error(capsys):
 
 
 def test_console_script_help():
-    result = subprocess.run([sys.executable, "-m", "fedge.cli", "run", "--help"], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "launch.cli", "run", "--help"], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0 and "--local-epochs" in result.stdout and "--set KEY=VALUE" in result.stdout

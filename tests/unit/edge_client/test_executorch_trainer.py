@@ -12,10 +12,11 @@ from edge_client.training import Distillation, TrainConfig, predict
 from export.executorch import TrainingSession, gated_training_program, kd_loss, teacher_logits_pte
 from fedge.config import ConfigError, RunConfig
 from fedge.data import load_dataset
-from fedge.deploy import registration_check
+from launch.server import RUNTIME_CHECKS
+from server.registration import registration_check
 from fedge.messages import Task, Weights
 from fedge.partition import ClientShard
-from fedge.simulation import make_agent
+from launch.client import make_agent
 from fedge.spec import build
 from fedge.zoo import create
 
@@ -31,7 +32,7 @@ def digits() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def et_trainer(spec, batch: int) -> ExecuTorchTrainer:
-    """As fedge.simulation.make_agent wires it for an executorch profile."""
+    """As launch.client.make_agent wires it for an executorch profile."""
     return ExecuTorchTrainer(spec, batch, lambda b: TrainingSession(gated_training_program(spec, b)), teacher_logits_pte)
 
 
@@ -128,7 +129,7 @@ def test_an_executorch_profile_gets_the_executorch_runtime_and_torch_profiles_ke
 
 
 def test_the_server_refuses_registering_a_batchnorm_model_on_an_executorch_profile():
-    check = registration_check(RunConfig(dataset="digits"))
+    check = registration_check(runtime_checks=RUNTIME_CHECKS)
     ok = make_agent(RunConfig(dataset="digits"), DIGITS, shard(), "cnn4", "rpi-4").info()
     bad = type(ok)(ok.client_id, ok.spec, "android-flagship", ok.num_train, ok.num_test)
     assert check(ok) is None

@@ -3,7 +3,7 @@
 import pytest
 
 from fedge.config import RunConfig
-from fedge.simulation import run_simulation
+from launch.simulation import run_simulation
 
 
 @pytest.fixture(scope="module")

@@ -225,7 +225,7 @@ def test_inference_export_handles_inputs_with_a_size_one_channel_of_stride_one(t
 # --- fedge export --format pte / pte-train --------------------------------------------------------
 
 def cli(capsys, *argv):
-    from fedge.cli import main
+    from launch.cli import main
     code = main([str(a) for a in argv])
     out, err = capsys.readouterr()
     return code, out, err

@@ -10,7 +10,7 @@ from torch import nn
 
 from export import PARITY_ATOL
 from export.onnx import ExportError, export_module, export_onnx, onnx_metadata, predict_onnx
-from fedge.cli import main
+from launch.cli import main
 from fedge.config import ConfigError, RunConfig, config_from
 from fedge.data import load_dataset
 from fedge.layers import LayerSpec as L

@@ -1,4 +1,4 @@
-"""fedge.broker without a network: users files, generated users, the ACL rules, Mosquitto files and hashes."""
+"""fedge.access and fedge.mosquitto without a network: users files, generated users, the ACL rules, Mosquitto files and hashes."""
 
 import base64
 import hashlib
@@ -8,17 +8,8 @@ import pwd
 import pytest
 
 from fedge.constants import MAX_MESSAGE_BYTES, MAX_QUEUED_BYTES, MAX_QUEUED_MESSAGES
-from fedge.broker import (
-    BrokerError,
-    TlsFiles,
-    check_users,
-    generate_users,
-    mosquitto_acl,
-    mosquitto_password_hash,
-    permitted,
-    read_users,
-    write_mosquitto_config,
-)
+from fedge.access import BrokerError, check_users, generate_users, permitted, read_users
+from fedge.mosquitto import TlsFiles, mosquitto_acl, mosquitto_password_hash, write_mosquitto_config
 
 pytestmark = pytest.mark.timeout(30)
 ME = pwd.getpwuid(os.getuid()).pw_name  # the files' owner: as root, Mosquitto would otherwise run as `mosquitto`

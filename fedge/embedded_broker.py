@@ -1,35 +1,24 @@
-"""MQTT brokers for fedge: an embedded amqtt broker with per-client topic ACLs, and Mosquitto config files.
+"""The embedded MQTT broker (amqtt, in this process) enforcing fedge.access's rules, for `fedge run` and
+`fedge broker`.
 
-Who may do what (the same rules for both brokers; a client's MQTT username is its client id):
-
-- a client publishes only to ``fedge/<run>/{register,result,status}/<itself>``, and its will may name only its
-  own ``status`` topic (a CONNECT with any other will topic is refused);
-- a client subscribes to (and receives) only ``fedge/<run>/task/<itself>`` and ``fedge/<run>/server``;
-- the server user reads and writes everything under ``fedge/#``;
-- nothing is retained: Mosquitto runs with ``retain_available false``; the embedded broker refuses a retained
-  will and keeps no retained message (a retained publish is delivered as an ordinary one, its flag dropped);
-- one connection per client id: a second CONNECT with the same id ends the first connection (its will is
-  published, as Mosquitto does), counted in ``EmbeddedBroker.takeovers``.
+Beyond amqtt: a CONNECT whose will is retained or names a topic its user may not publish to is refused; no
+message is retained (a retained publish is delivered as an ordinary one, its flag dropped); one connection per
+client id: a second CONNECT with the same id ends the first connection (its will is published, as Mosquitto
+does), counted in ``EmbeddedBroker.takeovers``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import hashlib
 import hmac
 import ipaddress
 import logging
-import os
-import pwd
-import secrets
 import signal
-import stat
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from amqtt.adapters import BufferReader, ReaderAdapter, StreamReaderAdapter, StreamWriterAdapter
 from amqtt.broker import Broker
@@ -43,112 +32,9 @@ from amqtt.plugins.base import BaseAuthPlugin, BaseTopicPlugin
 from amqtt.session import Session
 
 from fedge import constants as C
-from fedge.topics import ID_PATTERN
+from fedge.access import DEFAULT_SERVER_USER, BrokerError, check_users, permitted, read_users
 
 log = logging.getLogger(__name__)
-
-DEFAULT_SERVER_USER = "server"
-MOSQUITTO_DEFAULT_USER = "mosquitto"  # whom Mosquitto started as root switches to when its config names no user
-
-# The ACL, once, as patterns; "%u" stands for the connecting username and fills a whole topic level.
-ROOT = C.TOPIC_ROOT
-CLIENT_READ = (f"{ROOT}/+/task/%u", f"{ROOT}/+/server")
-CLIENT_WRITE = (f"{ROOT}/+/register/%u", f"{ROOT}/+/result/%u", f"{ROOT}/+/status/%u")
-SERVER_READWRITE = f"{ROOT}/#"
-
-
-class BrokerError(ValueError):
-    """A broker could not be configured or started; the message says what to do."""
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Users and access rules
-
-
-def check_username(name: str) -> str:
-    """Return ``name`` if it is a valid username (and client id); raise BrokerError if it is not."""
-    if not isinstance(name, str) or not ID_PATTERN.fullmatch(name):
-        raise BrokerError(f"invalid username {name!r}: use 1 to 64 characters from A-Z a-z 0-9 _ -")
-    return name
-
-
-def check_users(users: dict[str, str], server_user: str) -> dict[str, str]:
-    """Return a copy of ``users`` after checking every name and password; BrokerError names the first bad entry."""
-    for name, password in users.items():
-        check_username(name)
-        if not isinstance(password, str) or not password or any(c in password for c in "\r\n\0"):
-            raise BrokerError(f"user {name!r} has an empty password or one with a line break or NUL in it")
-    if server_user not in users:
-        raise BrokerError(f"the users must include the server user {server_user!r}")
-    return dict(users)
-
-
-def read_users(path: Path) -> dict[str, str]:
-    """Read ``username:password`` lines (blank lines and ``#`` comments are skipped).
-
-    Raises BrokerError naming the file and line for a missing file, a line without ``:``, a bad username,
-    an empty password or a duplicate user.
-    """
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise BrokerError(f"cannot read users file {path}: {exc}; give a file of username:password lines") from exc
-    if path.stat().st_mode & 0o077:
-        log.warning("users file %s is readable by other users; run: chmod 600 %s", path, path)
-    users: dict[str, str] = {}
-    for number, raw in enumerate(text.splitlines(), start=1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        name, sep, password = line.partition(":")
-        where = f"{path}, line {number}"
-        if not sep:
-            raise BrokerError(f"{where}: expected username:password")
-        if not ID_PATTERN.fullmatch(name):
-            raise BrokerError(f"{where}: invalid username {name!r}: use 1 to 64 characters from A-Z a-z 0-9 _ -")
-        if not password:
-            raise BrokerError(f"{where}: user {name!r} has an empty password")
-        if name in users:
-            raise BrokerError(f"{where}: user {name!r} appears twice")
-        users[name] = password
-    if not users:
-        raise BrokerError(f"users file {path} lists no users; add username:password lines")
-    return users
-
-
-def generate_users(client_ids: Iterable[str], server_user: str = DEFAULT_SERVER_USER) -> dict[str, str]:
-    """Random passwords for the server user and each client id; BrokerError on a bad or repeated name."""
-    names = [check_username(server_user), *(check_username(c) for c in client_ids)]
-    if len(set(names)) != len(names):
-        raise BrokerError(f"client ids must be distinct and differ from the server user {server_user!r}")
-    return {name: secrets.token_urlsafe(C.PASSWORD_BYTES) for name in names}
-
-
-def _covers(pattern: str, topic: str) -> bool:
-    """Whether the ACL ``pattern`` grants ``topic`` (a topic name, or a filter whose wildcards the pattern also has)."""
-    want, have = pattern.split("/"), topic.split("/")
-    for i, level in enumerate(want):
-        if level == "#":
-            return True
-        if i >= len(have) or have[i] == "#" or level not in ("+", have[i]):
-            return False
-    return len(want) == len(have)
-
-
-def permitted(username: str | None, topic: str, action: str, server_user: str = DEFAULT_SERVER_USER) -> bool:
-    """Whether ``username`` may ``action`` ("publish", "subscribe" or "receive") on ``topic``; no username: never."""
-    if not username or not ID_PATTERN.fullmatch(username):
-        return False
-    if username == server_user:
-        patterns: tuple[str, ...] = (SERVER_READWRITE,)
-    else:
-        patterns = tuple(p.replace("%u", username) for p in (CLIENT_WRITE if action == "publish" else CLIENT_READ))
-    return any(_covers(p, topic) for p in patterns)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The embedded broker
 
 
 class _Credentials:
@@ -490,139 +376,3 @@ def serve_forever(port: int, users_file: Path | None, host: str = "127.0.0.1",
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     log.info("MQTT broker stopped")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Mosquitto
-
-
-@dataclass(frozen=True)
-class TlsFiles:
-    """PEM files for a Mosquitto TLS listener; ``require_certificate`` also demands client certificates."""
-
-    certfile: Path
-    keyfile: Path
-    cafile: Path | None = None
-    require_certificate: bool = False
-
-    def __post_init__(self) -> None:
-        if self.require_certificate and self.cafile is None:
-            raise BrokerError("require_certificate needs a cafile to check client certificates against")
-
-
-def mosquitto_password_hash(password: str, salt: bytes | None = None, iterations: int = C.PBKDF2_ITERATIONS) -> str:
-    """Mosquitto 2.0's ``$7$`` password hash: ``$7$<iterations>$<base64 salt>$<base64 PBKDF2-SHA512>``."""
-    salt = secrets.token_bytes(C.PBKDF2_SALT_BYTES) if salt is None else salt
-    digest = hashlib.pbkdf2_hmac("sha512", password.encode(), salt, iterations)
-    return f"$7${iterations}${base64.b64encode(salt).decode()}${base64.b64encode(digest).decode()}"
-
-
-def _write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` with mode 0600 from the first byte (atomically, via a temp file and rename)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
-
-
-def mosquitto_acl(users: Iterable[str], server_user: str = DEFAULT_SERVER_USER) -> str:
-    """The Mosquitto ``acl_file`` text for this module's rules and these users.
-
-    Per-client topics are ``pattern`` lines (they apply to every user). The server-status topic is granted in
-    each client's ``user`` block: a ``topic`` line before any ``user`` line would apply only to anonymous
-    clients, and a pattern without ``%u`` draws a warning from Mosquitto.
-    """
-    lines = ["# fedge topic ACL (written by fedge.broker): clients reach only their own topics.", ""]
-    lines += [f"pattern read {p}" for p in CLIENT_READ if "%u" in p]
-    lines += [f"pattern write {p}" for p in CLIENT_WRITE]
-    lines += ["", f"user {check_username(server_user)}", f"topic readwrite {SERVER_READWRITE}"]
-    for name in sorted(set(users) - {server_user}):
-        lines += ["", f"user {check_username(name)}"]
-        lines += [f"topic read {p}" for p in CLIENT_READ if "%u" not in p]
-    return "\n".join(lines) + "\n"
-
-
-def write_mosquitto_config(
-    directory: Path,
-    users: dict[str, str],
-    port: int = 1883,
-    host: str = "127.0.0.1",
-    tls: TlsFiles | None = None,
-    server_user: str = DEFAULT_SERVER_USER,
-    persistence_dir: Path | None = None,
-    run_as: str | None = None,
-) -> Path:
-    """Write ``mosquitto.conf``, ``passwd`` (hashed) and ``acl`` into ``directory`` (all 0600); return the conf.
-
-    ``persistence_dir`` turns on persistence, saved every second. ``run_as`` sets Mosquitto's ``user``: started
-    as root, Mosquitto switches to that user before it reads ``passwd`` and ``acl``. Written as root, the three
-    files then belong to that user (mode 600: readable by it only); without ``run_as`` it is Mosquitto's own
-    default, ``mosquitto``. Raises BrokerError for a bad user table, a port out of range, a run-as user that
-    does not exist, or a directory that user cannot reach (with the fix).
-    """
-    users = check_users(users, server_user)
-    if not 0 < port < 65536:
-        raise BrokerError(f"port {port} is out of range 1..65535")
-    directory = Path(directory).resolve()
-    directory.mkdir(parents=True, exist_ok=True)
-    owner = _run_as_owner(run_as, directory) if os.geteuid() == 0 else None
-    run_as = run_as if owner is None else owner.pw_name
-    passwd, acl, conf = directory / "passwd", directory / "acl", directory / "mosquitto.conf"
-    _write_private(passwd, "".join(f"{u}:{mosquitto_password_hash(p)}\n" for u, p in sorted(users.items())))
-    _write_private(acl, mosquitto_acl(users, server_user))
-    lines = [
-        "# Mosquitto 2.0 configuration written by fedge.broker.",
-        "per_listener_settings false",
-        f"listener {port} {host}",
-        "allow_anonymous false",
-        f"password_file {passwd}",
-        f"acl_file {acl}",
-        "use_username_as_clientid true",
-        "retain_available false",
-        f"max_packet_size {C.MAX_MESSAGE_BYTES}",
-        f"max_queued_messages {C.MAX_QUEUED_MESSAGES}",
-        f"max_queued_bytes {C.MAX_QUEUED_BYTES}",
-        f"max_keepalive {C.MAX_KEEPALIVE_S}",
-    ]
-    if run_as is not None:
-        lines.append(f"user {run_as}")
-    if persistence_dir is None:
-        lines.append("persistence false")
-    else:
-        lines += ["persistence true", f"persistence_location {Path(persistence_dir).resolve()}/", "autosave_interval 1"]
-    if tls is not None:
-        lines += [f"certfile {Path(tls.certfile).resolve()}", f"keyfile {Path(tls.keyfile).resolve()}",
-                  "tls_version tlsv1.2", f"require_certificate {str(tls.require_certificate).lower()}"]
-        if tls.cafile is not None:
-            lines.append(f"cafile {Path(tls.cafile).resolve()}")
-    _write_private(conf, "\n".join(lines) + "\n")
-    if owner is not None:
-        for path in (passwd, acl, conf):
-            os.chown(path, owner.pw_uid, owner.pw_gid)
-    return conf
-
-
-def _run_as_owner(run_as: str | None, directory: Path) -> pwd.struct_passwd:
-    """The account Mosquitto started as root will run as (``run_as``, else its default ``mosquitto``); BrokerError
-    if it does not exist or cannot traverse to ``directory``, naming the fix."""
-    name = run_as or MOSQUITTO_DEFAULT_USER
-    try:
-        owner = pwd.getpwnam(name)
-    except KeyError:
-        hint = "install Debian's mosquitto package (it adds that user) or " if run_as is None else ""
-        raise BrokerError(f"Mosquitto started as root runs as user {name!r}, which does not exist here; {hint}pass "
-                          "--run-as USER with a user that exists") from None
-    groups = set(os.getgrouplist(name, owner.pw_gid))
-    for path in (directory, *directory.parents):
-        st = path.stat()
-        bit = 0o100 if st.st_uid == owner.pw_uid else 0o010 if st.st_gid in groups else 0o001
-        if owner.pw_uid != 0 and not st.st_mode & bit:
-            raise BrokerError(f"user {name!r}, whom Mosquitto runs as, cannot enter {path} (mode "
-                              f"{stat.filemode(st.st_mode)}), so it could not read the files written to {directory};"
-                              f" write them under a directory it can reach (e.g. /etc/mosquitto/fedge), or chmod o+x "
-                              f"{path}")
-    return owner

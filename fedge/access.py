@@ -1,0 +1,121 @@
+"""Who may do what on a fedge broker: user tables, password files and the topic ACL, the same for the
+embedded broker and Mosquitto.
+
+Who may do what (the same rules for both brokers; a client's MQTT username is its client id):
+
+- a client publishes only to ``fedge/<run>/{register,result,status}/<itself>``, and its will may name only its
+  own ``status`` topic (a CONNECT with any other will topic is refused);
+- a client subscribes to (and receives) only ``fedge/<run>/task/<itself>`` and ``fedge/<run>/server``;
+- the server user reads and writes everything under ``fedge/#``;
+- nothing is retained: Mosquitto runs with ``retain_available false``; the embedded broker refuses a retained
+  will and keeps no retained message (a retained publish is delivered as an ordinary one, its flag dropped);
+- one connection per client id: a second CONNECT with the same id ends the first connection (its will is
+  published, as Mosquitto does), counted in ``EmbeddedBroker.takeovers``.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from pathlib import Path
+from typing import Iterable
+
+from fedge import constants as C
+from fedge.errors import UserError
+from fedge.topics import ID_PATTERN
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SERVER_USER = "server"
+
+# The ACL, once, as patterns; "%u" stands for the connecting username and fills a whole topic level.
+ROOT = C.TOPIC_ROOT
+CLIENT_READ = (f"{ROOT}/+/task/%u", f"{ROOT}/+/server")
+CLIENT_WRITE = (f"{ROOT}/+/register/%u", f"{ROOT}/+/result/%u", f"{ROOT}/+/status/%u")
+SERVER_READWRITE = f"{ROOT}/#"
+
+
+class BrokerError(UserError, ValueError):
+    """A broker could not be configured or started; the message says what to do."""
+
+
+def check_username(name: str) -> str:
+    """Return ``name`` if it is a valid username (and client id); raise BrokerError if it is not."""
+    if not isinstance(name, str) or not ID_PATTERN.fullmatch(name):
+        raise BrokerError(f"invalid username {name!r}: use 1 to 64 characters from A-Z a-z 0-9 _ -")
+    return name
+
+
+def check_users(users: dict[str, str], server_user: str) -> dict[str, str]:
+    """Return a copy of ``users`` after checking every name and password; BrokerError names the first bad entry."""
+    for name, password in users.items():
+        check_username(name)
+        if not isinstance(password, str) or not password or any(c in password for c in "\r\n\0"):
+            raise BrokerError(f"user {name!r} has an empty password or one with a line break or NUL in it")
+    if server_user not in users:
+        raise BrokerError(f"the users must include the server user {server_user!r}")
+    return dict(users)
+
+
+def read_users(path: Path) -> dict[str, str]:
+    """Read ``username:password`` lines (blank lines and ``#`` comments are skipped).
+
+    Raises BrokerError naming the file and line for a missing file, a line without ``:``, a bad username,
+    an empty password or a duplicate user.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BrokerError(f"cannot read users file {path}: {exc}; give a file of username:password lines") from exc
+    if path.stat().st_mode & 0o077:
+        log.warning("users file %s is readable by other users; run: chmod 600 %s", path, path)
+    users: dict[str, str] = {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, sep, password = line.partition(":")
+        where = f"{path}, line {number}"
+        if not sep:
+            raise BrokerError(f"{where}: expected username:password")
+        if not ID_PATTERN.fullmatch(name):
+            raise BrokerError(f"{where}: invalid username {name!r}: use 1 to 64 characters from A-Z a-z 0-9 _ -")
+        if not password:
+            raise BrokerError(f"{where}: user {name!r} has an empty password")
+        if name in users:
+            raise BrokerError(f"{where}: user {name!r} appears twice")
+        users[name] = password
+    if not users:
+        raise BrokerError(f"users file {path} lists no users; add username:password lines")
+    return users
+
+
+def generate_users(client_ids: Iterable[str], server_user: str = DEFAULT_SERVER_USER) -> dict[str, str]:
+    """Random passwords for the server user and each client id; BrokerError on a bad or repeated name."""
+    names = [check_username(server_user), *(check_username(c) for c in client_ids)]
+    if len(set(names)) != len(names):
+        raise BrokerError(f"client ids must be distinct and differ from the server user {server_user!r}")
+    return {name: secrets.token_urlsafe(C.PASSWORD_BYTES) for name in names}
+
+
+def _covers(pattern: str, topic: str) -> bool:
+    """Whether the ACL ``pattern`` grants ``topic`` (a topic name, or a filter whose wildcards the pattern also has)."""
+    want, have = pattern.split("/"), topic.split("/")
+    for i, level in enumerate(want):
+        if level == "#":
+            return True
+        if i >= len(have) or have[i] == "#" or level not in ("+", have[i]):
+            return False
+    return len(want) == len(have)
+
+
+def permitted(username: str | None, topic: str, action: str, server_user: str = DEFAULT_SERVER_USER) -> bool:
+    """Whether ``username`` may ``action`` ("publish", "subscribe" or "receive") on ``topic``; no username: never."""
+    if not username or not ID_PATTERN.fullmatch(username):
+        return False
+    if username == server_user:
+        patterns: tuple[str, ...] = (SERVER_READWRITE,)
+    else:
+        patterns = tuple(p.replace("%u", username) for p in (CLIENT_WRITE if action == "publish" else CLIENT_READ))
+    return any(_covers(p, topic) for p in patterns)

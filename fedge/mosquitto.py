@@ -1,0 +1,158 @@
+"""Mosquitto deployment files for fedge.access's rules: mosquitto.conf, a hashed password file and the ACL."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import pwd
+import secrets
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+from fedge import constants as C
+from fedge.access import (
+    CLIENT_READ,
+    CLIENT_WRITE,
+    DEFAULT_SERVER_USER,
+    SERVER_READWRITE,
+    BrokerError,
+    check_username,
+    check_users,
+)
+
+MOSQUITTO_DEFAULT_USER = "mosquitto"  # whom Mosquitto started as root switches to when its config names no user
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files for a Mosquitto TLS listener; ``require_certificate`` also demands client certificates."""
+
+    certfile: Path
+    keyfile: Path
+    cafile: Path | None = None
+    require_certificate: bool = False
+
+    def __post_init__(self) -> None:
+        if self.require_certificate and self.cafile is None:
+            raise BrokerError("require_certificate needs a cafile to check client certificates against")
+
+
+def mosquitto_password_hash(password: str, salt: bytes | None = None, iterations: int = C.PBKDF2_ITERATIONS) -> str:
+    """Mosquitto 2.0's ``$7$`` password hash: ``$7$<iterations>$<base64 salt>$<base64 PBKDF2-SHA512>``."""
+    salt = secrets.token_bytes(C.PBKDF2_SALT_BYTES) if salt is None else salt
+    digest = hashlib.pbkdf2_hmac("sha512", password.encode(), salt, iterations)
+    return f"$7${iterations}${base64.b64encode(salt).decode()}${base64.b64encode(digest).decode()}"
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` with mode 0600 from the first byte (atomically, via a temp file and rename)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+
+
+def mosquitto_acl(users: Iterable[str], server_user: str = DEFAULT_SERVER_USER) -> str:
+    """The Mosquitto ``acl_file`` text for this module's rules and these users.
+
+    Per-client topics are ``pattern`` lines (they apply to every user). The server-status topic is granted in
+    each client's ``user`` block: a ``topic`` line before any ``user`` line would apply only to anonymous
+    clients, and a pattern without ``%u`` draws a warning from Mosquitto.
+    """
+    lines = ["# fedge topic ACL (written by fedge.mosquitto): clients reach only their own topics.", ""]
+    lines += [f"pattern read {p}" for p in CLIENT_READ if "%u" in p]
+    lines += [f"pattern write {p}" for p in CLIENT_WRITE]
+    lines += ["", f"user {check_username(server_user)}", f"topic readwrite {SERVER_READWRITE}"]
+    for name in sorted(set(users) - {server_user}):
+        lines += ["", f"user {check_username(name)}"]
+        lines += [f"topic read {p}" for p in CLIENT_READ if "%u" not in p]
+    return "\n".join(lines) + "\n"
+
+
+def write_mosquitto_config(
+    directory: Path,
+    users: dict[str, str],
+    port: int = 1883,
+    host: str = "127.0.0.1",
+    tls: TlsFiles | None = None,
+    server_user: str = DEFAULT_SERVER_USER,
+    persistence_dir: Path | None = None,
+    run_as: str | None = None,
+) -> Path:
+    """Write ``mosquitto.conf``, ``passwd`` (hashed) and ``acl`` into ``directory`` (all 0600); return the conf.
+
+    ``persistence_dir`` turns on persistence, saved every second. ``run_as`` sets Mosquitto's ``user``: started
+    as root, Mosquitto switches to that user before it reads ``passwd`` and ``acl``. Written as root, the three
+    files then belong to that user (mode 600: readable by it only); without ``run_as`` it is Mosquitto's own
+    default, ``mosquitto``. Raises BrokerError for a bad user table, a port out of range, a run-as user that
+    does not exist, or a directory that user cannot reach (with the fix).
+    """
+    users = check_users(users, server_user)
+    if not 0 < port < 65536:
+        raise BrokerError(f"port {port} is out of range 1..65535")
+    directory = Path(directory).resolve()
+    directory.mkdir(parents=True, exist_ok=True)
+    owner = _run_as_owner(run_as, directory) if os.geteuid() == 0 else None
+    run_as = run_as if owner is None else owner.pw_name
+    passwd, acl, conf = directory / "passwd", directory / "acl", directory / "mosquitto.conf"
+    _write_private(passwd, "".join(f"{u}:{mosquitto_password_hash(p)}\n" for u, p in sorted(users.items())))
+    _write_private(acl, mosquitto_acl(users, server_user))
+    lines = [
+        "# Mosquitto 2.0 configuration written by fedge.mosquitto.",
+        "per_listener_settings false",
+        f"listener {port} {host}",
+        "allow_anonymous false",
+        f"password_file {passwd}",
+        f"acl_file {acl}",
+        "use_username_as_clientid true",
+        "retain_available false",
+        f"max_packet_size {C.MAX_MESSAGE_BYTES}",
+        f"max_queued_messages {C.MAX_QUEUED_MESSAGES}",
+        f"max_queued_bytes {C.MAX_QUEUED_BYTES}",
+        f"max_keepalive {C.MAX_KEEPALIVE_S}",
+    ]
+    if run_as is not None:
+        lines.append(f"user {run_as}")
+    if persistence_dir is None:
+        lines.append("persistence false")
+    else:
+        lines += ["persistence true", f"persistence_location {Path(persistence_dir).resolve()}/", "autosave_interval 1"]
+    if tls is not None:
+        lines += [f"certfile {Path(tls.certfile).resolve()}", f"keyfile {Path(tls.keyfile).resolve()}",
+                  "tls_version tlsv1.2", f"require_certificate {str(tls.require_certificate).lower()}"]
+        if tls.cafile is not None:
+            lines.append(f"cafile {Path(tls.cafile).resolve()}")
+    _write_private(conf, "\n".join(lines) + "\n")
+    if owner is not None:
+        for path in (passwd, acl, conf):
+            os.chown(path, owner.pw_uid, owner.pw_gid)
+    return conf
+
+
+def _run_as_owner(run_as: str | None, directory: Path) -> pwd.struct_passwd:
+    """The account Mosquitto started as root will run as (``run_as``, else its default ``mosquitto``); BrokerError
+    if it does not exist or cannot traverse to ``directory``, naming the fix."""
+    name = run_as or MOSQUITTO_DEFAULT_USER
+    try:
+        owner = pwd.getpwnam(name)
+    except KeyError:
+        hint = "install Debian's mosquitto package (it adds that user) or " if run_as is None else ""
+        raise BrokerError(f"Mosquitto started as root runs as user {name!r}, which does not exist here; {hint}pass "
+                          "--run-as USER with a user that exists") from None
+    groups = set(os.getgrouplist(name, owner.pw_gid))
+    for path in (directory, *directory.parents):
+        st = path.stat()
+        bit = 0o100 if st.st_uid == owner.pw_uid else 0o010 if st.st_gid in groups else 0o001
+        if owner.pw_uid != 0 and not st.st_mode & bit:
+            raise BrokerError(f"user {name!r}, whom Mosquitto runs as, cannot enter {path} (mode "
+                              f"{stat.filemode(st.st_mode)}), so it could not read the files written to {directory};"
+                              f" write them under a directory it can reach (e.g. /etc/mosquitto/fedge), or chmod o+x "
+                              f"{path}")
+    return owner

@@ -1,0 +1,128 @@
+"""The device side of a run: each client's agent (its model, data and runtime) and `fedge client`'s MQTT sessions.
+
+Imports no module of server/ and not the embedded broker: this is what a Raspberry Pi runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from device_profiles import fits, get_profile
+from edge_client.agent import ClientAgent, ClientData
+from edge_client.runtime import ClientStopped, EdgeClient
+from fedge import constants as C
+from fedge.access import read_users
+from fedge.config import ConfigError, RunConfig
+from fedge.data import Dataset
+from fedge.mqtt import Broker
+from fedge.partition import ClientShard
+from fedge.topics import check_id
+from fedge.zoo import assign_models, create
+from launch.runs import load_partitioned
+
+log = logging.getLogger(__name__)
+
+
+def make_agent(cfg: RunConfig, ds: Dataset, shard: ClientShard, model: str, profile_name: str,
+               state_dir: Path | None = None) -> ClientAgent:
+    """One simulated client; its model must fit its device profile (ConfigError says which limit fails) and, on
+    an `executorch` profile, pass the ExecuTorch gradient-parity gate (it then trains through ExecuTorch).
+    With `state_dir` it keeps its model snapshots there and continues from them when started again."""
+    spec = create(model, ds.input_shape, ds.num_classes)
+    profile = get_profile(profile_name)
+    verdict = fits(spec, profile)
+    if not verdict.ok:
+        raise ConfigError(f"client {shard.client_id}: model {model} does not fit device profile {profile_name}: "
+                          f"{'; '.join(verdict.failures)}. Choose other --set profiles=... or another zoo")
+    trainer = None
+    if profile.runtime == "executorch":  # export and executorch load only for the devices that train through them
+        from edge_client.executorch_trainer import ExecuTorchTrainer
+        from export import ExportError
+        from export.executorch import TrainingSession, gated_training_program, teacher_logits_pte
+
+        try:
+            trainer = ExecuTorchTrainer(spec, min(cfg.batch_size, len(shard.train)),
+                                        lambda batch: TrainingSession(gated_training_program(spec, batch)),
+                                        teacher_logits_pte)
+        except ExportError as e:
+            raise ConfigError(f"client {shard.client_id}: model {model} cannot train on device profile {profile_name} "
+                              f"(runtime executorch): {e}. Choose a BatchNorm-free model (cnn1-cnn3) for "
+                              "executorch profiles, or a torch profile") from None
+    x_train, y_train = ds.tensors(shard.train)
+    x_test, y_test = ds.tensors(shard.test)
+    return ClientAgent(str(shard.client_id), spec, ClientData(x_train, y_train, x_test, y_test), profile_name, cfg.seed,
+                       state_dir, trainer)
+
+
+def client_agents(cfg: RunConfig, ids: list[str], model: str | None = None, profile: str | None = None,
+                  state_dir: Path | None = None) -> list[ClientAgent]:
+    """The clients `ids` of the run's fleet: each id is a shard number of the run's partition; model and
+    profile default to the ones the run assigns to that shard."""
+    ds, partition = load_partitioned(cfg)
+    models = assign_models(cfg.zoo, cfg.clients, cfg.seed)
+    agents = []
+    for cid in ids:
+        check_id(cid, "client id")
+        if not cid.isdigit() or int(cid) >= cfg.clients:
+            raise ConfigError(f"client id {cid!r} must be a shard number 0..{cfg.clients - 1} of the run's partition")
+        i = int(cid)
+        agents.append(make_agent(cfg, ds, partition.clients[i], model or models[i],
+                                 profile or cfg.profiles[i % len(cfg.profiles)],
+                                 None if state_dir is None else Path(state_dir) / cid))
+    return agents
+
+def run_clients(agents: list[ClientAgent], broker_for: Callable[[str], Broker], cfg: RunConfig,
+                connect_timeout: float = C.CONNECT_TIMEOUT_S) -> int:
+    """`fedge client`: serve each agent over its own MQTT connection (one thread each, one trains at a
+    time) until the server ends the run; returns the exit code (2 if the server refused a client)."""
+    compute = threading.Lock()
+    clients = [EdgeClient(a, broker_for(a.client_id), cfg.run_id, cfg.heartbeat_s, cfg.chunk_size, compute=compute,
+                          keepalive_s=cfg.keepalive_s)
+               for a in agents]
+    codes: dict[str, int] = {}
+    finished = threading.Semaphore(0)
+
+    def serve_one(c: EdgeClient) -> None:
+        try:
+            c.run_forever(connect_timeout)
+            codes[c.cid] = 0
+        except (ClientStopped, ConnectionError) as e:
+            log.error("%s", e)
+            codes[c.cid] = 2
+        finally:
+            finished.release()
+
+    threads = [threading.Thread(target=serve_one, args=(c,), name=f"client-{c.cid}") for c in clients]
+    for t in threads:
+        t.start()
+    try:
+        # Wait on a semaphore, not in Thread.join(): Ctrl-C inside join() makes CPython 3.11 mark the thread as
+        # finished (bpo-45274), and the process would then exit without saying "offline" or disconnecting.
+        for _ in threads:
+            finished.acquire()
+    except KeyboardInterrupt:
+        for c in clients:
+            c.stopped.set()
+    for t in threads:
+        t.join()
+    return max(codes.values(), default=0)
+
+def password_for(path: str | Path, username: str) -> str:
+    """The password of `username` from a file of username:password lines, or the file's only line."""
+    lines = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+    if len(lines) == 1 and ":" not in lines[0]:
+        return lines[0]
+    users = read_users(Path(path))
+    if username not in users:
+        raise ConfigError(f"password file {path} has no line for user {username!r}")
+    return users[username]
+
+def set_threads(threads: int | None) -> None:
+    """Torch intra-op threads of a client process (several processes share the machine's cores)."""
+    if threads:
+        torch.set_num_threads(threads)

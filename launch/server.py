@@ -1,0 +1,114 @@
+"""The server side of a run: its strategy with public data, the rounds over any transport, the run folder, and
+`fedge server` over MQTT."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from fedge import constants as C
+from fedge.checkpoint import load_tree
+from fedge.config import RunConfig
+from fedge.data import Dataset, load_dataset
+from fedge.messages import ClientInfo
+from fedge.mqtt import Broker
+from fedge.partition import Partition
+from fedge.spec import ModelSpec
+from fedge.transport import Transport
+from launch.runs import load_partitioned, resolve_device, run_folder
+from server.coordinator import Coordinator, LoopConfig, RoundFailed, check_resumable, run_identity
+from server.fleet import Fleet
+from server.plots import plot_accuracy, plot_phi, plot_server_time
+from server.reassembly import STAGES
+from server.registration import registration_check
+from server.runlog import CHECKPOINT_FILE, RunLog
+from server.strategy import PublicData, Strategy, StrategyConfig, create_strategy
+
+log = logging.getLogger(__name__)
+
+
+def _executorch_trainable(spec: ModelSpec) -> None:
+    """ExportError (a ValueError) when `spec` has no ExecuTorch training form; export is imported only when an
+    executorch client registers."""
+    from export.executorch import check_trainable
+
+    check_trainable(spec)
+
+
+RUNTIME_CHECKS = {"executorch": _executorch_trainable}
+
+
+def strategy_config(cfg: RunConfig) -> StrategyConfig:
+    """The strategy's settings out of a run's config."""
+    return StrategyConfig(local_epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr, seed=cfg.seed,
+                          device=resolve_device(cfg.device), eta=cfg.eta, clusters=cfg.clusters,
+                          ablation=cfg.ablation, cmsr_index=cfg.cmsr_index, kd_lambda=cfg.kd_lambda,
+                          finetune_epochs=cfg.finetune_epochs, max_candidates=cfg.max_candidates, sgd_lr=cfg.sgd_lr,
+                          sgd_momentum=cfg.sgd_momentum, max_client_share=cfg.max_client_share)
+
+def make_strategy(cfg: RunConfig, ds: Dataset, partition: Partition) -> Strategy:
+    """The server's strategy with its public data (labels kept unless the run asks for unlabeled)."""
+    x_public, y_public = ds.tensors(partition.public)
+    return create_strategy(cfg.strategy, strategy_config(cfg),
+                           PublicData(x_public, y_public if cfg.public == "labeled" else None))
+
+def run_federation_rounds(cfg: RunConfig, strategy: Strategy, transport: Transport,
+                          clients: Mapping[str, ClientInfo], progress: bool = True,
+                          resume: bool = False) -> dict[str, Any]:
+    """Run the rounds over any transport, write the run folder (metrics, checkpoint, summary, plots), return
+    the summary. With `resume`, continue the run in cfg.out from its checkpoint.
+    A round that misses its quorum on every try writes the summary so far and raises RoundFailed."""
+    out = run_folder(cfg, resume)
+    runlog = RunLog(out, cfg.to_dict() | {"out": str(out)}, resume=resume)
+    loop = LoopConfig(cfg.rounds, cfg.active, cfg.seed, cfg.local_epochs, progress, cfg.min_replies, cfg.round_retries)
+    coordinator = Coordinator(strategy, transport, clients, loop, runlog)
+    start = time.perf_counter()
+    extra = {"dataset": cfg.dataset, "zoo": cfg.zoo, "out": str(out)}
+    try:
+        summary = coordinator.run(resume)
+    except RoundFailed as e:
+        runlog.write_json("summary.json", e.summary | extra | transport.report())
+        raise
+    summary |= extra | {"wall_seconds": time.perf_counter() - start} | transport.report()
+    runlog.write_json("summary.json", summary)
+    write_plots(runlog.rows(), summary, out, f"{cfg.strategy} on {cfg.dataset}, zoo {cfg.zoo}")
+    finals = strategy.final_models()
+    if finals:
+        from export.run_models import write_final_models  # ONNX export loads only when there is something to export
+
+        write_final_models(out, finals, load_dataset(cfg.dataset, cfg.data), cfg.rounds - 1, cfg.export_onnx,
+                           progress)
+    return summary
+
+def write_plots(rows: list[dict[str, Any]], summary: dict[str, Any], out: Path, title: str) -> None:
+    """accuracy.png always; phi.png and server_time.png when the strategy built teachers."""
+    plot_accuracy(rows, out / "accuracy.png", title)
+    if summary.get("phi"):
+        plot_phi(summary["phi"], summary["models"], out / "phi.png", f"teacher size change ϕ: {title}")
+        plot_server_time(rows, STAGES, out / "server_time.png", f"server time by stage: {title}")
+
+
+def serve(cfg: RunConfig, broker: Broker, progress: bool = True, resume: bool = False,
+          connect_timeout: float = C.CONNECT_TIMEOUT_S,
+          broker_report: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """`fedge server`: wait for `cfg.clients` registrations, run the rounds over MQTT, write the run folder
+    (with `broker_report`'s fields, for a broker in this process, in summary.json)."""
+    if resume:  # a corrupt or foreign checkpoint is reported now, not after the whole fleet has registered
+        out = run_folder(cfg, resume)
+        check_resumable(load_tree(out / CHECKPOINT_FILE),
+                        run_identity(cfg.strategy, [str(i) for i in range(cfg.clients)], cfg.seed, cfg.active), out)
+    ds, partition = load_partitioned(cfg)
+    sizes = {str(s.client_id): (len(s.train), len(s.test)) for s in partition.clients}
+    fleet = Fleet(broker, cfg.run_id, registration_check(sizes, RUNTIME_CHECKS), cfg.round_deadline_s, cfg.heartbeat_s,
+                  cfg.chunk_size, cfg.keepalive_s, broker_report)
+    fleet.start(connect_timeout)
+    try:
+        log.info("server: waiting up to %.0f s for %d clients on %s (run %s)", cfg.register_timeout_s, cfg.clients,
+                 broker, cfg.run_id)
+        clients = fleet.wait_for_clients(cfg.clients, cfg.register_timeout_s)
+        strategy = make_strategy(cfg, ds, partition)
+        return run_federation_rounds(cfg, strategy, fleet, clients, progress, resume)
+    finally:
+        fleet.close()

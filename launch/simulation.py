@@ -1,0 +1,31 @@
+"""The in-process simulation: the server and every client of a run in one process, no broker."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from fedge import constants as C
+from fedge.config import RunConfig
+from fedge.transport import InProcTransport
+from fedge.zoo import assign_models
+from launch.client import make_agent
+from launch.runs import load_partitioned, run_folder
+from launch.server import make_strategy, run_federation_rounds
+from server.strategy import STRATEGIES
+
+
+def run_simulation(cfg: RunConfig, progress: bool = True, resume: bool = False) -> dict[str, Any]:
+    """Run a whole federation in this process; writes the run folder and returns the summary. Clients keep
+    their model snapshots in <out>/clients/<id>; `resume` continues an interrupted run in cfg.out (same cfg)."""
+    STRATEGIES.get(cfg.strategy)  # fail fast, before loading data
+    out = run_folder(cfg, resume)
+    ds, partition = load_partitioned(cfg)
+    strategy = make_strategy(cfg, ds, partition)
+    models = assign_models(cfg.zoo, cfg.clients, cfg.seed)
+    agents = [make_agent(cfg, ds, shard, models[i], cfg.profiles[i % len(cfg.profiles)],
+                         out / C.CLIENT_STATE_DIR / str(shard.client_id))
+              for i, shard in enumerate(partition.clients)]
+    transport = InProcTransport({a.client_id: a.handle for a in agents})
+    return run_federation_rounds(dataclasses.replace(cfg, out=str(out)), strategy, transport,
+                                 {a.client_id: a.info() for a in agents}, progress, resume)
