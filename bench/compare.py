@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fedge.config import RunConfig  # noqa: E402
+from fedge.config import config_from  # noqa: E402
 from launch.simulation import run_simulation  # noqa: E402
 
 STRATEGIES = ("local", "pfedhr", "pfedclub", "pfedclub+")
@@ -49,10 +49,10 @@ def mean_std(values: list[float]) -> str:
 
 def run_one(args: argparse.Namespace, dataset: str, zoo: str, strategy: str, seed: int) -> dict:
     out = Path(args.out) / f"{dataset}-zoo{zoo}-{strategy}-s{seed}"
-    cfg = RunConfig(strategy=strategy, dataset=dataset, data=str(Path(args.data_dir) / f"{dataset}.npz"), zoo=zoo,
+    cfg = config_from(dict(strategy=strategy, dataset=dataset, data=str(Path(args.data_dir) / f"{dataset}.npz"), zoo=zoo,
                     clients=args.clients, active=args.active, rounds=args.rounds, local_epochs=args.local_epochs,
                     seed=seed, partition="noniid", max_samples_per_client=args.samples_per_client,
-                    max_public_samples=args.public_samples, eta=args.eta, out=str(out))
+                    max_public_samples=args.public_samples, eta=args.eta, out=str(out)))
     start = time.perf_counter()
     summary = run_simulation(cfg, progress=False)
     print(f"  {dataset} zoo {zoo} {strategy:9s} seed {seed}: acc {summary['final_accuracy']['mean']:.3f} "

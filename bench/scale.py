@@ -27,7 +27,7 @@ from bench.compare import hardware  # noqa: E402
 from bench.transfer import MOSQUITTO  # noqa: E402
 from fedge.access import generate_users  # noqa: E402
 from fedge.mosquitto import write_mosquitto_config  # noqa: E402
-from fedge.config import RunConfig  # noqa: E402
+from fedge.config import config_from  # noqa: E402
 from launch.federation import write_secrets  # noqa: E402
 
 TIMEOUT_S = 900
@@ -63,9 +63,9 @@ def one_fleet(n: int, rounds: int, processes: int, work: Path) -> dict[str, floa
     mosq = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     secrets = work / f"passwords-{n}"
     write_secrets(secrets, users)
-    cfg = RunConfig(strategy="fedavg", dataset="mnist-5k", zoo="cnn1", clients=n, active=n, rounds=rounds,
+    cfg = config_from(dict(strategy="fedavg", dataset="mnist-5k", zoo="cnn1", clients=n, active=n, rounds=rounds,
                     local_epochs=1, max_samples_per_client=16, heartbeat_s=5.0, register_timeout_s=600.0,
-                    out=str(work / f"run-{n}"), run_id=f"scale{n}")
+                    out=str(work / f"run-{n}"), run_id=f"scale{n}"))
     config = work / f"config-{n}.json"
     config.write_text(cfg.to_json())
     url = f"mqtt://127.0.0.1:{port}"

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.compare import hardware  # noqa: E402
 from edge_client.training import TrainConfig, train  # noqa: E402
-from fedge.config import RunConfig  # noqa: E402
+from fedge.config import config_from  # noqa: E402
 from fedge.data import load_dataset  # noqa: E402
 from fedge.messages import Result  # noqa: E402
 from fedge.partition import make_partition  # noqa: E402
@@ -42,8 +42,8 @@ def main() -> None:
     p.add_argument("--strategy", default="pfedclub")
     p.add_argument("--device", default="cpu")
     args = p.parse_args()
-    cfg = RunConfig(strategy=args.strategy, dataset=args.dataset, data=args.data, zoo="I", clients=args.clients,
-                    active=args.active, device=args.device, profiles=("jetson-orin-nano",))
+    cfg = config_from(dict(strategy=args.strategy, dataset=args.dataset, data=args.data, zoo="I", clients=args.clients,
+                    active=args.active, device=args.device, profiles=("jetson-orin-nano",)))
     ds = load_dataset(cfg.dataset, cfg.data)
     part = make_partition(ds.y, ds.num_classes, partition_config(cfg))
     models = assign_models("I", cfg.clients, cfg.seed)

@@ -7,7 +7,7 @@ import math
 import time
 
 from edge_client.agent import ClientAgent, TaskError, register_task
-from edge_client.tasks import train_config
+from edge_client.tasks import train_config, train_settings
 from edge_client.training import Distillation
 from fedge import constants as C
 from fedge.messages import Result, Task
@@ -67,6 +67,6 @@ def kd_train_task(agent: ClientAgent, task: Task) -> Result:
         log.debug("client %s round %d: no teacher yet, training with CE only", agent.client_id, task.round)
     stats = agent.trainer.fit(agent.model, agent.data.x_train, agent.data.y_train, cfg, distill)
     seconds = time.perf_counter() - start
-    models = {"local": agent.weights()} if task.config.get("upload") else {}
+    models = {"local": agent.weights()} if train_settings(task).upload else {}
     return Result(agent.client_id, task.round, task.type, len(agent.data.y_train),
                   {"train_loss": stats.loss, "train_seconds": seconds, "kd_loss": stats.kd}, models)

@@ -6,25 +6,26 @@ import time
 
 from edge_client.agent import ClientAgent, TaskError, register_task
 from edge_client.training import TrainConfig, evaluate
-from fedge import constants as C
 from fedge.messages import Result, Task
 from fedge.seeding import derive_seed
+from fedge.tasks import TaskConfigError, TrainTask
+
+
+def train_settings(task: Task) -> TrainTask:
+    """The local-training settings a task carries (fedge.tasks.TrainTask); a bad config raises TaskError."""
+    try:
+        return TrainTask.from_config(task.config)
+    except TaskConfigError as e:
+        raise TaskError(f"task {task.type} of round {task.round}: {e}") from None
 
 
 def train_config(agent: ClientAgent, task: Task) -> TrainConfig:
-    """The TrainConfig a task asks for; a missing or non-positive setting raises TaskError."""
-    try:
-        cfg = TrainConfig(epochs=int(task.config["epochs"]), batch_size=int(task.config["batch_size"]),
-                          lr=float(task.config["lr"]),
-                          seed=derive_seed(int(task.config["seed"]), "train", agent.client_id, task.round),
-                          sgd_lr=float(task.config.get("sgd_lr", C.SGD_LR)),
-                          sgd_momentum=float(task.config.get("sgd_momentum", C.SGD_MOMENTUM)))
-    except (KeyError, TypeError, ValueError) as e:
-        raise TaskError(f"task {task.type} of round {task.round}: bad or missing config {e}") from None
-    if cfg.epochs < 1 or cfg.batch_size < 1 or not cfg.lr > 0 or not cfg.sgd_lr > 0 or not 0 <= cfg.sgd_momentum < 1:
-        raise TaskError(f"task {task.type}: epochs, batch_size, lr and sgd_lr must be positive and sgd_momentum "
-                        f"in [0, 1), got {cfg}")
-    return cfg
+    """The trainer's settings for a task: its TrainTask with this client's seed for this round; TaskError when the
+    task's config is bad."""
+    t = train_settings(task)
+    return TrainConfig(epochs=t.epochs, batch_size=t.batch_size, lr=t.lr,
+                       seed=derive_seed(t.seed, "train", agent.client_id, task.round), sgd_lr=t.sgd_lr,
+                       sgd_momentum=t.sgd_momentum)
 
 
 @register_task("train")
@@ -36,7 +37,7 @@ def train_task(agent: ClientAgent, task: Task) -> Result:
     start = time.perf_counter()
     loss = agent.trainer.fit(agent.model, agent.data.x_train, agent.data.y_train, cfg).loss
     seconds = time.perf_counter() - start
-    models = {"local": agent.weights()} if task.config.get("upload") else {}
+    models = {"local": agent.weights()} if train_settings(task).upload else {}
     return Result(agent.client_id, task.round, task.type, len(agent.data.y_train),
                   {"train_loss": loss, "train_seconds": seconds}, models)
 

@@ -1,7 +1,8 @@
 """ONNX and ExecuTorch exporters with load-back parity checks."""
 
-import importlib.util
 from fedge.errors import UserError
+from fedge.extras import MissingExtra
+from fedge.extras import require as require_extra
 
 # Largest max-abs logit difference, runtime (onnxruntime or ExecuTorch) vs eager PyTorch, that an inference
 # export passes (argmax must also agree on every sample): issue 5's bound for both formats.
@@ -14,7 +15,8 @@ class ExportError(UserError, ValueError):
 
 
 def require(*packages: str) -> None:
-    """ExportError naming the fix when an optional package of the `export` extra is not installed."""
-    missing = [p for p in packages if importlib.util.find_spec(p) is None]
-    if missing:
-        raise ExportError(f"{', '.join(missing)} not installed; install the export extra: pip install 'fedge[export]'")
+    """ExportError naming the extra to install when an optional package of the `export` extra is missing."""
+    try:
+        require_extra(*packages, what="export")
+    except MissingExtra as e:
+        raise ExportError(str(e)) from None

@@ -1,4 +1,9 @@
-"""The run configuration: one frozen dataclass, loaded from TOML plus checked `key=value` overrides."""
+"""The run configuration: one frozen dataclass of run-level keys plus the strategy's options, loaded from TOML
+plus checked `key=value` overrides.
+
+A key that is not run-level is an option of the run's strategy (`--set eta=0.2`, or a TOML `[options]` table);
+the strategy's options dataclass, which only the server side knows (server.strategy.parse_options), checks them.
+"""
 
 from __future__ import annotations
 
@@ -48,15 +53,6 @@ class RunConfig:
     max_samples_per_client: int | None = None
     max_public_samples: int | None = None
     profiles: tuple[str, ...] = C.DEFAULT_FLEET_PROFILES
-    eta: float = C.PFEDCLUB_PLUS_ETA
-    clusters: int = C.CLUSTERS
-    public: str = "labeled"
-    ablation: str = "none"
-    cmsr_index: str = C.CMSR_INDEX
-    kd_lambda: float = C.KD_LAMBDA
-    finetune_epochs: int = C.FINETUNE_EPOCHS
-    max_candidates: int = C.MAX_CANDIDATES
-    max_client_share: float = C.MAX_CLIENT_SHARE
     device: str = "auto"
     transport: str = C.DEFAULT_TRANSPORT
     run_id: str = C.DEFAULT_RUN_ID
@@ -69,10 +65,10 @@ class RunConfig:
     chunk_size: int = C.CHUNK_SIZE
     export_onnx: bool = True
     out: str | None = None
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # the strategy's options, by name
 
     def __post_init__(self) -> None:
-        positive = ("clients", "active", "rounds", "local_epochs", "batch_size", "classes_per_client", "clusters",
-                    "finetune_epochs", "max_candidates")
+        positive = ("clients", "active", "rounds", "local_epochs", "batch_size", "classes_per_client")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}")
@@ -85,19 +81,6 @@ class RunConfig:
             raise ConfigError(f"sgd_momentum must be in [0, 1), got {self.sgd_momentum}")
         if not self.profiles:
             raise ConfigError("profiles must name at least one device profile")
-        if not self.eta > -1:
-            raise ConfigError(f"eta must be > -1 (pFedClub §4.4), got {self.eta}")
-        if not 0 < self.max_client_share <= 1:
-            raise ConfigError(f"max_client_share must be in (0, 1] (1: FedAvg's plain example weights), got "
-                              f"{self.max_client_share}")
-        if self.kd_lambda < 0:
-            raise ConfigError(f"kd_lambda must be >= 0, got {self.kd_lambda}")
-        if self.public not in ("labeled", "unlabeled"):
-            raise ConfigError(f"public must be labeled or unlabeled, got {self.public!r}")
-        if self.cmsr_index not in ("raw", "relative"):
-            raise ConfigError(f"cmsr_index must be raw (Alg. 1) or relative (position / depth), got {self.cmsr_index!r}")
-        if self.ablation not in C.ABLATIONS:
-            raise ConfigError(f"ablation must be one of {', '.join(C.ABLATIONS)}, got {self.ablation!r}")
         if self.transport not in ("mqtt", "inproc"):
             raise ConfigError(f"transport must be mqtt or inproc, got {self.transport!r}")
         if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.run_id):
@@ -116,7 +99,8 @@ class RunConfig:
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+        out = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+        return out | {"options": dict(self.options)}
 
     def to_json(self) -> str:
         """The whole config as JSON, readable back by load_config (e.g. by client processes)."""
@@ -133,8 +117,9 @@ def _boolean(value: Any) -> bool:
     raise TypeError
 
 
-def _coerce(name: str, kind: Any, value: Any) -> Any:
-    """Convert a TOML or command-line value to the field's declared type, or raise ConfigError."""
+def coerce(name: str, kind: Any, value: Any) -> Any:
+    """Convert a TOML or command-line value to the field's declared type (of a run config or a strategy's
+    options), or raise ConfigError."""
     args = [a for a in typing.get_args(kind) if a is not type(None)]
     optional = type(None) in typing.get_args(kind)
     if value is None or (optional and isinstance(value, str) and value.lower() == "none"):
@@ -155,14 +140,22 @@ def _coerce(name: str, kind: Any, value: Any) -> Any:
         raise ConfigError(f"{name}={value!r} is not a valid {getattr(base, '__name__', base)}") from None
 
 
+def run_keys() -> list[str]:
+    """The run-level keys, in declaration order (`options` holds the strategy's)."""
+    return [f.name for f in fields(RunConfig) if f.name != "options"]
+
+
 def config_from(values: Mapping[str, Any], base: RunConfig | None = None) -> RunConfig:
-    """Apply `values` over `base` (defaults if None); unknown keys raise ConfigError listing valid keys."""
+    """Apply `values` over `base` (defaults if None): run-level keys are checked here; an `options` table and every
+    other key are the strategy's options, added to base's (checked by the server side against the strategy)."""
+    base = base or RunConfig()
     hints = typing.get_type_hints(RunConfig)
-    unknown = sorted(set(values) - set(hints))
-    if unknown:
-        raise ConfigError(f"unknown config key(s) {unknown}; valid keys: {', '.join(f.name for f in fields(RunConfig))}")
-    changes = {k: _coerce(k, hints[k], v) for k, v in values.items()}
-    return dataclasses.replace(base or RunConfig(), **changes)
+    table = values.get("options", {})
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"options must be a table of the strategy's options (TOML [options]), got {table!r}")
+    options = dict(base.options) | dict(table) | {k: v for k, v in values.items() if k not in hints}
+    changes = {k: coerce(k, hints[k], v) for k, v in values.items() if k in hints and k != "options"}
+    return dataclasses.replace(base, **changes, options=options)
 
 
 def parse_overrides(pairs: Sequence[str]) -> dict[str, str]:

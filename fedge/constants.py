@@ -89,7 +89,11 @@ MAX_COMPLETED_IDS = 1024  # ids of finished messages remembered, so a late repea
 MESSAGE_TTL_S = 600.0  # default envelope time to live
 MAX_CLOCK_SKEW_S = 300.0  # an envelope created further in the future than this is refused ("clock_skew")
 MAX_CHUNK_BYTES = 4 * 1024 * 1024  # largest chunk a receiver accepts (senders use CHUNK_SIZE)
-REPLY_SLACK_BYTES = 256 * 1024  # allowance over a reply's tensor bytes for headers and the spec JSON
+REPLY_SLACK_BYTES = 256 * 1024  # allowance over a reply's tensor bytes for headers, the spec JSON and records
+# A reply may carry a model of any architecture its device profile fits (a model that grows): sized at this many
+# bytes per parameter the profile allows (float32 weights plus as much again for buffers such as BN statistics).
+ANY_MODEL_BYTES_PER_PARAM = 8
+MAX_RECORD_DEPTH = 32  # nesting of a JSON record in a reply
 
 # MQTT rounds, liveness and reconnection.
 DEFAULT_TRANSPORT = "mqtt"  # "mqtt" (embedded broker, clients as processes) or "inproc" (one process)

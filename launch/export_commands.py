@@ -7,13 +7,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from export import ExportError
 from fedge import constants as C
 from fedge.config import ConfigError, load_config
 
 
 def cmd_predict(args: argparse.Namespace) -> None:
     """Accuracy of an ONNX model through onnxruntime on a dataset, or on one client's test shard of a run."""
+    from export import ExportError
     import numpy as np
 
     from export.onnx import predict_onnx
@@ -47,6 +47,7 @@ def cmd_predict(args: argparse.Namespace) -> None:
 
 def cmd_export(args: argparse.Namespace) -> None:
     """Export a run's final teacher or a client's newest student to a deployable format."""
+    from export import ExportError
     from export.run_models import load_final_model, model_metadata, parity_sample
     from fedge.data import load_dataset
 
@@ -105,6 +106,7 @@ def _export_pte(weights: Any, out: Path, sample: Any, metadata: dict[str, str], 
 
 def _export_pte_train(weights: Any, out: Path, sample: Any, metadata: dict[str, str], args: Any, cfg: dict) -> None:
     """The student's training program (.pte) and weights (.ptd), gated by gradient parity on real inputs."""
+    from export import ExportError
     import torch
 
     from export.executorch import TRAIN_INPUTS, TRAIN_OUTPUTS, export_training, gradient_parity
@@ -114,7 +116,7 @@ def _export_pte_train(weights: Any, out: Path, sample: Any, metadata: dict[str, 
     x = _batch_of(sample, b)
     y = torch.arange(b) % spec.num_classes
     teacher = 3 * torch.randn(b, spec.num_classes, generator=torch.Generator().manual_seed(0))
-    lam, temperature = cfg.get("kd_lambda", C.KD_LAMBDA), C.KD_TEMPERATURE
+    lam, temperature = cfg.get("options", {}).get("kd_lambda", C.KD_LAMBDA), C.KD_TEMPERATURE
     report = gradient_parity(spec, weights.state, x, y, teacher, lam, temperature, program)
     if not report.passed:
         raise ExportError(f"{spec.name!r}: the training program fails gradient parity on real inputs (worst relative "

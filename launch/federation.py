@@ -21,7 +21,7 @@ from fedge.mqtt import Broker
 from fedge.weights import atomic_write
 from launch.client import client_agents
 from launch.runs import default_out, load_partitioned
-from launch.server import make_strategy, serve
+from launch.server import make_strategy, resolve_options, serve
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ def run_federation(cfg: RunConfig, progress: bool = True, processes: int | None 
     """`fedge run` over MQTT: the embedded broker with a password per client and topic ACLs, the server
     in this process, and the clients spread over `processes` OS processes (logs in out/clients-*.log)."""
     ids = [str(i) for i in range(cfg.clients)]
+    cfg = resolve_options(cfg)
     preflight(cfg, ids)
     users = generate_users(ids)
     processes = max(1, min(processes or min(os.cpu_count() or 1, 4), cfg.clients))

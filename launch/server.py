@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -24,7 +25,7 @@ from server.plots import plot_accuracy, plot_phi, plot_server_time
 from server.reassembly import STAGES
 from server.registration import registration_check
 from server.runlog import CHECKPOINT_FILE, RunLog
-from server.strategy import PublicData, Strategy, StrategyConfig, create_strategy
+from server.strategy import PublicData, Strategy, StrategyConfig, create_strategy, parse_options
 
 log = logging.getLogger(__name__)
 
@@ -41,18 +42,23 @@ RUNTIME_CHECKS = {"executorch": _executorch_trainable}
 
 
 def strategy_config(cfg: RunConfig) -> StrategyConfig:
-    """The strategy's settings out of a run's config."""
+    """The run-level settings every strategy gets out of a run's config."""
     return StrategyConfig(local_epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr, seed=cfg.seed,
-                          device=resolve_device(cfg.device), eta=cfg.eta, clusters=cfg.clusters,
-                          ablation=cfg.ablation, cmsr_index=cfg.cmsr_index, kd_lambda=cfg.kd_lambda,
-                          finetune_epochs=cfg.finetune_epochs, max_candidates=cfg.max_candidates, sgd_lr=cfg.sgd_lr,
-                          sgd_momentum=cfg.sgd_momentum, max_client_share=cfg.max_client_share)
+                          device=resolve_device(cfg.device), sgd_lr=cfg.sgd_lr, sgd_momentum=cfg.sgd_momentum)
+
+
+def resolve_options(cfg: RunConfig) -> RunConfig:
+    """`cfg` with its strategy's options checked and completed with their defaults (what config.json records);
+    an unknown strategy raises StrategyError, an unknown option or a bad value ConfigError."""
+    options = parse_options(cfg.strategy, cfg.options)
+    return dataclasses.replace(cfg, options=dataclasses.asdict(options))
+
 
 def make_strategy(cfg: RunConfig, ds: Dataset, partition: Partition) -> Strategy:
-    """The server's strategy with its public data (labels kept unless the run asks for unlabeled)."""
+    """The server's strategy with its options and the public data (with labels; a strategy may drop them)."""
     x_public, y_public = ds.tensors(partition.public)
-    return create_strategy(cfg.strategy, strategy_config(cfg),
-                           PublicData(x_public, y_public if cfg.public == "labeled" else None))
+    return create_strategy(cfg.strategy, strategy_config(cfg), PublicData(x_public, y_public),
+                           parse_options(cfg.strategy, cfg.options))
 
 def run_federation_rounds(cfg: RunConfig, strategy: Strategy, transport: Transport,
                           clients: Mapping[str, ClientInfo], progress: bool = True,
@@ -95,6 +101,7 @@ def serve(cfg: RunConfig, broker: Broker, progress: bool = True, resume: bool = 
           broker_report: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
     """`fedge server`: wait for `cfg.clients` registrations, run the rounds over MQTT, write the run folder
     (with `broker_report`'s fields, for a broker in this process, in summary.json)."""
+    cfg = resolve_options(cfg)  # a bad option is reported now, not after the whole fleet has registered
     if resume:  # a corrupt or foreign checkpoint is reported now, not after the whole fleet has registered
         out = run_folder(cfg, resume)
         check_resumable(load_tree(out / CHECKPOINT_FILE),

@@ -11,14 +11,13 @@ from fedge.transport import InProcTransport
 from fedge.zoo import assign_models
 from launch.client import make_agent
 from launch.runs import load_partitioned, run_folder
-from launch.server import make_strategy, run_federation_rounds
-from server.strategy import STRATEGIES
+from launch.server import make_strategy, resolve_options, run_federation_rounds
 
 
 def run_simulation(cfg: RunConfig, progress: bool = True, resume: bool = False) -> dict[str, Any]:
     """Run a whole federation in this process; writes the run folder and returns the summary. Clients keep
     their model snapshots in <out>/clients/<id>; `resume` continues an interrupted run in cfg.out (same cfg)."""
-    STRATEGIES.get(cfg.strategy)  # fail fast, before loading data
+    cfg = resolve_options(cfg)  # fail fast on an unknown strategy or option, before loading data
     out = run_folder(cfg, resume)
     ds, partition = load_partitioned(cfg)
     strategy = make_strategy(cfg, ds, partition)

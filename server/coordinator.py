@@ -17,14 +17,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from device_profiles import get_profile, train_seconds
+from device_profiles import DeviceProfile, get_profile, train_seconds
 from fedge import constants as C
 from fedge.checkpoint import CheckpointError, Tree, nonfinite
 from fedge.messages import ClientInfo, Result, Task, Weights, client_order
+from fedge.payloads import Expected, payload_rejection
 from fedge.seeding import derive_seed
 from fedge.spec import ModelSpec, build
 from fedge.transport import Transport
-from fedge.weights import WeightsError, check_state
 from server.runlog import RunLog
 from server.strategy import Strategy, StrategyError
 
@@ -62,10 +62,11 @@ def sample_clients(client_ids: Sequence[str], active: int, seed: int, rnd: int) 
     return [ids[i] for i in sorted(picked)]
 
 
-def rejection(res: Result, task: Task | None, info: ClientInfo) -> tuple[str, str] | None:
-    """(reason code, message) when a reply cannot be used, else None: it must answer the open task,
-    report a sane example count and finite metrics, and carry weights matching their spec (the
-    client's registered architecture for `local`)."""
+def rejection(res: Result, task: Task | None, info: ClientInfo, expected: Expected,
+              profile: DeviceProfile) -> tuple[str, str] | None:
+    """(reason code, message) when a reply cannot be used, else None: it must answer the open task, report a
+    sane example count and finite metrics, and carry what the strategy declared it expects for that task (models of
+    the declared architectures with weights matching their spec, named tensors, records: payload_rejection)."""
     if task is None or res.client_id != info.client_id or res.round != task.round or res.type != task.type:
         return "no_open_task", f"answers no open task (round {res.round}, type {res.type!r})"
     if res.error is not None:
@@ -79,14 +80,7 @@ def rejection(res: Result, task: Task | None, info: ClientInfo) -> tuple[str, st
         return "metrics", f"metrics {bad} are not finite numbers"
     if task.type == "evaluate" and not 0 <= res.metrics.get("accuracy", -1) <= 1:
         return "metrics", "an evaluation without an accuracy in [0, 1]"
-    if "local" in res.models and res.models["local"].spec.with_origin(info.client_id) != info.spec:
-        return "architecture", f"uploaded model {res.models['local'].spec.name!r} is not the registered one"
-    for role, weights in res.models.items():
-        try:
-            check_state(weights.spec, weights.state)
-        except WeightsError as e:
-            return "weights", f"model {role!r}: {e}"
-    return None
+    return payload_rejection(res, expected, info, profile)
 
 
 def upload_norm(weights: Weights) -> float:
@@ -175,8 +169,12 @@ class Coordinator:
         line and counted."""
         keep, reasons = {}, {}
         for cid, res in results.items():
-            reason = rejection(res, tasks.get(cid), self.clients[cid]) if cid in self.clients \
-                else ("unknown_client", "not a registered client")
+            task = tasks.get(cid)
+            if cid not in self.clients:
+                reason: tuple[str, str] | None = ("unknown_client", "not a registered client")
+            else:
+                expected = self.strategy.expects(task, self.clients[cid]) if task is not None else Expected()
+                reason = rejection(res, task, self.clients[cid], expected, self.profiles[cid])
             if reason is None:
                 keep[cid] = res
             else:
@@ -209,9 +207,12 @@ class Coordinator:
         return out
 
     def exchange(self, tasks: Mapping[str, Task]) -> dict[str, Result]:
-        """The transport's replies; a transport that raises is logged and counts as no replies."""
+        """The transport's replies, each at most as large as what the strategy expects for its task; a transport
+        that raises is logged and counts as no replies."""
+        limits = {cid: self.strategy.expects(task, self.clients[cid]).reply_bytes(self.profiles[cid])
+                  for cid, task in tasks.items() if cid in self.clients}
         try:
-            return self.transport.exchange(tasks)
+            return self.transport.exchange(tasks, limits)
         except Exception:  # a broker or network failure must not end the run: the round fails and is retried
             log.exception("the transport failed to deliver %d tasks; treating them as unanswered", len(tasks))
             return {}

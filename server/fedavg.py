@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import torch
 
+from fedge import constants as C
 from fedge.checkpoint import Tree
+from fedge.config import ConfigError
 from fedge.messages import ClientInfo, Result, Task, Weights
+from fedge.payloads import Expected
 from fedge.seeding import derive_seed
 from fedge.spec import build
 from fedge.weights import State
-from server.strategy import Strategy, StrategyError, register_strategy
+from server.strategy import Strategy, StrategyError, StrategyOptions, option, register_strategy
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +59,20 @@ def weighted_average(states: Sequence[State], weights: Sequence[float]) -> State
     return out
 
 
-@register_strategy("fedavg")
+@dataclass(frozen=True)
+class FedAvgOptions(StrategyOptions):
+    """FedAvg's one option: how much of a round's average one client may get (its example count is its word)."""
+
+    max_client_share: float = option(C.MAX_CLIENT_SHARE, "largest share of a round's average one client may get, "
+                                     "in (0, 1]; 1 gives McMahan's plain example weights")
+
+    def __post_init__(self) -> None:
+        if not 0 < self.max_client_share <= 1:
+            raise ConfigError(f"max_client_share must be in (0, 1] (1: FedAvg's plain example weights), got "
+                              f"{self.max_client_share}")
+
+
+@register_strategy("fedavg", FedAvgOptions)
 class FedAvg(Strategy):
     """Homogeneous fleets only: the server holds one global model, sends it, averages the replies."""
 
@@ -76,18 +93,22 @@ class FedAvg(Strategy):
     def plan(self, rnd: int, active: Sequence[str]) -> dict[str, Task]:
         self.shares = {}
         models = {"global": self.global_model}
-        return {cid: Task("train", rnd, self.train_config(upload=True), models) for cid in active}
+        return {cid: Task("train", rnd, self.train_task(upload=True).to_config(), models) for cid in active}
+
+    def expects(self, task: Task, client: ClientInfo) -> Expected:
+        """A training reply carries the client's model, of the global architecture; an evaluation only metrics."""
+        return Expected(models={"local": self.global_model.spec}) if task.type == "train" else Expected()
 
     def aggregate(self, rnd: int, results: Mapping[str, Result]) -> None:
         replies = sorted((r for r in results.values() if "local" in r.models), key=lambda r: r.client_id)
         if not replies:
             return
         counts = [r.num_examples for r in replies]
-        shares = capped_shares(counts, self.config.max_client_share)
+        shares = capped_shares(counts, self.options.max_client_share)
         self.shares = {r.client_id: share for r, share in zip(replies, shares)}
         if any(abs(share - count / sum(counts)) > 1e-12 for share, count in zip(shares, counts)):
             log.info("round %d: aggregation shares capped at max_client_share=%g: %s", rnd,
-                     self.config.max_client_share, {cid: round(x, 4) for cid, x in self.shares.items()})
+                     self.options.max_client_share, {cid: round(x, 4) for cid, x in self.shares.items()})
         self.global_model = Weights(self.global_model.spec, weighted_average([r.models["local"].state for r in replies],
                                                                              shares))
 

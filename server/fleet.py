@@ -67,6 +67,7 @@ class _Open:
     task: Task
     envelope: Envelope
     payload: bytes
+    limit: int  # the largest reply accepted (from what the strategy expects for this task)
 
 
 class Fleet:
@@ -141,9 +142,11 @@ class Fleet:
 
     # ------------------------------------------------------------------------------------------ the transport
 
-    def exchange(self, tasks: Mapping[str, Task]) -> dict[str, Result]:
+    def exchange(self, tasks: Mapping[str, Task], limits: Mapping[str, int] | None = None) -> dict[str, Result]:
         """Send each client its task; return the valid replies that arrived before the deadline, without
-        waiting for clients that went offline or fell silent."""
+        waiting for clients that went offline or fell silent. A reply larger than its client's `limits` entry
+        (default: its registered model's bytes plus header slack) is refused before any of it is kept."""
+        limits = limits or {}
         with self.cond:
             self.results = {}
             self.open = {}
@@ -152,7 +155,7 @@ class Fleet:
             payload = encode_task(task)
             env = Envelope.new(self.run, task.round, "task", topics.SERVER_ID, payload, chunk_size=self.chunk_size)
             with self.cond:  # open before sending: a fast client may answer before publish returns
-                self.open[env.msg_id] = _Open(cid, task, env, payload)
+                self.open[env.msg_id] = _Open(cid, task, env, payload, limits.get(cid, self.limits[cid]))
             self.endpoint.send(topics.client_topic(self.run, topics.DOWNLINK, cid), env, payload, self.chunk_size)
         deadline = time.monotonic() + self.deadline_s
         reported: set[str] = set()
@@ -216,7 +219,7 @@ class Fleet:
                     raise WireError(reason, f"result for round {env.round} answers no open instruction")
                 if client in self.results:
                     raise WireError("duplicate", f"a result for round {env.round} was already accepted")
-            return self.limits[client]
+            return o.limit
         return MAX_HEADER_BYTES  # registrations and status messages are small
 
     def _on_frame(self, topic: str, data: bytes) -> None:

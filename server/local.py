@@ -13,7 +13,7 @@ class Local(Strategy):
     """No communication of weights: plan local training, aggregate nothing. Works for any zoo."""
 
     def plan(self, rnd: int, active: Sequence[str]) -> dict[str, Task]:
-        return {cid: Task("train", rnd, self.train_config(upload=False)) for cid in active}
+        return {cid: Task("train", rnd, self.train_task(upload=False).to_config()) for cid in active}
 
     def aggregate(self, rnd: int, results: Mapping[str, Result]) -> None:
         return None

@@ -12,13 +12,13 @@ from fedge.seeding import derive_seed
 from server.assemble import assemble
 from server.finetune import best_match, public_logits
 from server.pfedhr_candidates import PFedHROptions, block_operations, classifier_keys, pfedhr_candidates
-from server.reassembly import Pool, ReassemblyStrategy
+from server.reassembly import Pool, ReassemblyOptions, ReassemblyStrategy
 from server.strategy import register_strategy
 
 log = logging.getLogger(__name__)
 
 
-@register_strategy("pfedhr")
+@register_strategy("pfedhr", ReassemblyOptions)
 class PFedHR(ReassemblyStrategy):
     """Candidates R1–R4 over all uploaded blocks, stitched and fine-tuned once; each client takes the one whose
     logits match its own best (Eq. (4) of pFedClub, pFedHR's §3.2 selection). Sizes are not controlled."""
@@ -29,7 +29,7 @@ class PFedHR(ReassemblyStrategy):
             rng = np.random.default_rng(derive_seed(self.config.seed, "pfedhr", rnd))
             blocks = list(pool.blocks.values())
             keys = pfedhr_candidates(pool.groups, block_operations(blocks), rng,
-                                     PFedHROptions(num_candidates=self.config.max_candidates),
+                                     PFedHROptions(num_candidates=self.options.max_candidates),
                                      classifier_keys(blocks))
             candidates = [assemble(f"pfedhr-r{rnd}-{i}", [pool.blocks[k] for k in ks], any_spec.input_shape,
                                    any_spec.num_classes, rng) for i, ks in enumerate(keys)]

@@ -8,6 +8,7 @@ import statistics
 import time
 from collections import defaultdict
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -16,7 +17,9 @@ import torch
 from device_profiles import fits, get_profile
 from fedge import constants as C
 from fedge.checkpoint import Tree
+from fedge.config import ConfigError
 from fedge.messages import ClientInfo, Result, Task, Weights, client_order
+from fedge.payloads import Expected
 from fedge.seeding import derive_seed
 from server.assemble import STITCH_MODEL
 from server.blocks import Key, PoolBlock, split_blocks
@@ -24,7 +27,7 @@ from server.cka import block_similarity, minibatch_block_similarity
 from server.features import block_features
 from server.finetune import FinetuneConfig, finetune_candidates, select_teacher
 from server.grouping import group_blocks
-from server.strategy import Strategy, StrategyError
+from server.strategy import PublicData, Strategy, StrategyError, StrategyOptions, option
 
 log = logging.getLogger(__name__)
 STAGES = ("features", "grouping", "candidates", "finetune", "matching")
@@ -65,11 +68,35 @@ def origins(spec_blocks: Sequence[Any]) -> list[str]:
             for b in spec_blocks]
 
 
+@dataclass(frozen=True)
+class ReassemblyOptions(StrategyOptions):
+    """What pFedClub and pFedHR share: functional groups, the public data's use, distillation and fine-tuning."""
+
+    clusters: int = option(C.CLUSTERS, "functional groups K of the uploaded blocks (pFedClub §4.1: 4)")
+    public: str = option("labeled", "the server's public data: labeled (stitches tuned by CE, Eq. (2)) or "
+                         "unlabeled (NT-Xent on two augmented views, Eq. (3))")
+    kd_lambda: float = option(C.KD_LAMBDA, "λ of the clients' CE + λ·KL distillation (Eq. (5); paper: 0.2)")
+    finetune_epochs: int = option(C.FINETUNE_EPOCHS, "epochs of stitch fine-tuning on the public data (paper: 3)")
+    max_candidates: int = option(C.MAX_CANDIDATES, "candidate teachers built per client (pFedClub) or in the "
+                                 "shared pool (pFedHR)")
+
+    def __post_init__(self) -> None:
+        for name in ("clusters", "finetune_epochs", "max_candidates"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if not self.kd_lambda >= 0:
+            raise ConfigError(f"kd_lambda must be >= 0, got {self.kd_lambda}")
+        if self.public not in ("labeled", "unlabeled"):
+            raise ConfigError(f"public must be labeled or unlabeled, got {self.public!r}")
+
+
 class ReassemblyStrategy(Strategy):
     """Base of the block-reassembly strategies; subclasses implement `make_teachers`."""
 
     def setup(self, clients: Mapping[str, ClientInfo]) -> None:
         super().setup(clients)
+        if self.public is not None and self.options.public == "unlabeled":  # stitches learn from views, not labels
+            self.public = PublicData(self.public.x, None)
         if self.public is None or len(self.public.x) < C.MIN_PUBLIC_SAMPLES:
             have = 0 if self.public is None else len(self.public.x)
             raise StrategyError(f"{self.name} needs at least {C.MIN_PUBLIC_SAMPLES} public samples on the server, "
@@ -92,10 +119,14 @@ class ReassemblyStrategy(Strategy):
 
     def plan(self, rnd: int, active: Sequence[str]) -> dict[str, Task]:
         """kd_train for every active client, with the teacher kept from its last selection (pFedClub §3.3)."""
-        config = self.train_config(upload=True) | {"kd_lambda": self.config.kd_lambda}
+        config = self.train_task(upload=True, kd_lambda=self.options.kd_lambda).to_config()
         self.sent = set(active)
         return {cid: Task("kd_train", rnd, config, {"teacher": self.teachers[cid]} if cid in self.teachers else {})
                 for cid in active}
+
+    def expects(self, task: Task, client: ClientInfo) -> Expected:
+        """A kd_train reply carries the client's own model (its registered architecture); an evaluation metrics."""
+        return Expected(models={"local": client.spec}) if task.type == "kd_train" else Expected()
 
     def aggregate(self, rnd: int, results: Mapping[str, Result]) -> None:
         """Group the uploaded blocks, then build, fine-tune and match each uploader's teacher."""
@@ -130,7 +161,7 @@ class ReassemblyStrategy(Strategy):
                            for xb in torch.tensor_split(x, parts))
                 similarity = minibatch_block_similarity(batches, device=device)
         with self.stage("grouping"):
-            labels = group_blocks(similarity, self.config.clusters, seed=derive_seed(self.config.seed, "group", rnd))
+            labels = group_blocks(similarity, self.options.clusters, seed=derive_seed(self.config.seed, "group", rnd))
         return Pool(uploads, similarity, labels)
 
     def make_teachers(self, rnd: int, pool: Pool) -> dict[str, tuple[Weights | None, dict[str, Any]]]:
@@ -139,7 +170,7 @@ class ReassemblyStrategy(Strategy):
 
     def finetune(self, rnd: int, tag: str, candidates: Sequence[tuple[Weights, tuple[int, ...]]]) -> list[Weights]:
         """Train only the stitches on public data: CE if labeled (Eq. (2)), NT-Xent otherwise (Eq. (3))."""
-        cfg = FinetuneConfig(epochs=self.config.finetune_epochs, lr=C.DEFAULT_LR, tau=C.NT_XENT_TAU,
+        cfg = FinetuneConfig(epochs=self.options.finetune_epochs, lr=C.DEFAULT_LR, tau=C.NT_XENT_TAU,
                              labeled=self.public.y is not None,
                              seed=derive_seed(self.config.seed, "finetune", rnd, tag) % 2**31)
         with self.stage("finetune"):

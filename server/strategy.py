@@ -1,7 +1,10 @@
-"""The server half of a strategy (plan and aggregate hooks) and the strategy registry."""
+"""The server half of a strategy (plan, aggregate and the replies it expects), its options, and the strategy
+registry."""
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -9,9 +12,12 @@ import torch
 
 from fedge import constants as C
 from fedge.checkpoint import Tree
-from fedge.messages import ClientInfo, Result, Task, Weights
-from fedge.registry import Registry
+from fedge.config import ConfigError, coerce
 from fedge.errors import UserError
+from fedge.messages import ClientInfo, Result, Task, Weights
+from fedge.payloads import Expected
+from fedge.registry import Registry
+from fedge.tasks import TrainTask
 
 
 class StrategyError(UserError, ValueError):
@@ -20,23 +26,33 @@ class StrategyError(UserError, ValueError):
 
 @dataclass(frozen=True)
 class StrategyConfig:
-    """What every strategy gets from the run configuration (each strategy reads the fields it needs)."""
+    """What every strategy gets from the run's run-level keys: local training, the seed, the server's device."""
 
     local_epochs: int
     batch_size: int
     lr: float
     seed: int
     device: str = "cpu"
-    eta: float = C.PFEDCLUB_PLUS_ETA
-    clusters: int = C.CLUSTERS
-    ablation: str = "none"
-    cmsr_index: str = C.CMSR_INDEX
-    kd_lambda: float = C.KD_LAMBDA
-    finetune_epochs: int = C.FINETUNE_EPOCHS
-    max_candidates: int = C.MAX_CANDIDATES
     sgd_lr: float = C.SGD_LR
     sgd_momentum: float = C.SGD_MOMENTUM
-    max_client_share: float = C.MAX_CLIENT_SHARE
+
+
+def option(default: Any, help: str) -> Any:
+    """A field of a strategy's options dataclass: its default and the one line `fedge strategies` shows."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class StrategyOptions:
+    """A strategy's own settings (none here). Subclasses are frozen dataclasses whose fields are made with
+    `option(...)` and checked in __post_init__ (ConfigError naming the option and what is allowed)."""
+
+    @classmethod
+    def describe(cls) -> list[tuple[str, str, Any, str]]:
+        """(name, type, default, help) of every option, in declaration order."""
+        hints = typing.get_type_hints(cls)
+        return [(f.name, getattr(hints[f.name], "__name__", str(hints[f.name])), f.default, f.metadata.get("help", ""))
+                for f in dataclasses.fields(cls)]
 
 
 @dataclass(frozen=True)
@@ -51,25 +67,30 @@ class Strategy:
     """Hooks the round loop calls. Strategies never loop over rounds and never touch the transport."""
 
     name = "base"
+    options_type: type[StrategyOptions] = StrategyOptions  # set by register_strategy
     # A personalized strategy's final accuracy covers only clients that trained at least once
     # (a never-selected client has no personalized model); a global-model strategy covers all.
     personalized = True
 
-    def __init__(self, config: StrategyConfig, public: PublicData | None = None) -> None:
+    def __init__(self, config: StrategyConfig, public: PublicData | None = None,
+                 options: StrategyOptions | None = None) -> None:
         self.config = config
         self.public = public
+        self.options: Any = self.options_type() if options is None else options
+        if not isinstance(self.options, self.options_type):
+            raise StrategyError(f"{self.name} takes {self.options_type.__name__}, got {type(self.options).__name__}")
         self.clients: dict[str, ClientInfo] = {}
 
     def setup(self, clients: Mapping[str, ClientInfo]) -> None:
         """Called once with the registered fleet; raise StrategyError if the fleet does not fit."""
         self.clients = dict(clients)
 
-    def train_config(self, upload: bool) -> dict[str, Any]:
-        """The JSON config of a local-training task (epochs, batch, Adam's lr, the executorch runtime's SGD lr and
-        momentum, seed, whether to upload weights)."""
+    def train_task(self, upload: bool, **distillation: float) -> TrainTask:
+        """The settings of a local-training task from the run's keys (epochs, batch, Adam's lr, the executorch
+        runtime's SGD lr and momentum, seed), whether to upload the model, and λ/T for a kd_train task."""
         c = self.config
-        return {"epochs": c.local_epochs, "batch_size": c.batch_size, "lr": c.lr, "sgd_lr": c.sgd_lr,
-                "sgd_momentum": c.sgd_momentum, "seed": c.seed, "upload": upload}
+        return TrainTask(epochs=c.local_epochs, batch_size=c.batch_size, lr=c.lr, seed=c.seed, upload=upload,
+                         sgd_lr=c.sgd_lr, sgd_momentum=c.sgd_momentum, **distillation)
 
     def plan(self, rnd: int, active: Sequence[str]) -> dict[str, Task]:
         """The task for each active client this round. A failed round is planned again, so planning must not
@@ -79,6 +100,11 @@ class Strategy:
     def aggregate(self, rnd: int, results: Mapping[str, Result]) -> None:
         """Fold the replies that arrived (possibly none) into the server state."""
         raise NotImplementedError
+
+    def expects(self, task: Task, client: ClientInfo) -> Expected:
+        """What a reply to `task` (one this strategy planned, or an evaluation) may carry; the coordinator refuses
+        a reply with anything else, and the transport sizes replies by it. By default: metrics only."""
+        return Expected()
 
     def evaluation(self, rnd: int, clients: Sequence[str]) -> dict[str, Task]:
         """Evaluation tasks; by default each client evaluates its own current model."""
@@ -110,14 +136,38 @@ class Strategy:
 STRATEGIES: Registry[type[Strategy]] = Registry("strategy", StrategyError)
 
 
-def register_strategy(name: str) -> Callable[[type[Strategy]], type[Strategy]]:
-    """Class decorator adding a strategy under `name` (which becomes its `name` attribute)."""
+def register_strategy(name: str, options: type[StrategyOptions] = StrategyOptions
+                      ) -> Callable[[type[Strategy]], type[Strategy]]:
+    """Class decorator adding a strategy under `name` (which becomes its `name` attribute) with its options
+    dataclass."""
+    if not (dataclasses.is_dataclass(options) and issubclass(options, StrategyOptions)):
+        raise TypeError(f"strategy {name!r}: options must be a StrategyOptions dataclass, got {options!r}")
+
     def add(cls: type[Strategy]) -> type[Strategy]:
-        cls.name = name
+        cls.name, cls.options_type = name, options
         return STRATEGIES.add(name, cls)
     return add
 
 
-def create_strategy(name: str, config: StrategyConfig, public: PublicData | None = None) -> Strategy:
-    """Instantiate a registered strategy; an unknown name raises StrategyError listing the known ones."""
-    return STRATEGIES.get(name)(config, public)
+def parse_options(name: str, values: Mapping[str, Any]) -> StrategyOptions:
+    """The options of strategy `name` from `values` (strings from --set, or TOML/JSON values), over its defaults.
+    An unknown strategy raises StrategyError; an unknown option, or a bad value, ConfigError listing the
+    strategy's options."""
+    options_type = STRATEGIES.get(name).options_type
+    known = {f.name: f for f in dataclasses.fields(options_type)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        listing = ", ".join(known) or "none"
+        raise ConfigError(f"strategy {name!r} has no option(s) {unknown}; its options: {listing} "
+                          f"(`fedge strategies` describes them; run-level keys are listed by `fedge run --help`)")
+    hints = typing.get_type_hints(options_type)
+    return options_type(**{k: coerce(k, hints[k], v) for k, v in values.items()})
+
+
+def create_strategy(name: str, config: StrategyConfig, public: PublicData | None = None,
+                    options: StrategyOptions | Mapping[str, Any] | None = None) -> Strategy:
+    """Instantiate a registered strategy with its options (a dataclass, or values for parse_options; None: the
+    defaults); an unknown name raises StrategyError listing the known ones."""
+    if options is None or isinstance(options, Mapping):
+        options = parse_options(name, options or {})
+    return STRATEGIES.get(name)(config, public, options)

@@ -1,18 +1,26 @@
 """Every registered strategy, on a homogeneous fleet all accept: plan/aggregate contracts, zero replies,
-order independence, seed determinism, and state that survives a checkpoint and a re-planned round."""
+order independence, seed determinism, state that survives a checkpoint and a re-planned round, options with
+defaults and help that refuse unknown keys, and a declaration of what every reply it asks for carries."""
+
+import dataclasses
 
 import pytest
 import torch
 
+from device_profiles import get_profile
 from edge_client.agent import TASKS
 from fedge.checkpoint import load_tree, save_tree, tree_digest
+from fedge.config import ConfigError
 from fedge.messages import ClientInfo, Result, Weights
+from fedge.payloads import DTYPES, Expected, payload_rejection
 from fedge.spec import build
+from fedge.wire import encode_result
 from fedge.zoo import create
-from server.strategy import STRATEGIES, PublicData, StrategyConfig, create_strategy
+from server.strategy import STRATEGIES, PublicData, StrategyConfig, create_strategy, parse_options
 
 pytestmark = pytest.mark.timeout(120)
-CONFIG = StrategyConfig(local_epochs=1, batch_size=8, lr=1e-3, seed=0, finetune_epochs=1, max_candidates=2)
+CONFIG = StrategyConfig(local_epochs=1, batch_size=8, lr=1e-3, seed=0)
+SMALL = {"finetune_epochs": 1, "max_candidates": 2}  # where a strategy has these options: tiny and fast
 PUBLIC = PublicData(torch.randn(24, 1, 8, 8, generator=torch.Generator().manual_seed(0)),
                     torch.arange(24) % 10)
 
@@ -23,7 +31,8 @@ def fleet(n=4):
 
 
 def make(name):
-    s = create_strategy(name, CONFIG, PUBLIC)
+    known = {option for option, *_ in STRATEGIES.get(name).options_type.describe()}
+    s = create_strategy(name, CONFIG, PUBLIC, {k: v for k, v in SMALL.items() if k in known})
     s.setup(fleet())
     return s
 
@@ -100,3 +109,40 @@ def test_planning_a_round_again_changes_no_state(name):
     first = strategy.plan(1, ["0", "1"])
     same_tasks(strategy.plan(1, ["0", "1"]), first)
     assert tree_digest(strategy.state()) == before
+
+
+def test_options_have_defaults_and_help_take_strings_and_refuse_unknown_keys(name):
+    options_type = STRATEGIES.get(name).options_type
+    defaults = parse_options(name, {})
+    assert defaults == options_type()
+    for option, kind, default, text in options_type.describe():
+        assert text, f"{name} option {option} has no help text"
+        assert parse_options(name, {option: str(default)}) == defaults  # --set gives every value as a string
+    with pytest.raises(ConfigError, match=r"has no option\(s\) \['no_such_option'\]"):
+        parse_options(name, {"no_such_option": "1"})
+
+
+def conforming(task, expected, info):
+    """A reply carrying exactly what `expected` declares (a fresh model where any architecture is allowed)."""
+    models = {}
+    for role, spec in expected.models.items():
+        spec = (spec or info.spec).with_origin(info.client_id)
+        models[role] = Weights(spec, build(spec).state_dict())
+    tensors = {n: torch.zeros(slot.shape, dtype=DTYPES[slot.dtype]) for n, slot in expected.tensors.items()}
+    return Result(info.client_id, task.round, task.type, 5, {"accuracy": 0.5, "loss": 1.0}, models,
+                  tensors=tensors, records={n: [1, "a"] for n in expected.records})
+
+
+def test_every_task_declares_what_its_reply_carries_and_sizes_it(name):
+    strategy, clients = make(name), fleet()
+    strategy.aggregate(0, uploads(0, ["0", "1", "2"]))
+    profile = get_profile("rpi-4")
+    for tasks in (strategy.plan(1, ["0", "1", "3"]), strategy.evaluation(1, ["0", "1", "3"])):
+        for cid, task in tasks.items():
+            expected = strategy.expects(task, clients[cid])
+            assert isinstance(expected, Expected)
+            reply = conforming(task, expected, clients[cid])
+            assert payload_rejection(reply, expected, clients[cid], profile) is None
+            assert len(encode_result(reply)) <= expected.reply_bytes(profile)
+            extra = dataclasses.replace(reply, tensors=reply.tensors | {"undeclared": torch.zeros(1)})
+            assert payload_rejection(extra, expected, clients[cid], profile)[0] == "payload"

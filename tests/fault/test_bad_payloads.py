@@ -44,9 +44,11 @@ from helpers.raw import (  # noqa: F401, F811 (broker, fleet and connect are pyt
     valid_result,
 )
 
+from device_profiles import get_profile
 from fedge.constants import MAX_HEADER_BYTES, REPLY_SLACK_BYTES, SPEC_METADATA_KEY
 from fedge.messages import Result, Task
 from fedge.mqtt import Inbox
+from fedge.payloads import Expected
 from fedge.weights import check_state
 from fedge.wire import Envelope, WireError, decode_result, frames
 from server.coordinator import rejection
@@ -307,7 +309,7 @@ def test_fuzzed_payloads_never_crash_and_never_pass_off_spec():
         except Exception as e:  # noqa: BLE001 (what this test hunts for)
             crashes.append(f"decode #{i} ({kind}): {type(e).__name__}: {e}"[:300])
             continue
-        verdict = rejection(res, task, info("a"))
+        verdict = rejection(res, task, info("a"), Expected(models={"local": info("a").spec}), get_profile("rpi-4"))
         outcome[verdict[0] if verdict else "accepted"] += 1
         if verdict is None and not _on_spec(res):
             crashes.append(f"decode #{i} ({kind}): accepted off-spec models {sorted(res.models)}")

@@ -34,12 +34,19 @@ from helpers.raw import (  # noqa: F401, F811 (broker, fleet and connect are pyt
 
 from fedge import zoo
 from fedge.constants import NORM_OUTLIER_FACTOR
+from device_profiles import get_profile
+from fedge.payloads import Expected
 from fedge.messages import Result, Task, Weights
 from fedge.wire import Envelope, decode_result
 from server.coordinator import rejection
 from server.fleet import Fleet
 
 pytestmark = pytest.mark.timeout(90)
+
+
+def check(res):
+    """The coordinator's verdict on a reply to client a's training task of round 1 (fedavg declares its upload)."""
+    return rejection(res, Task("train", 1), info("a"), Expected(models={"local": info("a").spec}), get_profile("rpi-4"))
 
 
 # ------------------------------------------------------------------------------------------------------ 17–20
@@ -76,7 +83,7 @@ def test_a_wrong_key_set_or_model_variant_never_reaches_aggregation(fleet, conne
     (`architecture`). (fedge clients upload the whole model, so there are no personal-head keys to leak.)"""
     cases = _keys_cases()
     for name, state in cases.items():
-        assert rejection(_result(state), Task("train", 1), info("a"))[0] == "weights", name
+        assert check(_result(state))[0] == "weights", name
     a = connect("a")
     ex, envs = open_round(fleet, [a], 1)
     _refuse_all(fleet, a, envs["a"], {name: (_upload(own("a"), state), "do not match spec")
@@ -101,7 +108,7 @@ def test_broadcastable_shapes_are_refused(fleet, connect):
              "(10, 1) for (10, 128)": {**state, "blocks.3.0.weight": torch.zeros(10, 1)},
              "(1, 128) for (10, 128)": {**state, "blocks.3.0.weight": torch.zeros(1, 128)}}
     for name, bad in cases.items():
-        assert rejection(_result(bad), Task("train", 1), info("a"))[0] == "weights", name
+        assert check(_result(bad))[0] == "weights", name
     a = connect("a")
     ex, envs = open_round(fleet, [a], 1)
     _refuse_all(fleet, a, envs["a"], {n: (_upload(own("a"), s), "has shape") for n, s in cases.items()}, "bad_weights")
@@ -117,7 +124,7 @@ def test_weights_of_another_dtype_are_refused_not_cast(fleet, connect):
     cases = {str(dtype): {**state, "blocks.1.0.weight": state["blocks.1.0.weight"].to(dtype)}
              for dtype in (torch.float64, torch.int8, torch.bool, torch.float16)}  # (a whole float64 model: too_large)
     for name, bad in cases.items():
-        assert rejection(_result(bad), Task("train", 1), info("a"))[0] == "weights", name
+        assert check(_result(bad))[0] == "weights", name
     a = connect("a")
     ex, envs = open_round(fleet, [a], 1)
     _refuse_all(fleet, a, envs["a"], {n: (_upload(own("a"), s), "has dtype") for n, s in cases.items()}, "bad_weights")
@@ -135,7 +142,7 @@ def test_a_single_non_finite_value_is_refused(fleet, connect):
         return {**state, name: t}
     cases = {"NaN": poisoned(math.nan), "+Inf": poisoned(math.inf, "blocks.3.0.bias"), "-Inf": poisoned(-math.inf)}
     for name, bad in cases.items():
-        assert rejection(_result(bad), Task("train", 1), info("a"))[0] == "weights", name
+        assert check(_result(bad))[0] == "weights", name
     a = connect("a")
     ex, envs = open_round(fleet, [a], 1)
     _refuse_all(fleet, a, envs["a"], {n: (_upload(own("a"), s), "NaN or Inf") for n, s in cases.items()},
@@ -189,7 +196,7 @@ def test_num_examples_abuse_is_rejected(fleet, connect, tmp_path):
         assert coord.accepted(ex.results(), {"a": Task("train", rnd)}) == {}, n
     assert coord.rejected == {"num_examples": 3} and dict(fleet.inbox.rejected) == {"bad_format": 4}
     for n in (3.7, -5):
-        assert rejection(_result(state_for(own("a")), num_examples=n), Task("train", 1), info("a"))[0] \
+        assert check(_result(state_for(own("a")), num_examples=n))[0] \
             == "num_examples"
 
     ex, envs = open_round(fleet, [a], 4)

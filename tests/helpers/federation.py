@@ -26,11 +26,12 @@ from helpers.brokers import MosquittoProcess
 
 from fedge.access import generate_users
 from fedge.embedded_broker import EmbeddedBroker
-from fedge.config import RunConfig
+from fedge.config import RunConfig, config_from
 from fedge.messages import Result, Task
 from fedge.mqtt import Broker
 from launch import federation, server
 from launch.simulation import run_simulation
+from server.strategy import STRATEGIES
 from fedge.weights import atomic_write
 from server.fleet import Fleet, FleetError
 
@@ -41,15 +42,18 @@ EXIT_S = 10.0  # how long a process or the server thread gets to finish after it
 
 def make_config(out: Path, **overrides: Any) -> RunConfig:
     """A run small enough for a fault test: 3 cnn1 clients on mnist-5k, 2 rounds of 1 epoch on 64 samples,
-    1 s heartbeats, a 15 s round deadline; every field can be overridden."""
+    1 s heartbeats, a 15 s round deadline, one epoch of stitch fine-tuning for the strategies that have it; every
+    field and option can be overridden."""
     values: dict[str, Any] = dict(
         strategy="fedavg", dataset="mnist-5k", zoo="cnn1", clients=3, rounds=2, local_epochs=1,
-        max_samples_per_client=64, max_public_samples=64, batch_size=32, finetune_epochs=1, device="cpu",
+        max_samples_per_client=64, max_public_samples=64, batch_size=32, device="cpu",
         heartbeat_s=1.0, round_deadline_s=15.0, register_timeout_s=60.0, round_retries=0,
         run_id=f"fault{os.getpid()}x{time.monotonic_ns() % 10**6}", out=str(out))
     values.update(overrides)
     values.setdefault("active", values["clients"])
-    return RunConfig(**values)
+    if "finetune_epochs" in {o for o, *_ in STRATEGIES.get(values["strategy"]).options_type.describe()}:
+        values.setdefault("finetune_epochs", 1)
+    return config_from(values)
 
 
 def run_inproc(cfg: RunConfig) -> dict[str, Any]:
@@ -148,14 +152,14 @@ class RecordingFleet(Fleet):
                     raise
         raise FleetError("aborted by the test")
 
-    def exchange(self, tasks: Mapping[str, Task]) -> dict[str, Result]:
+    def exchange(self, tasks: Mapping[str, Task], limits: Mapping[str, int] | None = None) -> dict[str, Result]:
         if self.aborted.is_set():
             return {}
         first = next(iter(tasks.values()), None)
         self._current = (first.round, first.type) if first else (-1, "")
         self._unsent = len(tasks)
         start = time.monotonic()
-        results = super().exchange(tasks)
+        results = super().exchange(tasks, limits)
         self.exchanges.append(Exchange(first.round if first else -1, first.type if first else "",
                                        sorted(tasks), sorted(results), start, time.monotonic()))
         return results

@@ -343,9 +343,13 @@ def open_round(fleet: Fleet, clients: list[RawClient], rnd: int, type: str = "tr
 
 
 def coordinator(fleet: Fleet, tmp_path: Path, clients: tuple[str, ...]) -> Coordinator:
-    """A Coordinator over the fleet, used only for `accepted` (the checks after transport)."""
-    return Coordinator(create_strategy("fedavg", StrategyConfig(1, 16, 1e-3, 0)), fleet, {c: info(c) for c in clients},
-                       LoopConfig(1, len(clients), 0, 1, progress=False), RunLog(tmp_path / "run", {}))
+    """A Coordinator over the fleet with fedavg set up for these clients, used only for `accepted` (the checks
+    after transport, against the upload fedavg's training task declares)."""
+    fleet_info = {c: info(c) for c in clients}
+    strategy = create_strategy("fedavg", StrategyConfig(1, 16, 1e-3, 0))
+    strategy.setup(fleet_info)
+    return Coordinator(strategy, fleet, fleet_info, LoopConfig(1, len(clients), 0, 1, progress=False),
+                       RunLog(tmp_path / "run", {}))
 
 
 def refused(client: RawClient, env: Envelope) -> str:

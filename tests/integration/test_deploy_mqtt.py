@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from fedge.access import generate_users
-from fedge.config import RunConfig
+from fedge.config import RunConfig, config_from
 from launch.federation import write_secrets
 from launch.server import serve
 from fedge.mqtt import Broker
@@ -24,9 +24,10 @@ IDS = ["0", "1", "2"]
 
 def tiny(tmp_path, name: str, **kw) -> RunConfig:
     base = dict(strategy="pfedclub", dataset="digits", zoo="I", clients=3, active=3, rounds=2, local_epochs=1,
-                finetune_epochs=1, batch_size=16, seed=5, out=str(tmp_path / name), heartbeat_s=1.0,
+                batch_size=16, seed=5, out=str(tmp_path / name), heartbeat_s=1.0,
                 round_deadline_s=120.0, register_timeout_s=120.0, run_id="t1")
-    return RunConfig(**(base | kw))
+    small = {"finetune_epochs": 1} if kw.get("strategy", "pfedclub") == "pfedclub" else {}
+    return config_from(base | small | kw)
 
 
 def fedge(*args: str, **kw) -> subprocess.CompletedProcess:

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from edge_client.agent import ClientAgent
-from fedge.config import RunConfig
+from fedge.config import RunConfig, config_from
 from fedge.data import load_dataset
 from fedge.messages import Task
 from fedge.partition import make_partition
@@ -25,7 +25,7 @@ ROW_KEYS = {"round", "client", "model", "params", "macs", "accuracy", "loss", "t
 def config(tmp_path, **kw) -> RunConfig:
     base = dict(strategy="local", dataset="digits", zoo="I", clients=7, active=3, rounds=2, local_epochs=1, batch_size=16,
                 out=str(tmp_path / "run"), seed=3)
-    return RunConfig(**(base | kw))
+    return config_from(base | kw)
 
 
 def test_local_run_writes_the_contract(tmp_path):

@@ -8,7 +8,7 @@ import sys
 import pytest
 from helpers.federation import run_inproc
 
-from fedge.config import RunConfig
+from fedge.config import RunConfig, config_from
 
 pytestmark = pytest.mark.timeout(600)
 RUNTIMES = {"0": "torch", "1": "executorch", "2": "torch", "3": "executorch"}
@@ -19,7 +19,7 @@ def mixed(tmp_path, name: str, **kw) -> RunConfig:
                 clients=4, active=4, rounds=2, local_epochs=1, finetune_epochs=1, max_candidates=2, batch_size=16,
                 seed=3, out=str(tmp_path / name), heartbeat_s=1.0, round_deadline_s=300.0, register_timeout_s=300.0,
                 run_id="mixed", export_onnx=False)
-    return RunConfig(**(base | kw))
+    return config_from(base | kw)
 
 
 def rows(run_dir) -> list[dict]:

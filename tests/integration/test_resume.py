@@ -7,7 +7,7 @@ import pytest
 
 from edge_client.agent import ClientAgent
 from fedge.checkpoint import CheckpointError, load_tree, tree_digest
-from fedge.config import RunConfig
+from fedge.config import config_from
 from launch.simulation import run_simulation
 from server.runlog import CHECKPOINT_FILE
 
@@ -21,9 +21,9 @@ class Crash(BaseException):
 
 def config(out, strategy, **kw):
     base = dict(strategy=strategy, dataset="digits", zoo="cnn1" if strategy == "fedavg" else "I", clients=5,
-                active=3, rounds=3, local_epochs=1, batch_size=32, finetune_epochs=1, max_candidates=2,
-                out=str(out), seed=1)
-    return RunConfig(**(base | kw))
+                active=3, rounds=3, local_epochs=1, batch_size=32, out=str(out), seed=1)
+    small = {"finetune_epochs": 1, "max_candidates": 2} if strategy.startswith("pf") else {}  # reassembly options
+    return config_from(base | small | kw)
 
 
 def crash_at(monkeypatch, rnd, nth):

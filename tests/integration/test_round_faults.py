@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from edge_client.agent import ClientAgent
-from fedge.config import RunConfig
+from fedge.config import RunConfig, config_from
 from fedge.data import load_dataset
 from fedge.messages import Result, Task, Weights
 from fedge.partition import make_partition
@@ -28,7 +28,7 @@ STRATEGY = StrategyConfig(local_epochs=1, batch_size=16, lr=1e-3, seed=0)
 def config(tmp_path, **kw) -> RunConfig:
     base = dict(strategy="fedavg", dataset="digits", zoo="cnn1", clients=4, active=4, rounds=1, local_epochs=1,
                 batch_size=16, out=str(tmp_path / "run"), seed=3)
-    return RunConfig(**(base | kw))
+    return config_from(base | kw)
 
 
 def fleet(cfg: RunConfig) -> list[ClientAgent]:
@@ -138,11 +138,11 @@ class Hiccup:
     def __init__(self, inner):
         self.inner, self.calls = inner, 0
 
-    def exchange(self, tasks):
+    def exchange(self, tasks, limits):
         self.calls += 1
         if self.calls == 1:
             raise ConnectionError("broker went away")
-        return self.inner.exchange(tasks)
+        return self.inner.exchange(tasks, limits)
 
 
 def test_a_transport_failure_fails_the_try_not_the_run(tmp_path, caplog):

@@ -54,7 +54,10 @@ def test_run_prints_per_client_accuracy(capsys, tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["run", "--strategy", "nope"], "unknown strategy 'nope'; available: fedavg, local"),
-    (["run", "--set", "bogus=1"], "unknown config key(s) ['bogus']"),
+    (["run", "--set", "bogus=1"], "strategy 'pfedclub' has no option(s) ['bogus']; its options: clusters,"),
+    (["run", "--strategy", "fedavg", "--set", "eta=0.2"], "strategy 'fedavg' has no option(s) ['eta']"),
+    (["run", "--strategy", "pfedclub+", "--set", "eta=-2"], "eta must be > -1"),
+    (["run", "--set", "clusters=many"], "clusters='many' is not a valid int"),
     (["run", "--set", "rounds"], "--set expects key=value"),
     (["run", "--clients", "2", "--active", "5"], "active (5) cannot exceed clients (2)"),
     (["run", "--zoo", "IV"], "unknown zoo 'IV'"),
@@ -86,6 +89,25 @@ def test_toml_config_with_overrides_on_top(capsys, tmp_path):
     assert code == 0 and json.loads((tmp_path / "r" / "config.json").read_text())["rounds"] == 1
 
 
+def test_strategy_options_from_a_toml_table_and_set_are_recorded_with_their_defaults(capsys, tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('strategy = "fedavg"\ndataset = "digits"\nzoo = "cnn1"\nclients = 2\nactive = 2\nrounds = 1\n'
+                    'local_epochs = 1\ntransport = "inproc"\n[options]\nmax_client_share = 0.75\n')
+    code, _, err = run(capsys, "run", "--config", str(path), "--out", str(tmp_path / "r"), "--no-progress")
+    assert code == 0, err
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["options"] == {"max_client_share": 0.75}
+    code, _, err = run(capsys, "run", "--config", str(path), "--set", "max_client_share=1", "--out",
+                       str(tmp_path / "s"), "--no-progress")
+    assert code == 0 and json.loads((tmp_path / "s" / "config.json").read_text())["options"] == {"max_client_share": 1.0}
+
+
+def test_strategies_lists_every_strategy_with_its_options(capsys):
+    code, out, _ = run(capsys, "strategies", "--json")
+    listed = {s["name"]: {o["name"]: o["default"] for o in s["options"]} for s in json.loads(out)}
+    assert listed["fedavg"] == {"max_client_share": 0.5} and listed["local"] == {}
+    assert listed["pfedclub+"]["eta"] == 0.1 and "eta" not in listed["pfedclub"]
+
+
 def test_bad_input_shape_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["zoo", "--input", "28x28"])
@@ -96,3 +118,4 @@ def test_console_script_help():
     result = subprocess.run([sys.executable, "-m", "launch.cli", "run", "--help"], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0 and "--local-epochs" in result.stdout and "--set KEY=VALUE" in result.stdout
+    assert "pfedclub+: pFedClub+" in result.stdout and "eta (float, default 0.1)" in result.stdout

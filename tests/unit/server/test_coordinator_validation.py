@@ -3,7 +3,9 @@
 import pytest
 import torch
 
+from device_profiles import get_profile
 from fedge.messages import ClientInfo, Result, Task, Weights
+from fedge.payloads import Expected
 from fedge.spec import build
 from fedge.zoo import create
 from server.coordinator import norm_outliers, rejection
@@ -13,6 +15,11 @@ SPEC = create("cnn1", (1, 8, 8), 10).with_origin("0")
 INFO = ClientInfo("0", SPEC, "rpi-4", num_train=20, num_test=5)
 TRAIN = Task("train", 3)
 STATE = build(SPEC).state_dict()
+UPLOAD = Expected(models={"local": SPEC})  # what a training task of a fixed-architecture strategy declares
+
+
+def check(res, task, expected=UPLOAD):
+    return rejection(res, task, INFO, expected, get_profile("rpi-4"))
 
 
 def reply(**kw):
@@ -22,7 +29,7 @@ def reply(**kw):
 
 
 def test_a_good_reply_passes():
-    assert rejection(reply(), TRAIN, INFO) is None
+    assert check(reply(), TRAIN) is None
 
 
 @pytest.mark.parametrize("kw, task, code", [
@@ -40,9 +47,12 @@ def test_a_good_reply_passes():
     ({"models": {"local": Weights(SPEC, STATE | {"blocks.0.0.bias": torch.full((16,), float("inf"))})}},
      TRAIN, "weights"),
     ({"type": "evaluate", "num_examples": 5, "metrics": {"loss": 0.1}}, Task("evaluate", 3), "metrics"),
+    ({"models": {"local": Weights(SPEC, STATE), "extra": Weights(SPEC, STATE)}}, TRAIN, "payload"),
+    ({"models": {}}, TRAIN, "payload"),                           # the declared upload is missing
+    ({"tensors": {"x": torch.zeros(2)}}, TRAIN, "payload"),       # a tensor nobody asked for
 ])
 def test_bad_replies_are_rejected_with_a_reason(kw, task, code):
-    assert rejection(reply(**kw), task, INFO)[0] == code
+    assert check(reply(**kw), task)[0] == code
 
 
 def upload(cid, scale):

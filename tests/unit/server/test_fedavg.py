@@ -1,13 +1,12 @@
 """FedAvg's aggregation by hand, and its refusal of heterogeneous fleets."""
 
-import dataclasses
 
 import pytest
 import torch
 
 from fedge.messages import ClientInfo, Result, Weights
 from fedge.zoo import create
-from server.fedavg import FedAvg, capped_shares, weighted_average
+from server.fedavg import FedAvg, FedAvgOptions, capped_shares, weighted_average
 from server.strategy import StrategyConfig, StrategyError
 
 pytestmark = pytest.mark.timeout(60)
@@ -62,7 +61,7 @@ def test_one_client_claiming_a_million_examples_gets_at_most_its_cap():
 
 
 def test_aggregate_weights_by_examples_and_tolerates_no_replies():
-    strategy = FedAvg(dataclasses.replace(CONFIG, max_client_share=1.0))
+    strategy = FedAvg(CONFIG, options=FedAvgOptions(max_client_share=1.0))
     strategy.setup({"0": info("0", "cnn1"), "1": info("1", "cnn1")})
     before = strategy.global_model
     strategy.aggregate(0, {})

@@ -8,6 +8,7 @@ import torch
 from fedge.messages import ClientInfo, Result, Weights
 from fedge.spec import build
 from fedge.zoo import create
+from fedge.config import ConfigError
 from server.strategy import PublicData, StrategyConfig, StrategyError, create_strategy
 
 pytestmark = pytest.mark.timeout(120)
@@ -15,17 +16,15 @@ MODELS = {"0": "cnn1", "1": "cnn2", "2": "cnn1", "3": "mobilenet_v1"}
 PUBLIC = PublicData(torch.randn(32, 1, 8, 8, generator=torch.Generator().manual_seed(0)), torch.arange(32) % 10)
 
 
-def config(**kw):
-    return StrategyConfig(**({"local_epochs": 1, "batch_size": 8, "lr": 1e-3, "seed": 0, "finetune_epochs": 1,
-                              "max_candidates": 2} | kw))
+CONFIG = StrategyConfig(local_epochs=1, batch_size=8, lr=1e-3, seed=0)
 
 
 def spec(cid):
     return create(MODELS[cid], (1, 8, 8), 10).with_origin(cid)
 
 
-def make(name, **kw):
-    s = create_strategy(name, config(**kw), PUBLIC)
+def make(name, **options):
+    s = create_strategy(name, CONFIG, PUBLIC, {"finetune_epochs": 1, "max_candidates": 2} | options)
     s.setup({cid: ClientInfo(cid, spec(cid), "rpi-4", 20, 5) for cid in MODELS})
     return s
 
@@ -79,10 +78,12 @@ def test_ablations_and_index_modes_run(ablation, index):
 
 
 def test_unknown_ablation_and_missing_public_data_are_refused():
-    with pytest.raises(StrategyError, match="ablation"):
+    with pytest.raises(ConfigError, match="ablation"):
         make("pfedclub", ablation="bogus")
-    with pytest.raises(StrategyError, match="index"):
+    with pytest.raises(ConfigError, match="index"):
         make("pfedclub", cmsr_index="bogus")
-    s = create_strategy("pfedclub", config())
+    with pytest.raises(ConfigError, match="has no option.*'eta'"):
+        make("pfedclub", eta=0.1)  # only pFedClub+ has the size bound
+    s = create_strategy("pfedclub", CONFIG)
     with pytest.raises(StrategyError, match="public samples"):
         s.setup({"0": ClientInfo("0", spec("0"), "rpi-4", 20, 5)})
