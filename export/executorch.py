@@ -28,7 +28,8 @@ from export import PARITY_ATOL, ExportError, require
 from fedge import constants as C
 from fedge.messages import Weights
 from fedge.spec import ModelSpec, SpecModel, build
-from fedge.weights import State, WeightsError, atomic_write, load_module
+from fedge.files import atomic_write
+from fedge.weights import State, WeightsError, load_module
 
 log = logging.getLogger(__name__)
 

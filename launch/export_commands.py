@@ -76,7 +76,7 @@ def _export_onnx(weights: Any, out: Path, sample: Any, metadata: dict[str, str],
 
 def _manifest(out: Path, weights: Any, metadata: dict[str, str], fields: dict[str, Any]) -> Path:
     """<out>.json beside an ExecuTorch file: what an app needs to feed it (see docs/android.md)."""
-    from fedge.weights import atomic_write
+    from fedge.files import atomic_write
 
     meta = {k: json.loads(v) if k in ("class_names", "mean", "std") else v for k, v in metadata.items()}
     doc = {"model": weights.spec.name, **meta, "params": weights.spec.params, "macs": weights.spec.macs, **fields}

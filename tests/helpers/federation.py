@@ -31,7 +31,7 @@ from fedge.messages import Result, Task
 from fedge.mqtt import Broker
 from launch import federation, server
 from launch.simulation import run_simulation
-from fedge.weights import atomic_write
+from fedge.files import atomic_write
 from server.fleet import Fleet, FleetError
 
 REPO = Path(__file__).resolve().parents[2]
