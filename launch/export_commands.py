@@ -90,7 +90,7 @@ def _batch_of(sample: Any, b: int) -> Any:
 
 def _export_pte(weights: Any, out: Path, sample: Any, metadata: dict[str, str], args: Any, cfg: dict) -> None:
     """An XNNPACK inference program for batches of --batch, checked against eager on real inputs."""
-    from export.executorch import export_pte
+    from export.pte import export_pte
 
     spec, b = weights.spec, args.batch
     r = export_pte(spec, weights.state, out, _batch_of(sample, b))
@@ -107,7 +107,9 @@ def _export_pte_train(weights: Any, out: Path, sample: Any, metadata: dict[str, 
     """The student's training program (.pte) and weights (.ptd), gated by gradient parity on real inputs."""
     import torch
 
-    from export.executorch import TRAIN_INPUTS, TRAIN_OUTPUTS, export_training, gradient_parity
+    from export.parity import gradient_parity
+    from export.training_program import export_training
+    from fedge.executorch_program import TRAIN_INPUTS, TRAIN_OUTPUTS
 
     spec, b = weights.spec, args.batch
     program = export_training(spec, weights.state, b)
