@@ -25,11 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.compare import hardware  # noqa: E402
 from device_profiles import list_profiles, train_seconds  # noqa: E402
-from edge_client.executorch_trainer import ExecuTorchTrainer, epoch_batches  # noqa: E402
+from edge_client.executorch_trainer import ExecuTorchTrainer, TrainingSession, epoch_batches  # noqa: E402
 from edge_client.training import Distillation, TrainConfig, fit  # noqa: E402
-from export.executorch import (  # noqa: E402
-    TrainingSession, gated_training_program, kd_loss, teacher_logits_pte, trainable_form)
+from export.parity import gated_training_program  # noqa: E402
+from export.pte import teacher_logits_pte  # noqa: E402
+from export.training_program import trainable_form  # noqa: E402
 from fedge import constants as C  # noqa: E402
+from fedge.distill import kd_loss  # noqa: E402
 from fedge.data import load_dataset  # noqa: E402
 from fedge.messages import Weights  # noqa: E402
 from fedge.spec import build  # noqa: E402

@@ -6,7 +6,7 @@
 Models: every zoo model (fresh weights, the dataset's input shape and classes), then the final personalized
 teachers of a pFedClub run: `--run-dir` reuses a run folder, otherwise a small in-process federation
 (4 clients, 2 rounds, 200 samples per client) is run into a temporary folder first. Each model is exported
-with export.onnx.export_onnx (parity-checked on 8 real images) and export.executorch.export_pte (a program
+with export.onnx.export_onnx (parity-checked on 8 real images) and export.pte.export_pte (a program
 for batch 1, checked on one real image), all files in a temporary folder. Every runtime uses `--threads`
 threads (torch.set_num_threads; onnxruntime intra/inter-op threads; ExecuTorch's threadpool reset).
 Prints p50/p95 milliseconds per sample over `--runs` timed calls after `--warmup` calls, and each runtime's
@@ -28,9 +28,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.compare import hardware  # noqa: E402
-from export.executorch import dense, export_pte  # noqa: E402
+from export.pte import export_pte  # noqa: E402
 from export.onnx import INPUT_NAME, export_onnx  # noqa: E402
 from export.run_models import load_final_model, parity_sample, run_config  # noqa: E402
+from fedge.executorch_program import dense  # noqa: E402
 from fedge.data import load_dataset  # noqa: E402
 from fedge.spec import build  # noqa: E402
 from fedge.weights import load_module  # noqa: E402

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 
 from edge_client.agent import ClientAgent, TaskError, register_task
 from edge_client.tasks import train_config, train_settings
 from edge_client.training import Distillation
 from fedge import constants as C
+from fedge.distill import check_kd_settings
 from fedge.messages import Result, Task
 
 log = logging.getLogger(__name__)
@@ -25,10 +25,10 @@ def kd_settings(task: Task) -> tuple[float, float]:
         temperature = float(task.config.get("temperature", C.KD_TEMPERATURE))
     except (TypeError, ValueError) as e:
         raise TaskError(f"task {task.type} of round {task.round}: bad kd_lambda or temperature: {e}") from None
-    if not (math.isfinite(lam) and lam >= 0):
-        raise TaskError(f"task {task.type}: kd_lambda must be a finite number >= 0, got {lam}")
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise TaskError(f"task {task.type}: temperature must be a finite number > 0, got {temperature}")
+    try:
+        check_kd_settings(lam, temperature)
+    except ValueError as e:
+        raise TaskError(f"task {task.type}: {e}") from None
     return lam, temperature
 
 

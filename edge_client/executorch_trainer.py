@@ -3,9 +3,9 @@ through the teacher's XNNPACK inference program; the same .pte files an Android 
 
 The training program is loaded once (per batch size) and kept: each round the client's current weights are
 copied into its parameters, it steps with ExecuTorch's SGD, and the weights are copied back into the client's
-model, which uploads them as any other. edge_client may not import export/, so the launcher (launch.client)
-hands in how to get a loaded program (export.executorch.TrainingSession of a gated program) and how to run a
-teacher (export.executorch.teacher_logits_pte).
+model, which uploads them as any other. `TrainingSession` is that loaded program, as an Android app's
+`TrainingModule` is. edge_client may not import export/, so the launcher (launch.client) hands in how to get a
+session (a TrainingSession of export.parity's gated program) and how to run a teacher (export.pte.teacher_logits_pte).
 """
 
 from __future__ import annotations
@@ -17,13 +17,22 @@ import torch
 from torch import nn
 
 from edge_client.training import Distillation, TrainConfig, TrainStats, check_distillation
+from fedge.distill import check_kd_settings
+from fedge.executorch_program import (
+    ProgramError,
+    TrainingProgram,
+    by_student_name,
+    copy_parameters,
+    load_training_module,
+    train_inputs,
+)
 from fedge.messages import Weights
 from fedge.spec import ModelSpec
 from fedge.weights import State
 
 
 class ProgramSession(Protocol):
-    """A loaded training program (export.executorch.TrainingSession): parameters in and out, SGD steps."""
+    """A loaded training program (TrainingSession, or a stand-in in tests): parameters in and out, SGD steps."""
 
     def load(self, params: State) -> None: ...
 
@@ -33,6 +42,52 @@ class ProgramSession(Protocol):
 
     def step(self, x: torch.Tensor, y: torch.Tensor, teacher_logits: torch.Tensor, kd_lambda: float,
              temperature: float, optimizer: Any) -> tuple[float, float, float]: ...
+
+
+class TrainingSession:
+    """A training program loaded once and stepped many times (what `TrainingModule` is in an Android app).
+
+    Parameter names are the student's state names. Raises ProgramError when the program does not load or run
+    (and ImportError without the executorch package).
+    """
+
+    def __init__(self, program: TrainingProgram) -> None:
+        self.program = program  # the runtime reads these buffers for the module's lifetime: keep them referenced
+        self.module, self.live = load_training_module(program)
+
+    def load(self, params: State) -> None:
+        """Copy `params` (exactly the program's trainable parameters, same shapes) into the live program;
+        ProgramError otherwise."""
+        copy_parameters(self.live, params)
+
+    def params(self) -> State:
+        """A copy of the live parameters."""
+        return by_student_name(self.live)
+
+    def optimizer(self, lr: float, momentum: float = 0.0) -> Any:
+        """ExecuTorch's SGD over the live parameters (a new one starts with empty momentum buffers)."""
+        from executorch.extension.training import get_sgd_optimizer
+
+        return get_sgd_optimizer(self.live, lr, momentum, 0.0, 0.0, False)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, teacher_logits: torch.Tensor, kd_lambda: float,
+             temperature: float, optimizer: Any = None) -> tuple[float, float, float]:
+        """One forward-backward (and an optimizer step if given) on a batch of exactly the exported size;
+        returns (loss, CE, KL). Invalid λ or T, or another batch size, raise ProgramError."""
+        try:
+            check_kd_settings(kd_lambda, temperature)
+        except ValueError as e:
+            raise ProgramError(str(e)) from None
+        if len(x) != self.program.batch_size:
+            raise ProgramError(f"the training program takes batches of {self.program.batch_size}, got {len(x)}")
+        out = self.module.forward_backward("forward", train_inputs(x, y, teacher_logits, kd_lambda, temperature))
+        if optimizer is not None:
+            optimizer.step(self.module.named_gradients())
+        return float(out[0]), float(out[1]), float(out[2])
+
+    def gradients(self) -> State:
+        """The gradients of the last step, by parameter name."""
+        return by_student_name(self.module.named_gradients())
 
 
 def epoch_batches(n: int, batch: int, gen: torch.Generator) -> list[torch.Tensor]:

@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedge.constants import EVAL_BATCH_SIZE, KD_LAMBDA, KD_TEMPERATURE, SGD_LR, SGD_MOMENTUM
+from fedge.distill import check_kd_settings, kd_kl, kd_terms
 from fedge.messages import Weights
 from fedge.weights import load_module
 
@@ -49,23 +50,6 @@ class TrainStats:
     kd: float
 
 
-def kd_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
-          temperature: float = KD_TEMPERATURE) -> torch.Tensor:
-    """KL(q_student ‖ p_teacher) of softmax(logits / T), averaged over the batch, times T² (Hinton et al.).
-
-    pFedClub Eq. (5) writes KL(β_m(x), β̂_m(x)) with the student first; we read it literally as
-    D_KL(student ‖ teacher), as issue 3 states. (Deep Mutual Learning [36], which the paper cites,
-    uses the reverse direction; swapping the two log-probabilities below gives it.) Shapes must be
-    equal (never broadcast), else ValueError.
-    """
-    if student_logits.shape != teacher_logits.shape:
-        raise ValueError(f"student logits {list(student_logits.shape)} and teacher logits "
-                         f"{list(teacher_logits.shape)} differ in shape")
-    log_q = F.log_softmax(student_logits / temperature, dim=1)
-    log_p = F.log_softmax(teacher_logits / temperature, dim=1)
-    return F.kl_div(log_p, log_q, reduction="batchmean", log_target=True) * temperature ** 2
-
-
 def train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig) -> float:
     """Train in place with Adam and cross-entropy; returns the mean loss of the last epoch.
 
@@ -79,10 +63,7 @@ def check_distillation(kd: Distillation, x: torch.Tensor) -> None:
     if kd.teacher_logits.dim() != 2 or len(kd.teacher_logits) != len(x):
         raise ValueError(f"teacher logits must be (num_samples={len(x)}, classes), "
                          f"got {list(kd.teacher_logits.shape)}")
-    if not (math.isfinite(kd.kd_lambda) and kd.kd_lambda >= 0):
-        raise ValueError(f"kd_lambda must be finite and >= 0, got {kd.kd_lambda}")
-    if not (math.isfinite(kd.temperature) and kd.temperature > 0):
-        raise ValueError(f"temperature must be finite and > 0, got {kd.temperature}")
+    check_kd_settings(kd.kd_lambda, kd.temperature)
 
 
 def fit(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
@@ -107,13 +88,12 @@ def fit(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
         for idx in torch.randperm(len(x), generator=gen).split(cfg.batch_size):
             opt.zero_grad(set_to_none=True)
             logits = model(x[idx])
-            loss = ce = F.cross_entropy(logits, y[idx])
-            kl = torch.zeros(())
-            if kd is not None:
-                if kd.kd_lambda > 0:
-                    kl = kd_kl(logits, kd.teacher_logits[idx], kd.temperature)
-                    loss = ce + kd.kd_lambda * kl
-                else:
+            if kd is not None and kd.kd_lambda > 0:
+                loss, ce, kl = kd_terms(logits, y[idx], kd.teacher_logits[idx], kd.kd_lambda, kd.temperature)
+            else:
+                loss = ce = F.cross_entropy(logits, y[idx])
+                kl = torch.zeros(())
+                if kd is not None:
                     with torch.no_grad():
                         kl = kd_kl(logits, kd.teacher_logits[idx], kd.temperature)
             loss.backward()

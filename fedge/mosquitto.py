@@ -22,6 +22,7 @@ from fedge.access import (
     check_username,
     check_users,
 )
+from fedge.files import atomic_write
 
 MOSQUITTO_DEFAULT_USER = "mosquitto"  # whom Mosquitto started as root switches to when its config names no user
 
@@ -45,18 +46,6 @@ def mosquitto_password_hash(password: str, salt: bytes | None = None, iterations
     salt = secrets.token_bytes(C.PBKDF2_SALT_BYTES) if salt is None else salt
     digest = hashlib.pbkdf2_hmac("sha512", password.encode(), salt, iterations)
     return f"$7${iterations}${base64.b64encode(salt).decode()}${base64.b64encode(digest).decode()}"
-
-
-def _write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` with mode 0600 from the first byte (atomically, via a temp file and rename)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
 
 
 def mosquitto_acl(users: Iterable[str], server_user: str = DEFAULT_SERVER_USER) -> str:
@@ -102,8 +91,9 @@ def write_mosquitto_config(
     owner = _run_as_owner(run_as, directory) if os.geteuid() == 0 else None
     run_as = run_as if owner is None else owner.pw_name
     passwd, acl, conf = directory / "passwd", directory / "acl", directory / "mosquitto.conf"
-    _write_private(passwd, "".join(f"{u}:{mosquitto_password_hash(p)}\n" for u, p in sorted(users.items())))
-    _write_private(acl, mosquitto_acl(users, server_user))
+    hashed = "".join(f"{u}:{mosquitto_password_hash(p)}\n" for u, p in sorted(users.items()))
+    atomic_write(passwd, hashed.encode(), mode=0o600)  # private from the first byte
+    atomic_write(acl, mosquitto_acl(users, server_user).encode(), mode=0o600)
     lines = [
         "# Mosquitto 2.0 configuration written by fedge.mosquitto.",
         "per_listener_settings false",
@@ -129,7 +119,7 @@ def write_mosquitto_config(
                   "tls_version tlsv1.2", f"require_certificate {str(tls.require_certificate).lower()}"]
         if tls.cafile is not None:
             lines.append(f"cafile {Path(tls.cafile).resolve()}")
-    _write_private(conf, "\n".join(lines) + "\n")
+    atomic_write(conf, ("\n".join(lines) + "\n").encode(), mode=0o600)
     if owner is not None:
         for path in (passwd, acl, conf):
             os.chown(path, owner.pw_uid, owner.pw_gid)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -15,6 +14,7 @@ from safetensors.torch import save as st_save
 from fedge.constants import SPEC_METADATA_KEY
 from fedge.spec import Device, ModelSpec, SpecError, SpecModel, build, tensor_shapes
 from fedge.errors import UserError
+from fedge.files import atomic_write
 
 State = dict[str, torch.Tensor]
 
@@ -87,22 +87,6 @@ def from_bytes(data: bytes) -> tuple[ModelSpec, State]:
         raise WeightsError(f"malformed safetensors payload: {e}") from None
     check_state(spec, state)
     return spec, state
-
-
-def atomic_write(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write bytes so that a crash leaves either the old file or the new one, never a torn one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def save_model(path: str | os.PathLike[str], spec: ModelSpec, state: State) -> None:

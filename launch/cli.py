@@ -57,7 +57,7 @@ def _shape(text: str) -> tuple[int, int, int]:
 
 def cmd_zoo(args: argparse.Namespace) -> None:
     from export import ExportError
-    from export.executorch import check_trainable
+    from export.training_program import check_trainable
     from fedge.zoo import MODELS, ZOOS, create
 
     rows = []

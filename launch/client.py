@@ -41,15 +41,17 @@ def make_agent(cfg: RunConfig, ds: Dataset, shard: ClientShard, model: str, prof
                           f"{'; '.join(verdict.failures)}. Choose other --set profiles=... or another zoo")
     trainer = None
     if profile.runtime == "executorch":  # export and executorch load only for the devices that train through them
-        from edge_client.executorch_trainer import ExecuTorchTrainer
+        from edge_client.executorch_trainer import ExecuTorchTrainer, TrainingSession
         from export import ExportError
-        from export.executorch import TrainingSession, gated_training_program, teacher_logits_pte
+        from export.parity import gated_training_program
+        from export.pte import teacher_logits_pte
+        from fedge.executorch_program import ProgramError
 
         try:
             trainer = ExecuTorchTrainer(spec, min(cfg.batch_size, len(shard.train)),
                                         lambda batch: TrainingSession(gated_training_program(spec, batch)),
                                         teacher_logits_pte)
-        except ExportError as e:
+        except (ExportError, ProgramError) as e:
             raise ConfigError(f"client {shard.client_id}: model {model} cannot train on device profile {profile_name} "
                               f"(runtime executorch): {e}. Choose a BatchNorm-free model (cnn1-cnn3) for "
                               "executorch profiles, or a torch profile") from None

@@ -77,7 +77,7 @@ def _export_onnx(weights: Any, out: Path, sample: Any, metadata: dict[str, str],
 
 def _manifest(out: Path, weights: Any, metadata: dict[str, str], fields: dict[str, Any]) -> Path:
     """<out>.json beside an ExecuTorch file: what an app needs to feed it (see docs/android.md)."""
-    from fedge.weights import atomic_write
+    from fedge.files import atomic_write
 
     meta = {k: json.loads(v) if k in ("class_names", "mean", "std") else v for k, v in metadata.items()}
     doc = {"model": weights.spec.name, **meta, "params": weights.spec.params, "macs": weights.spec.macs, **fields}
@@ -91,7 +91,7 @@ def _batch_of(sample: Any, b: int) -> Any:
 
 def _export_pte(weights: Any, out: Path, sample: Any, metadata: dict[str, str], args: Any, cfg: dict) -> None:
     """An XNNPACK inference program for batches of --batch, checked against eager on real inputs."""
-    from export.executorch import export_pte
+    from export.pte import export_pte
 
     spec, b = weights.spec, args.batch
     r = export_pte(spec, weights.state, out, _batch_of(sample, b))
@@ -109,7 +109,9 @@ def _export_pte_train(weights: Any, out: Path, sample: Any, metadata: dict[str, 
     from export import ExportError
     import torch
 
-    from export.executorch import TRAIN_INPUTS, TRAIN_OUTPUTS, export_training, gradient_parity
+    from export.parity import gradient_parity
+    from export.training_program import export_training
+    from fedge.executorch_program import TRAIN_INPUTS, TRAIN_OUTPUTS
 
     spec, b = weights.spec, args.batch
     program = export_training(spec, weights.state, b)

@@ -17,8 +17,8 @@ from fedge import constants as C
 from fedge.access import generate_users
 from fedge.config import RunConfig
 from fedge.embedded_broker import EmbeddedBroker
+from fedge.files import atomic_write
 from fedge.mqtt import Broker
-from fedge.weights import atomic_write
 from launch.client import client_agents
 from launch.runs import default_out, load_partitioned
 from launch.server import make_strategy, resolve_options, serve
@@ -28,8 +28,7 @@ log = logging.getLogger(__name__)
 
 def write_secrets(path: Path, users: dict[str, str]) -> None:
     """A username:password file readable only by its owner."""
-    atomic_write(path, "".join(f"{u}:{p}\n" for u, p in users.items()).encode())
-    os.chmod(path, 0o600)
+    atomic_write(path, "".join(f"{u}:{p}\n" for u, p in users.items()).encode(), mode=0o600)
 
 def client_command(broker_url: str, config: Path, ids: list[str], secrets: Path, state_dir: Path,
                    threads: int) -> list[str]:

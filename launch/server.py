@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 def _executorch_trainable(spec: ModelSpec) -> None:
     """ExportError (a ValueError) when `spec` has no ExecuTorch training form; export is imported only when an
     executorch client registers."""
-    from export.executorch import check_trainable
+    from export.training_program import check_trainable
 
     check_trainable(spec)
 

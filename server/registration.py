@@ -9,7 +9,7 @@ from fedge.messages import ClientInfo
 from fedge.spec import ModelSpec
 
 
-# Why a model cannot train on a device runtime (e.g. export.executorch.check_trainable for "executorch": a layer
+# Why a model cannot train on a device runtime (e.g. export.training_program.check_trainable for "executorch": a layer
 # without an exact ExecuTorch training form), raised as ValueError; the launcher supplies one per runtime.
 RuntimeCheck = Callable[[ModelSpec], None]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from fedge.checkpoint import Tree, load_tree, save_tree
-from fedge.weights import atomic_write
+from fedge.files import atomic_write
 
 CHECKPOINT_FILE = "checkpoint.safetensors"  # the server's state after the last completed round
 

@@ -32,7 +32,7 @@ from fedge.mqtt import Broker
 from launch import federation, server
 from launch.simulation import run_simulation
 from server.strategy import STRATEGIES
-from fedge.weights import atomic_write
+from fedge.files import atomic_write
 from server.fleet import Fleet, FleetError
 
 REPO = Path(__file__).resolve().parents[2]

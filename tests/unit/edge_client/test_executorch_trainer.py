@@ -7,9 +7,11 @@ import torch
 
 import edge_client  # noqa: F401  (registers the task handlers)
 from edge_client.agent import ClientAgent, ClientData
-from edge_client.executorch_trainer import ExecuTorchTrainer, epoch_batches
+from edge_client.executorch_trainer import ExecuTorchTrainer, TrainingSession, epoch_batches
 from edge_client.training import Distillation, TrainConfig, predict
-from export.executorch import TrainingSession, gated_training_program, kd_loss, teacher_logits_pte
+from export.parity import gated_training_program
+from export.pte import teacher_logits_pte
+from fedge.distill import kd_loss
 from fedge.config import ConfigError, RunConfig
 from fedge.data import load_dataset
 from launch.server import RUNTIME_CHECKS

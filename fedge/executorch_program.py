@@ -1,0 +1,119 @@
+"""fedge's ExecuTorch training program as both sides see it: the exporter (export/) that writes it and the device
+runtime (edge_client/) that steps it. Its inputs and outputs, the dense tensor layout the runtime needs, and
+loading it with parameter handles by the student's own names.
+
+The program is the student wrapped so forward(x, y, teacher_logits, λ, T) returns (CE + λ·KL, CE, KL, logits)
+(fedge.distill.kd_terms), with forward and backward in one method and the weights in a separate .ptd.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedge.errors import UserError
+from fedge.files import atomic_write
+from fedge.weights import State
+
+# The training program's positional inputs and user outputs (the runtime appends gradients and parameters).
+TRAIN_INPUTS = ("input", "labels", "teacher_logits", "kd_lambda", "temperature")
+TRAIN_OUTPUTS = ("loss", "ce", "kl", "logits")
+STUDENT = "student"  # the training wrapper's attribute holding the model: the prefix of the program's parameter names
+
+
+class ProgramError(UserError, ValueError):
+    """A training program does not load or run, or gets parameters or batches that do not fit it."""
+
+
+@dataclass(frozen=True)
+class TrainingProgram:
+    """A joint forward-backward program (.pte) and its trainable weights kept apart from it (.ptd).
+
+    Inputs TRAIN_INPUTS: float32 (B, C, H, W), int64 (B,), float32 (B, classes), float32 λ and T (0-dim);
+    user outputs TRAIN_OUTPUTS. `batch_size` B is fixed at export. The program holds no weights: a new
+    round's weights replace the .ptd (or are copied into the loaded parameters), the program stays.
+    """
+
+    program: bytes
+    weights: bytes
+    batch_size: int
+    input_shape: tuple[int, ...]
+    num_classes: int
+
+    def write(self, path: str | os.PathLike[str]) -> tuple[Path, Path]:
+        """Write the program to `path` and the weights next to it as .ptd (atomically); returns both paths."""
+        pte = Path(path)
+        ptd = pte.with_suffix(".ptd")
+        atomic_write(pte, self.program)
+        atomic_write(ptd, self.weights)
+        return pte, ptd
+
+
+def zero_train_inputs(batch_size: int, input_shape: tuple[int, ...], num_classes: int) -> tuple[torch.Tensor, ...]:
+    """The program's inputs for a batch of zeros with λ = 0 and T = 1 (plain CE): to trace it, and its first run."""
+    return (torch.zeros(batch_size, *input_shape), torch.zeros(batch_size, dtype=torch.long),
+            torch.zeros(batch_size, num_classes), torch.tensor(0.0), torch.tensor(1.0))
+
+
+def dense(x: torch.Tensor) -> torch.Tensor:
+    """`x` with the canonical strides of its shape. The ExecuTorch runtime reads a tensor's dim order from its
+    strides, and a size-1 channel with stride 1 (e.g. torch's view of an (N, 8, 8) array as (N, 1, 8, 8))
+    reads as a permuted layout: XNNPACK then fails (0x10) and the portable convolution refuses it (0x12)."""
+    out = torch.empty(x.shape, dtype=x.dtype)
+    out.copy_(x)
+    return out
+
+
+def train_inputs(x: torch.Tensor, y: torch.Tensor, teacher_logits: torch.Tensor, kd_lambda: float,
+                 temperature: float) -> tuple[torch.Tensor, ...]:
+    """The program's inputs (TRAIN_INPUTS) for one batch, laid out as the runtime reads them."""
+    return (dense(x), dense(y.to(torch.long)), dense(teacher_logits), torch.tensor(float(kd_lambda)),
+            torch.tensor(float(temperature)))
+
+
+def student_name(name: str) -> str:
+    """A program parameter's name as the student's state names it (the wrapper's `student.` prefix stripped)."""
+    return name[len(STUDENT) + 1:] if name.startswith(STUDENT + ".") else name
+
+
+def load_training_module(program: TrainingProgram) -> tuple[Any, dict[str, torch.Tensor]]:
+    """(ExecuTorch TrainingModule, its live parameters by program name). executorch 1.4.1 hands out parameter
+    handles only after one forward_backward, so loading runs the program once on zeros (no optimizer step).
+    The caller must keep `program` referenced while the module lives (the runtime reads its buffers).
+    ProgramError when it does not load or run; ImportError without executorch."""
+    from executorch.extension.pybindings.portable_lib import (
+        _load_for_executorch_from_buffer,
+    )
+    from executorch.extension.training import TrainingModule
+
+    try:
+        module = TrainingModule(_load_for_executorch_from_buffer(program.program, program.weights))
+        module.forward_backward("forward", zero_train_inputs(program.batch_size, program.input_shape,
+                                                             program.num_classes))
+    except Exception as e:  # the runtime raises RuntimeError with an error code
+        raise ProgramError(f"the training program does not load or run: {type(e).__name__}: {e}") from e
+    return module, module.named_parameters()
+
+
+def copy_parameters(live: dict[str, torch.Tensor], params: State) -> None:
+    """Copy `params` (by student name) into a loaded program's live parameters (by program name); ProgramError
+    unless the names and shapes match exactly."""
+    names = {student_name(k): k for k in live}
+    if set(names) != set(params):
+        raise ProgramError(f"parameters do not match the program: missing {sorted(set(names) - set(params))[:5]}, "
+                           f"unexpected {sorted(set(params) - set(names))[:5]}")
+    for name, full in names.items():
+        if tuple(live[full].shape) != tuple(params[name].shape):
+            raise ProgramError(f"parameter {name!r} has shape {list(params[name].shape)}, "
+                               f"the program has {list(live[full].shape)}")
+    for name, full in names.items():
+        live[full].copy_(params[name])
+
+
+def by_student_name(tensors: dict[str, torch.Tensor]) -> State:
+    """Copies of a program's named tensors (parameters or gradients), keyed by student name."""
+    return {student_name(k): v.clone() for k, v in tensors.items()}
