@@ -17,6 +17,6 @@ class ExportError(UserError, ValueError):
 def require(*packages: str) -> None:
     """ExportError naming the extra to install when an optional package of the `export` extra is missing."""
     try:
-        require_extra(*packages, what="export")
+        require_extra(*packages, what="export", extra="export")
     except MissingExtra as e:
         raise ExportError(str(e)) from None

@@ -19,20 +19,23 @@ class MissingExtra(UserError, ImportError):
     """An optional package is not installed; the message names the extra that brings it."""
 
 
-def missing_extra(module: str, what: str) -> MissingExtra | None:
-    """The error for `what` needing `module` (a dotted name; its top level is looked up in EXTRAS), or None when
-    the module belongs to no extra (then it is a bug, not a missing install)."""
+def missing_extra(module: str, what: str, extra: str | None = None) -> MissingExtra | None:
+    """The error for `what` needing `module` (a dotted name) of `extra` (default: its top level looked up in
+    EXTRAS), or None when the module belongs to no extra (then it is a bug, not a missing install)."""
     top = module.split(".")[0]
-    extra = EXTRAS.get(top)
+    extra = extra or EXTRAS.get(top)
     if extra is None:
         return None
     return MissingExtra(f"{what} needs {top}, which is not installed; install the {extra} extra: "
                         f"pip install 'fedge[{extra}]'")
 
 
-def require(*modules: str, what: str) -> None:
-    """MissingExtra naming the extra when one of `modules` (each listed in EXTRAS) is not installed."""
+def require(*modules: str, what: str, extra: str | None = None) -> None:
+    """MissingExtra naming the extra (`extra`, else the one EXTRAS lists) when one of `modules` is not installed;
+    a module of no extra is a programming error (ValueError)."""
     for module in modules:
         if importlib.util.find_spec(module) is None:
-            error = missing_extra(module, what)
-            raise error if error is not None else ImportError(f"{what} needs {module}, which is not installed")
+            error = missing_extra(module, what, extra)
+            if error is None:
+                raise ValueError(f"{module} belongs to no extra of fedge (fedge.extras.EXTRAS)")
+            raise error

@@ -193,6 +193,6 @@ def test_cli_predict_errors(tmp_path, capsys):
 def test_a_missing_optional_package_names_the_extra_to_install():
     from export import require
     require("onnx", "onnxruntime")  # installed: nothing happens
-    with pytest.raises(ExportError, match=r"no_such_package_xyz not installed; install the export extra: "
-                                          r"pip install 'fedge\[export\]'"):
+    with pytest.raises(ExportError, match=r"export needs no_such_package_xyz, which is not installed; install the "
+                                          r"export extra: pip install 'fedge\[export\]'"):
         require("onnx", "no_such_package_xyz")
