@@ -14,7 +14,7 @@ import torch
 
 from device_profiles import fits, get_profile
 from edge_client.agent import ClientAgent, ClientData
-from edge_client.runtime import ClientStopped, EdgeClient
+from edge_client.session import ClientStopped, EdgeClient
 from fedge import constants as C
 from fedge.access import read_users
 from fedge.config import ConfigError, RunConfig

@@ -21,7 +21,7 @@ from helpers.brokers import MosquittoProcess, close, mqtt_client, publish, subsc
 from helpers.federation import Federation, make_config, read_rows, run_inproc, trained_by_round, wait_until
 from helpers.proxy import TcpProxy
 
-from edge_client.runtime import MAX_SENDS
+from edge_client.session import MAX_SENDS
 from fedge import topics, wire
 from fedge.access import generate_users
 from fedge.checkpoint import load_tree

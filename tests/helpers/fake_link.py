@@ -18,7 +18,7 @@ from typing import Callable
 
 from paho.mqtt.client import topic_matches_sub
 
-from edge_client.runtime import EdgeClient
+from edge_client.session import EdgeClient
 from fedge import topics, zoo
 from fedge.constants import CHUNK_SIZE
 from fedge.link import OnFrame

@@ -1,6 +1,6 @@
 """A hand-driven fedge client for fault tests: a raw paho connection that publishes hand-built frames.
 
-The real client (edge_client.runtime.EdgeClient) only ever sends well-formed messages; this one sends
+The real client (edge_client.session.EdgeClient) only ever sends well-formed messages; this one sends
 whatever a test builds: valid frames from fedge.wire, frames with a forged envelope, or raw bytes. What
 it receives from the server (tasks, acknowledgements) is parsed with fedge.mqtt.Inbox, the client's own
 validation. Builders for malformed payloads bypass every check of fedge.wire and fedge.weights.

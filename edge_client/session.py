@@ -1,4 +1,4 @@
-"""The program an edge device runs: register, execute tasks, upload results, stay alive, over MQTT.
+"""An edge client's MQTT session: register, execute tasks, upload results, stay alive.
 
 A client registers on every connect and whenever a (new) server announces itself, and re-sends an
 unacknowledged registration or upload every ACK_TIMEOUT_S (and at once after a reconnect), a bounded
