@@ -23,7 +23,6 @@ import paho.mqtt.client as paho
 from paho.mqtt.reasoncodes import ReasonCode
 
 from fedge import topics
-from fedge.link import Connect
 from fedge.constants import (
     CHUNK_SIZE,
     FLUSH_TIMEOUT_S,
@@ -36,6 +35,7 @@ from fedge.constants import (
     RECONNECT_MAX_S,
     RECONNECT_MIN_S,
 )
+from fedge.link import Connect
 from fedge.wire import Envelope, Reassembler, WireError, encode_status, frames, iter_frames, unframe
 
 log = logging.getLogger(__name__)

@@ -28,8 +28,8 @@ from fedge.constants import (
     REPLY_SLACK_BYTES,
     ROUND_DEADLINE_S,
 )
-from fedge.messages import ClientInfo, Result, Task, client_order
 from fedge.link import Connect
+from fedge.messages import ClientInfo, Result, Task, client_order
 from fedge.mqtt import Delivery, Inbox, will_frame
 from fedge.spec import tensor_shapes
 from fedge.wire import (

@@ -3,7 +3,8 @@
 `FakeBroker.connect` is a fedge.link.Connect. The links it makes hand each frame, as the real ones would put it
 on the wire (fedge.wire.iter_frames), to the `on_frame` of every started link subscribed to its topic, which
 then validates it through its real fedge.mqtt.Inbox. Delivery is synchronous, in the publisher's thread, one
-frame at a time across the whole broker (one lock), so what a test sees does not depend on thread timing.
+frame at a time across the whole broker (one lock): once a publish returned, nothing of it is in flight (an
+EdgeClient still handles what it received on its own thread, from its queue).
 Unlike a real broker it does not end an older connection when a second one with the same client id arrives:
 both stay connected, which is what a takeover looks like to the server between the broker's kicks.
 
@@ -174,12 +175,14 @@ def wait_until(predicate: Callable[[], bool], what: str) -> None:
 class FakeFederation:
     """A started Fleet on a FakeBroker, and the clients a test adds; closing it stops them all and fails the
     test if an `on_frame` raised. The fleet's and clients' heartbeats are a minute apart unless given, so no
-    heartbeat or liveness timeout happens during a test unless the test makes it."""
+    heartbeat or liveness timeout happens during a test unless the test makes it; a round's deadline is WAIT_S
+    unless given, so a round that waits for what it should not fails as a missed deadline, not a hang."""
 
     def __init__(self, check_info: Callable[[ClientInfo], str | None] = lambda info: None,
                  **fleet_options: float) -> None:
         self.net = FakeBroker()
-        self.fleet = Fleet(self.net.connect, RUN, check_info, **({"heartbeat_s": 60.0} | fleet_options))
+        options = {"heartbeat_s": 60.0, "deadline_s": WAIT_S} | fleet_options
+        self.fleet = Fleet(self.net.connect, RUN, check_info, **options)
         self.fleet.start(WAIT_S)
         self.serving: list[Serving] = []
 
