@@ -8,6 +8,7 @@ failures are final: they are reported, never retried forever.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import ssl
@@ -34,6 +35,7 @@ from fedge.constants import (
     RECONNECT_MAX_S,
     RECONNECT_MIN_S,
 )
+from fedge.link import Connect
 from fedge.wire import Envelope, Reassembler, WireError, encode_status, frames, iter_frames, unframe
 
 log = logging.getLogger(__name__)
@@ -175,7 +177,8 @@ class Inbox:
 
 class Endpoint:
     """A paho client that keeps itself connected, re-subscribes on every connect, and publishes
-    fedge messages as QoS 1 chunk frames. `on_frame(topic, bytes)` runs on paho's network thread."""
+    fedge messages as QoS 1 chunk frames: the production fedge.link.Link. `on_frame(topic, bytes)` runs on
+    paho's network thread."""
 
     def __init__(self, broker: Broker, client_id: str, subscriptions: list[str],
                  on_frame: Callable[[str, bytes], None], on_connect: Callable[[], None] | None = None,
@@ -297,3 +300,9 @@ class Endpoint:
         self.client.disconnect()
         self.client.loop_stop()
         self.connected.clear()
+
+
+def connector(broker: Broker, keepalive: int = KEEPALIVE_S) -> Connect:
+    """How the fleet and the client sessions connect in production: each call makes an Endpoint to `broker`
+    (a fedge.link.Link; it connects on `start`)."""
+    return functools.partial(Endpoint, broker, keepalive=keepalive)

@@ -14,12 +14,12 @@ import torch
 
 from device_profiles import fits, get_profile
 from edge_client.agent import ClientAgent, ClientData
-from edge_client.runtime import ClientStopped, EdgeClient
+from edge_client.session import ClientStopped, EdgeClient
 from fedge import constants as C
 from fedge.access import read_users
 from fedge.config import ConfigError, RunConfig
 from fedge.data import Dataset
-from fedge.mqtt import Broker
+from fedge.mqtt import Broker, connector
 from fedge.partition import ClientShard
 from fedge.topics import check_id
 from fedge.zoo import assign_models, create
@@ -83,8 +83,8 @@ def run_clients(agents: list[ClientAgent], broker_for: Callable[[str], Broker], 
     """`fedge client`: serve each agent over its own MQTT connection (one thread each, one trains at a
     time) until the server ends the run; returns the exit code (2 if the server refused a client)."""
     compute = threading.Lock()
-    clients = [EdgeClient(a, broker_for(a.client_id), cfg.run_id, cfg.heartbeat_s, cfg.chunk_size, compute=compute,
-                          keepalive_s=cfg.keepalive_s)
+    clients = [EdgeClient(a, connector(broker_for(a.client_id), cfg.keepalive_s), cfg.run_id, cfg.heartbeat_s,
+                          cfg.chunk_size, compute=compute)
                for a in agents]
     codes: dict[str, int] = {}
     finished = threading.Semaphore(0)

@@ -14,7 +14,7 @@ from fedge.checkpoint import load_tree
 from fedge.config import RunConfig
 from fedge.data import Dataset, load_dataset
 from fedge.messages import ClientInfo
-from fedge.mqtt import Broker
+from fedge.mqtt import Broker, connector
 from fedge.partition import Partition
 from fedge.spec import ModelSpec
 from fedge.transport import Transport
@@ -108,8 +108,8 @@ def serve(cfg: RunConfig, broker: Broker, progress: bool = True, resume: bool = 
                         run_identity(cfg.strategy, [str(i) for i in range(cfg.clients)], cfg.seed, cfg.active), out)
     ds, partition = load_partitioned(cfg)
     sizes = {str(s.client_id): (len(s.train), len(s.test)) for s in partition.clients}
-    fleet = Fleet(broker, cfg.run_id, registration_check(sizes, RUNTIME_CHECKS), cfg.round_deadline_s, cfg.heartbeat_s,
-                  cfg.chunk_size, cfg.keepalive_s, broker_report)
+    fleet = Fleet(connector(broker, cfg.keepalive_s), cfg.run_id, registration_check(sizes, RUNTIME_CHECKS),
+                  cfg.round_deadline_s, cfg.heartbeat_s, cfg.chunk_size, broker_report)
     fleet.start(connect_timeout)
     try:
         log.info("server: waiting up to %.0f s for %d clients on %s (run %s)", cfg.register_timeout_s, cfg.clients,

@@ -22,15 +22,15 @@ from fedge import topics
 from fedge.constants import (
     CHUNK_SIZE,
     HEARTBEAT_S,
-    KEEPALIVE_S,
     MAX_HEADER_BYTES,
     RECONNECT_GRACE_S,
     RECONNECT_MAX_S,
     REPLY_SLACK_BYTES,
     ROUND_DEADLINE_S,
 )
+from fedge.link import Connect
 from fedge.messages import ClientInfo, Result, Task, client_order
-from fedge.mqtt import Broker, Delivery, Endpoint, Inbox, will_frame
+from fedge.mqtt import Delivery, Inbox, will_frame
 from fedge.spec import tensor_shapes
 from fedge.wire import (
     Envelope,
@@ -71,11 +71,12 @@ class _Open:
 
 
 class Fleet:
-    """Implements `fedge.transport.Transport` over MQTT for the server process."""
+    """Implements `fedge.transport.Transport` over MQTT for the server process, on the link `connect` makes
+    (in production `fedge.mqtt.connector(broker, keepalive)`)."""
 
-    def __init__(self, broker: Broker, run: str, check_info: Callable[[ClientInfo], str | None],
+    def __init__(self, connect: Connect, run: str, check_info: Callable[[ClientInfo], str | None],
                  deadline_s: float = ROUND_DEADLINE_S, heartbeat_s: float = HEARTBEAT_S,
-                 chunk_size: int = CHUNK_SIZE, keepalive_s: int = KEEPALIVE_S,
+                 chunk_size: int = CHUNK_SIZE,
                  broker_report: Callable[[], dict[str, Any]] | None = None) -> None:
         self.run, self.check_info, self.broker_report = run, check_info, broker_report
         self.deadline_s, self.heartbeat_s, self.chunk_size = deadline_s, heartbeat_s, chunk_size
@@ -97,25 +98,24 @@ class Fleet:
         self.cond = threading.Condition()
         self.inbox = Inbox(run, self._accept)
         will = (topics.server_topic(run), will_frame(run, topics.SERVER_ID, self.session))
-        self.endpoint = Endpoint(broker, topics.SERVER_ID, topics.uplink_filters(run), self._on_frame, self._announce, will,
-                                 keepalive_s)
+        self.link = connect(topics.SERVER_ID, topics.uplink_filters(run), self._on_frame, self._announce, will)
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
     def _announce(self) -> None:
         """On every (re)connect: tell clients a server is here, so restarted ones register again."""
-        self.endpoint.publish(topics.server_topic(self.run), "status", max(self.round, 0),
-                              encode_status("online", self.session), sender=topics.SERVER_ID)
+        self.link.publish(topics.server_topic(self.run), "status", max(self.round, 0),
+                          encode_status("online", self.session), sender=topics.SERVER_ID)
         with self.cond:
             pending = list(self.open.values())
         for o in pending:  # a broker without persistence forgot what was in flight
             if o.client not in self.results:
-                self.endpoint.send(topics.client_topic(self.run, topics.DOWNLINK, o.client), o.envelope, o.payload,
-                                   self.chunk_size)
+                self.link.send(topics.client_topic(self.run, topics.DOWNLINK, o.client), o.envelope, o.payload,
+                               self.chunk_size)
 
     def start(self, timeout: float) -> None:
         """Connect to the broker (MqttError if it refuses us or cannot be reached within `timeout`)."""
-        self.endpoint.start(timeout)
+        self.link.start(timeout)
 
     def wait_for_clients(self, expected: int, timeout: float) -> dict[str, ClientInfo]:
         """Block until `expected` clients registered; fewer within `timeout` s raises FleetError."""
@@ -134,11 +134,11 @@ class Fleet:
     def close(self) -> None:
         """Tell every client the run is over, announce going offline, and disconnect."""
         for cid in sorted(self.clients, key=client_order):
-            self.endpoint.publish(topics.client_topic(self.run, topics.DOWNLINK, cid), "task", max(self.round, 0),
-                                  encode_task(Task("stop", max(self.round, 0))), sender=topics.SERVER_ID)
-        self.endpoint.publish(topics.server_topic(self.run), "status", max(self.round, 0),
-                              encode_status("offline", self.session), sender=topics.SERVER_ID)
-        self.endpoint.stop()
+            self.link.publish(topics.client_topic(self.run, topics.DOWNLINK, cid), "task", max(self.round, 0),
+                              encode_task(Task("stop", max(self.round, 0))), sender=topics.SERVER_ID)
+        self.link.publish(topics.server_topic(self.run), "status", max(self.round, 0),
+                          encode_status("offline", self.session), sender=topics.SERVER_ID)
+        self.link.stop()
 
     # ------------------------------------------------------------------------------------------ the transport
 
@@ -156,7 +156,7 @@ class Fleet:
             env = Envelope.new(self.run, task.round, "task", topics.SERVER_ID, payload, chunk_size=self.chunk_size)
             with self.cond:  # open before sending: a fast client may answer before publish returns
                 self.open[env.msg_id] = _Open(cid, task, env, payload, limits.get(cid, self.limits[cid]))
-            self.endpoint.send(topics.client_topic(self.run, topics.DOWNLINK, cid), env, payload, self.chunk_size)
+            self.link.send(topics.client_topic(self.run, topics.DOWNLINK, cid), env, payload, self.chunk_size)
         deadline = time.monotonic() + self.deadline_s
         reported: set[str] = set()
         with self.cond:
@@ -183,7 +183,7 @@ class Fleet:
         reason, the partial messages evicted from the reassembly budget by sender, and, when the broker runs in
         this process, what it refused (`broker_report`)."""
         broker = {} if self.broker_report is None else {"broker": self.broker_report()}
-        return {"transport": {"kind": "mqtt", "broker": str(self.endpoint.broker), "run_id": self.run}
+        return {"transport": {"kind": "mqtt", "broker": str(self.link.broker), "run_id": self.run}
                 | dict(self.counts) | {"takeovers": dict(self.takeovers)},
                 "rejected_messages": dict(self.inbox.rejected),
                 "evicted_messages": dict(self.inbox.reassembler.evicted)} | broker
@@ -199,10 +199,10 @@ class Fleet:
         and not back within RECONNECT_GRACE_S (a dropped link comes back and re-sends). Nobody is given up on
         while the server itself is cut off from the broker (it hears nobody then), nor within RECONNECT_MAX_S
         of its reconnecting: after a broker restart every client is on its own reconnect backoff."""
-        if self.alive(cid) or not self.endpoint.connected.is_set():
+        if self.alive(cid) or not self.link.connected.is_set():
             return False
         now = time.monotonic()
-        if self.endpoint.connects > 1 and now - self.endpoint.connected_at < RECONNECT_MAX_S + self.heartbeat_s:
+        if self.link.connects > 1 and now - self.link.connected_at < RECONNECT_MAX_S + self.heartbeat_s:
             return False
         since = self.offline_since.get(cid)
         return since is None or now - since >= RECONNECT_GRACE_S
@@ -238,8 +238,8 @@ class Fleet:
                 self._ack(cid, delivery.envelope, str(e))
 
     def _ack(self, cid: str, env: Envelope, error: str | None) -> None:
-        self.endpoint.publish(topics.client_topic(self.run, topics.DOWNLINK, cid), "ack", env.round,
-                              encode_ack(error), reply_to=env.msg_id, sender=topics.SERVER_ID)
+        self.link.publish(topics.client_topic(self.run, topics.DOWNLINK, cid), "ack", env.round,
+                          encode_ack(error), reply_to=env.msg_id, sender=topics.SERVER_ID)
 
     def _register(self, d: Delivery) -> None:
         info = decode_info(d.payload)
@@ -266,8 +266,8 @@ class Fleet:
             self.cond.notify_all()
         self._ack(cid, d.envelope, None)
         for o in resend:  # a restarted client lost the instruction it was working on
-            self.endpoint.send(topics.client_topic(self.run, topics.DOWNLINK, cid), o.envelope, o.payload,
-                               self.chunk_size)
+            self.link.send(topics.client_topic(self.run, topics.DOWNLINK, cid), o.envelope, o.payload,
+                           self.chunk_size)
 
     def _result(self, d: Delivery) -> None:
         result = decode_result(d.payload)
@@ -311,8 +311,8 @@ class Fleet:
         """A `stop` task addressed to one connection of `cid`: the other connection ignores it."""
         stop = Task("stop", max(self.round, 0), {"session": session,
                                                  "reason": f"taken over by a newer connection with client id {cid}"})
-        self.endpoint.publish(topics.client_topic(self.run, topics.DOWNLINK, cid), "task", stop.round,
-                              encode_task(stop), sender=topics.SERVER_ID)
+        self.link.publish(topics.client_topic(self.run, topics.DOWNLINK, cid), "task", stop.round,
+                          encode_task(stop), sender=topics.SERVER_ID)
 
     def _track_session(self, cid: str, session: str, state: str) -> bool:
         """Note which connection (session) of `cid` spoke. A new session replaces the current one (a restart, or

@@ -21,7 +21,7 @@ from helpers.brokers import MosquittoProcess, close, mqtt_client, publish, subsc
 from helpers.federation import Federation, make_config, read_rows, run_inproc, trained_by_round, wait_until
 from helpers.proxy import TcpProxy
 
-from edge_client.runtime import MAX_SENDS
+from edge_client.session import MAX_SENDS
 from fedge import topics, wire
 from fedge.access import generate_users
 from fedge.checkpoint import load_tree
@@ -31,7 +31,7 @@ from launch.client import client_agents
 from server.registration import registration_check
 from fedge.layers import LayerSpec
 from fedge.messages import Result, Weights
-from fedge.mqtt import Broker, Endpoint, Inbox
+from fedge.mqtt import Broker, Endpoint, Inbox, connector
 from fedge.spec import make_spec, tensor_shapes
 from fedge.zoo import create
 from server.coordinator import RoundFailed
@@ -104,7 +104,7 @@ def test_broker_restart_mid_round_loses_no_update_and_duplicates_none(tmp_path, 
         assert restarted.is_set()
         round1 = next(e for e in server.fleet.exchanges if (e.round, e.type) == (1, "train"))
         print(f"broker {sig.name}: down for {events['restarted'] - events['down']:.2f} s; the server reconnected "
-              f"{server.fleet.endpoint.connected_at - events['restarted']:.2f} s after it was back, round 1 closed "
+              f"{server.fleet.link.connected_at - events['restarted']:.2f} s after it was back, round 1 closed "
               f"{round1.end - events['restarted']:.2f} s after it was back; rejected "
               f"{server.summary['rejected_messages']}")
     assert round1.replied == ALL and round1.end < round1.start + deadline  # closed by replies, not the deadline
@@ -293,8 +293,8 @@ def test_liveness_via_will_status_and_heartbeats(tmp_path):
     dead: dict[str, float] = {}  # client → seconds until Fleet.alive() turned False
     offline: dict[str, float] = {}  # client → seconds until it was in Fleet.offline (will or status message)
     with Federation(tmp_path, cfg) as fed, TcpProxy(fed.broker.port) as proxy:
-        fleet = Fleet(fed.credentials("server"), cfg.run_id, registration_check(), cfg.round_deadline_s,
-                      cfg.heartbeat_s, cfg.chunk_size, cfg.keepalive_s)
+        fleet = Fleet(connector(fed.credentials("server"), cfg.keepalive_s), cfg.run_id, registration_check(),
+                      cfg.round_deadline_s, cfg.heartbeat_s, cfg.chunk_size)
         fleet.start(10)
         try:
             crashing, leaving = fed.start_clients(["0"]), fed.start_clients(["1"])
@@ -318,7 +318,7 @@ def test_liveness_via_will_status_and_heartbeats(tmp_path):
             watch("2", proxy.stall)  # a silent link: heartbeats stop; the will after 1.5 x keep-alive
             assert leaving.wait() == 0
         finally:
-            fleet.endpoint.stop()
+            fleet.link.stop()
     print(f"alive() False after {dead}, in the offline set after {offline} (s); keep-alive {keepalive} s, "
           f"bound {bound:g} s")
     assert offline["0"] <= bound

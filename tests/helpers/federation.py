@@ -130,17 +130,17 @@ class RecordingFleet(Fleet):
         self.after_send: Callable[[int, str], None] | None = None
         self._unsent = 0
         self._current = (-1, "")
-        send = self.endpoint.send  # every message goes out through Endpoint.send (publish calls it too)
+        send = self.link.send  # every message goes out through Endpoint.send (publish calls it too)
 
         def send_and_notify(topic: str, env: Any, payload: bytes, *args: Any, **kwargs: Any) -> None:
             send(topic, env, payload, *args, **kwargs)
             if env.type == "task" and self._unsent > 0:
                 self._unsent -= 1
                 if self._unsent == 0 and self.after_send is not None:
-                    self.endpoint.last_sent.wait_for_publish(EXIT_S)
+                    self.link.last_sent.wait_for_publish(EXIT_S)
                     self.after_send(*self._current)
 
-        self.endpoint.send = send_and_notify
+        self.link.send = send_and_notify
 
     def wait_for_clients(self, expected: int, timeout: float):
         deadline = time.monotonic() + timeout
@@ -200,7 +200,7 @@ class ServerThread:
 
     def start(self) -> ServerThread:
         self.thread.start()
-        wait_until(lambda: self.fleet is not None and self.fleet.endpoint.connected.is_set() or self.error,
+        wait_until(lambda: self.fleet is not None and self.fleet.link.connected.is_set() or self.error,
                    30, "the server to connect to the broker")
         if self.error is not None:
             raise AssertionError(f"the server did not start: {self.error!r}") from self.error

@@ -1,6 +1,6 @@
 """A hand-driven fedge client for fault tests: a raw paho connection that publishes hand-built frames.
 
-The real client (edge_client.runtime.EdgeClient) only ever sends well-formed messages; this one sends
+The real client (edge_client.session.EdgeClient) only ever sends well-formed messages; this one sends
 whatever a test builds: valid frames from fedge.wire, frames with a forged envelope, or raw bytes. What
 it receives from the server (tasks, acknowledgements) is parsed with fedge.mqtt.Inbox, the client's own
 validation. Builders for malformed payloads bypass every check of fedge.wire and fedge.weights.
@@ -31,7 +31,7 @@ from fedge.embedded_broker import EmbeddedBroker
 from fedge.constants import MAX_PAYLOAD_BYTES, SPEC_METADATA_KEY
 from server.registration import registration_check
 from fedge.messages import ClientInfo, Result, Task, Weights
-from fedge.mqtt import Inbox, parse_broker
+from fedge.mqtt import Inbox, connector, parse_broker
 from fedge.spec import ModelSpec, tensor_shapes
 from fedge.wire import Envelope, decode_ack, decode_task, encode_info, encode_result, frames, sha256_hex
 from server.coordinator import Coordinator, LoopConfig
@@ -308,7 +308,7 @@ def broker(request, tmp_path):
 @pytest.fixture
 def fleet(broker):
     """The server's transport, connected as the server user."""
-    f = Fleet(parse_broker(broker.url, "server", broker.users["server"]), RUN, registration_check(),
+    f = Fleet(connector(parse_broker(broker.url, "server", broker.users["server"])), RUN, registration_check(),
               deadline_s=DEADLINE_S, heartbeat_s=HEARTBEAT_S)
     f.start(10)
     yield f

@@ -28,9 +28,16 @@ def config(tmp_path, **kw) -> RunConfig:
     return config_from(base | kw)
 
 
-def test_local_run_writes_the_contract(tmp_path):
-    summary = run_simulation(config(tmp_path), progress=False)
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The reference federation (strategy local, zoo I, 7 clients, 2 rounds), run once for the module:
+    its summary and its run folder."""
+    tmp = tmp_path_factory.mktemp("reference")
+    return run_simulation(config(tmp), progress=False), tmp / "run"
+
+
+def test_local_run_writes_the_contract(reference):
+    summary, out = reference
     on_disk = json.loads((out / "summary.json").read_text())
     assert on_disk["strategy"] == "local" and on_disk["dataset"] == "digits"
     assert (on_disk["rounds"], on_disk["clients"]) == (2, 7)
@@ -48,10 +55,9 @@ def test_local_run_writes_the_contract(tmp_path):
     assert summary["final_accuracy"] == on_disk["final_accuracy"]
 
 
-def test_same_seed_same_numbers(tmp_path):
-    a = run_simulation(config(tmp_path, out=str(tmp_path / "a")), progress=False)
-    b = run_simulation(config(tmp_path, out=str(tmp_path / "b")), progress=False)
-    assert a["final_accuracy"] == b["final_accuracy"]
+def test_same_seed_same_numbers(reference, tmp_path):
+    again = run_simulation(config(tmp_path, out=str(tmp_path / "again")), progress=False)
+    assert again["final_accuracy"] == reference[0]["final_accuracy"]
 
 
 def test_fedavg_learns_a_shared_model(tmp_path):

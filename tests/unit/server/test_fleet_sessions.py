@@ -1,8 +1,8 @@
 """The Fleet's view of each client's connections (sessions): restarts, takeovers, late wills, bounded memory."""
 
 import pytest
+from helpers.fake_link import FakeBroker
 
-from fedge.mqtt import Broker
 from server.fleet import MAX_REPLACED_SESSIONS, Fleet
 
 pytestmark = pytest.mark.timeout(30)
@@ -11,7 +11,7 @@ pytestmark = pytest.mark.timeout(30)
 @pytest.fixture
 def fleet() -> Fleet:
     """A Fleet that is never connected: only its bookkeeping is exercised."""
-    return Fleet(Broker("127.0.0.1", 1), "r", lambda info: None)
+    return Fleet(FakeBroker().connect, "r", lambda info: None)
 
 
 def test_a_restart_is_no_takeover_and_the_old_sessions_late_will_is_ignored(fleet):

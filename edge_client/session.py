@@ -1,4 +1,4 @@
-"""The program an edge device runs: register, execute tasks, upload results, stay alive, over MQTT.
+"""An edge client's MQTT session: register, execute tasks, upload results, stay alive.
 
 A client registers on every connect and whenever a (new) server announces itself, and re-sends an
 unacknowledged registration or upload every ACK_TIMEOUT_S (and at once after a reconnect), a bounded
@@ -19,9 +19,10 @@ from dataclasses import dataclass
 
 from edge_client.agent import ClientAgent, TaskError
 from fedge import topics
-from fedge.constants import ACK_TIMEOUT_S, CHUNK_SIZE, HEARTBEAT_S, KEEPALIVE_S, MAX_PAYLOAD_BYTES
+from fedge.constants import ACK_TIMEOUT_S, CHUNK_SIZE, HEARTBEAT_S, MAX_PAYLOAD_BYTES
+from fedge.link import Connect
 from fedge.messages import Result, Task
-from fedge.mqtt import Broker, Delivery, Endpoint, Inbox, will_frame
+from fedge.mqtt import Delivery, Inbox, will_frame
 from fedge.wire import (
     MAX_ERROR_CHARS,
     Envelope,
@@ -55,12 +56,13 @@ class _Pending:
 
 
 class EdgeClient:
-    """One client's MQTT session around a ClientAgent. `compute` serialises training between the
-    virtual clients of one process."""
+    """One client's MQTT session around a ClientAgent, on the link `connect` makes (in production
+    `fedge.mqtt.connector(broker, keepalive)`). `compute` serialises training between the virtual clients of
+    one process."""
 
-    def __init__(self, agent: ClientAgent, broker: Broker, run: str, heartbeat_s: float = HEARTBEAT_S,
+    def __init__(self, agent: ClientAgent, connect: Connect, run: str, heartbeat_s: float = HEARTBEAT_S,
                  chunk_size: int = CHUNK_SIZE, ack_timeout_s: float = ACK_TIMEOUT_S,
-                 compute: threading.Lock | None = None, keepalive_s: int = KEEPALIVE_S) -> None:
+                 compute: threading.Lock | None = None) -> None:
         self.agent, self.run, self.cid = agent, run, agent.client_id
         self.heartbeat_s, self.chunk_size, self.ack_timeout_s = heartbeat_s, chunk_size, ack_timeout_s
         self.compute = compute or threading.Lock()
@@ -73,9 +75,9 @@ class EdgeClient:
         self.stopped = threading.Event()
         self.lock = threading.Lock()
         task_topic = topics.client_topic(run, topics.DOWNLINK, self.cid)
-        self.endpoint = Endpoint(broker, self.cid, [task_topic, topics.server_topic(run)],
-                                 lambda t, d: self._deliver(self.inbox.receive(t, d)), self._on_connect,
-                                 (self.topic("status"), will_frame(run, self.cid, self.session)), keepalive_s)
+        self.link = connect(self.cid, [task_topic, topics.server_topic(run)],
+                            lambda t, d: self._deliver(self.inbox.receive(t, d)), self._on_connect,
+                            (self.topic("status"), will_frame(run, self.cid, self.session)))
 
     def topic(self, kind: str) -> str:
         return topics.client_topic(self.run, kind, self.cid)
@@ -100,15 +102,15 @@ class EdgeClient:
                 p.due = 0.0
 
     def _status(self, state: str) -> None:
-        self.endpoint.publish(self.topic("status"), "status", 0, encode_status(state, self.session), run=self.run)
+        self.link.publish(self.topic("status"), "status", 0, encode_status(state, self.session), run=self.run)
 
     def register(self) -> None:
         """Send the registration (the spec, profile and data sizes) and wait for the server's ack."""
         self._send(self.topic("register"), "register", 0, encode_info(self.agent.info()), None)
 
     def _send(self, topic: str, type: str, rnd: int, payload: bytes, reply_to: str | None) -> _Pending:
-        env = self.endpoint.publish(topic, type, rnd, payload, reply_to=reply_to, chunk_size=self.chunk_size,
-                                    run=self.run)
+        env = self.link.publish(topic, type, rnd, payload, reply_to=reply_to, chunk_size=self.chunk_size,
+                                run=self.run)
         p = _Pending(topic, env, payload, 1, time.monotonic() + self.ack_timeout_s)
         with self.lock:
             self.pending[env.msg_id] = p
@@ -116,7 +118,7 @@ class EdgeClient:
 
     def run_forever(self, connect_timeout: float) -> None:
         """Connect, then serve until the server says stop or `stopped` is set; ClientStopped if refused."""
-        self.endpoint.start(connect_timeout)
+        self.link.start(connect_timeout)
         beat = threading.Thread(target=self._heartbeat, daemon=True, name=f"heartbeat-{self.cid}")
         beat.start()
         try:
@@ -132,13 +134,13 @@ class EdgeClient:
                     self.inbox.reject(d.kind, d.client, e)
         finally:
             self.stopped.set()
-            if self.endpoint.connected.is_set():
+            if self.link.connected.is_set():
                 self._status("offline")
-            self.endpoint.stop()
+            self.link.stop()
 
     def _heartbeat(self) -> None:
         while not self.stopped.wait(self.heartbeat_s):
-            if self.endpoint.connected.is_set():
+            if self.link.connected.is_set():
                 self._status("alive")
 
     def _resend_due(self) -> None:
@@ -154,7 +156,7 @@ class EdgeClient:
                 continue
             p.sends += 1
             p.due = now + self.ack_timeout_s
-            self.endpoint.send(p.topic, p.envelope, p.payload, self.chunk_size)
+            self.link.send(p.topic, p.envelope, p.payload, self.chunk_size)
 
     def _handle(self, d: Delivery) -> None:
         if d.kind == topics.SERVER:
