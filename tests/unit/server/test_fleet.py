@@ -74,3 +74,12 @@ def test_a_replaced_session_speaking_again_is_counted_and_told_to_stop():
         # the stop named the older session only: the newer one handled it, then this task
         assert list(fed.fleet.exchange({"0": Task("train", 1)})) == ["0"]
         assert [t.type for t in newer.client.agent.tasks] == ["train"] and newer.error is None
+
+
+def test_a_reply_larger_than_its_task_allows_is_refused_before_it_is_kept():
+    """The limit comes from the task that was sent (what the strategy expects), not from the registration."""
+    with FakeFederation(deadline_s=0.2) as fed:
+        fed.client("0")
+        assert fed.fleet.exchange({"0": Task("train", 1)}, limits={"0": 8}) == {}
+        assert fed.fleet.inbox.rejected["too_large"] >= 1 and fed.fleet.results == {}
+        assert list(fed.fleet.exchange({"0": Task("train", 2)})) == ["0"]  # the registration's limit: accepted
