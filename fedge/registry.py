@@ -21,6 +21,12 @@ class Registry(Generic[T]):
         self.entries[name] = entry
         return entry
 
+    def remove(self, name: str) -> T:
+        """Take an entry out again (a plugin's or a test's); an unknown name raises self.error."""
+        entry = self.get(name)
+        del self.entries[name]
+        return entry
+
     def register(self, name: str) -> Callable[[T], T]:
         """Decorator form of add()."""
         return lambda entry: self.add(name, entry)

@@ -55,5 +55,5 @@ def test_pfedhr_runs_and_records_teachers(tmp_path):
 
 def test_unlabeled_public_data_path(tmp_path):
     summary, rows = run(tmp_path, "pfedclub", public="unlabeled", rounds=1)
-    assert json.loads((tmp_path / "pfedclub" / "config.json").read_text())["public"] == "unlabeled"
+    assert json.loads((tmp_path / "pfedclub" / "config.json").read_text())["options"]["public"] == "unlabeled"
     assert any(r.get("teacher_params") for r in rows)

@@ -20,3 +20,6 @@ def test_registry():
         reg.add("a", 3)
     with pytest.raises(NotFound, match="unknown widget 'c'; available: b, a"):
         reg.get("c")
+    assert reg.remove("b") == 2 and list(reg) == ["a"]
+    with pytest.raises(NotFound, match="unknown widget 'b'"):
+        reg.remove("b")
