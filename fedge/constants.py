@@ -2,6 +2,7 @@
 
 SPEC_SCHEMA_VERSION = 1
 SPEC_METADATA_KEY = "fedge.spec"
+SHAPES_CACHE_SIZE = 256  # specs whose tensor shapes are remembered (a fleet's architectures, with their origins)
 
 # Local training (pFedClub §4.1: Adam, lr 1e-3, 10 local epochs).
 DEFAULT_LR = 1e-3
