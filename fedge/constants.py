@@ -75,8 +75,10 @@ CKA_MINIBATCH_SIZE = 1024
 MIN_PUBLIC_SAMPLES = 8  # CKA and unbiased HSIC need a handful of samples
 
 # Wire format.
-WIRE_SCHEMA_VERSION = 1
-SUPPORTED_SCHEMA_VERSIONS = (1,)  # envelope versions a receiver accepts, oldest first
+# Version 2: the envelope's sha256 is the root over the chunks' SHA-256 digests (fedge.envelope.root_sha256), and
+# task and result payloads carry named tensors and JSON records. Version 1 peers are refused ("schema_version").
+WIRE_SCHEMA_VERSION = 2
+SUPPORTED_SCHEMA_VERSIONS = (2,)  # envelope versions a receiver accepts, oldest first
 CHUNK_SIZE = 256 * 1024  # payload bytes per chunk message
 MAX_PAYLOAD_BYTES = 512 * 1024 * 1024  # largest reassembled payload accepted
 MAX_HEADER_BYTES = 1024 * 1024  # largest JSON header (payload container or envelope); ours are kilobytes
@@ -91,6 +93,9 @@ MESSAGE_TTL_S = 600.0  # default envelope time to live
 MAX_CLOCK_SKEW_S = 300.0  # an envelope created further in the future than this is refused ("clock_skew")
 MAX_CHUNK_BYTES = 4 * 1024 * 1024  # largest chunk a receiver accepts (senders use CHUNK_SIZE)
 REPLY_SLACK_BYTES = 256 * 1024  # allowance over a reply's tensor bytes for headers and the spec JSON
+MAX_ERROR_CHARS = 1000  # a client's report of why it could not execute a task
+HASH_THREADS = 2  # a sender hashes the chunks of a large payload on this many threads (hashlib releases the GIL)
+HASH_PARALLEL_MIN_BYTES = 4 * 1024 * 1024  # ... when it has at least this many bytes
 
 # MQTT rounds, liveness and reconnection.
 DEFAULT_TRANSPORT = "mqtt"  # "mqtt" (embedded broker, clients as processes) or "inproc" (one process)

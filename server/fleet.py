@@ -32,16 +32,8 @@ from fedge.constants import (
 from fedge.messages import ClientInfo, Result, Task, client_order
 from fedge.mqtt import Broker, Delivery, Endpoint, Inbox, will_frame
 from fedge.spec import tensor_shapes
-from fedge.wire import (
-    Envelope,
-    WireError,
-    decode_info,
-    decode_result,
-    decode_status,
-    encode_ack,
-    encode_status,
-    encode_task,
-)
+from fedge.codec import decode_info, decode_result, decode_status, encode_ack, encode_status, encode_task
+from fedge.envelope import Envelope, WireError
 from fedge.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -183,7 +175,7 @@ class Fleet:
         return {"transport": {"kind": "mqtt", "broker": str(self.endpoint.broker), "run_id": self.run}
                 | dict(self.counts) | {"takeovers": dict(self.takeovers)},
                 "rejected_messages": dict(self.inbox.rejected),
-                "evicted_messages": dict(self.inbox.reassembler.evicted)} | broker
+                "evicted_messages": dict(self.inbox.joiner.evicted)} | broker
 
     def alive(self, cid: str) -> bool:
         """Not announced offline (will or clean exit) and heard from within a few heartbeats."""
