@@ -39,7 +39,7 @@ from fedge.messages import Result, Weights  # noqa: E402
 from fedge.mqtt import Broker, Endpoint, Inbox  # noqa: E402
 from fedge.spec import make_spec  # noqa: E402
 from fedge.weights import check_state  # noqa: E402
-from fedge.wire import decode_result, encode_result  # noqa: E402
+from fedge.codec import decode_result, encode_result  # noqa: E402
 
 RUN = "bench"
 MOSQUITTO = "/usr/sbin/mosquitto"

@@ -19,21 +19,12 @@ from dataclasses import dataclass
 
 from edge_client.agent import ClientAgent, TaskError
 from fedge import topics
-from fedge.constants import ACK_TIMEOUT_S, CHUNK_SIZE, HEARTBEAT_S, MAX_PAYLOAD_BYTES
+from fedge.codec import decode_ack, decode_status, decode_task, encode_info, encode_result, encode_status
+from fedge.constants import ACK_TIMEOUT_S, CHUNK_SIZE, HEARTBEAT_S, MAX_ERROR_CHARS, MAX_PAYLOAD_BYTES
+from fedge.envelope import Envelope, WireError
 from fedge.link import Connect
 from fedge.messages import Result, Task
 from fedge.mqtt import Delivery, Inbox, will_frame
-from fedge.wire import (
-    MAX_ERROR_CHARS,
-    Envelope,
-    WireError,
-    decode_ack,
-    decode_status,
-    decode_task,
-    encode_info,
-    encode_result,
-    encode_status,
-)
 
 log = logging.getLogger(__name__)
 MAX_SENDS = 5  # an upload or registration is sent at most this many times without an acknowledgement

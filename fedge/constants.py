@@ -2,6 +2,7 @@
 
 SPEC_SCHEMA_VERSION = 1
 SPEC_METADATA_KEY = "fedge.spec"
+SHAPES_CACHE_SIZE = 256  # specs whose tensor shapes are remembered (a fleet's architectures, with their origins)
 
 # Local training (pFedClub §4.1: Adam, lr 1e-3, 10 local epochs).
 DEFAULT_LR = 1e-3
@@ -74,8 +75,10 @@ CKA_MINIBATCH_SIZE = 1024
 MIN_PUBLIC_SAMPLES = 8  # CKA and unbiased HSIC need a handful of samples
 
 # Wire format.
-WIRE_SCHEMA_VERSION = 1
-SUPPORTED_SCHEMA_VERSIONS = (1,)  # envelope versions a receiver accepts, oldest first
+# Version 2: the envelope's sha256 is the root over the chunks' SHA-256 digests (fedge.envelope.root_sha256), and
+# task and result payloads carry named tensors and JSON records. Version 1 peers are refused ("schema_version").
+WIRE_SCHEMA_VERSION = 2
+SUPPORTED_SCHEMA_VERSIONS = (2,)  # envelope versions a receiver accepts, oldest first
 CHUNK_SIZE = 256 * 1024  # payload bytes per chunk message
 MAX_PAYLOAD_BYTES = 512 * 1024 * 1024  # largest reassembled payload accepted
 MAX_HEADER_BYTES = 1024 * 1024  # largest JSON header (payload container or envelope); ours are kilobytes
@@ -94,6 +97,9 @@ REPLY_SLACK_BYTES = 256 * 1024  # allowance over a reply's tensor bytes for head
 # bytes per parameter the profile allows (float32 weights plus as much again for buffers such as BN statistics).
 ANY_MODEL_BYTES_PER_PARAM = 8
 MAX_RECORD_DEPTH = 32  # nesting of a JSON record in a reply
+MAX_ERROR_CHARS = 1000  # a client's report of why it could not execute a task
+HASH_THREADS = 2  # a sender hashes the chunks of a large payload on this many threads (hashlib releases the GIL)
+HASH_PARALLEL_MIN_BYTES = 4 * 1024 * 1024  # ... when it has at least this many bytes
 
 # MQTT rounds, liveness and reconnection.
 DEFAULT_TRANSPORT = "mqtt"  # "mqtt" (embedded broker, clients as processes) or "inproc" (one process)

@@ -10,7 +10,7 @@ import threading
 from typing import Callable, Protocol
 
 from fedge.constants import CHUNK_SIZE
-from fedge.wire import Envelope
+from fedge.envelope import Envelope
 
 OnFrame = Callable[[str, bytes], None]
 

@@ -23,6 +23,8 @@ import paho.mqtt.client as paho
 from paho.mqtt.reasoncodes import ReasonCode
 
 from fedge import topics
+from fedge.chunks import ChunkJoiner, frames, iter_frames, unframe
+from fedge.codec import encode_status
 from fedge.constants import (
     CHUNK_SIZE,
     FLUSH_TIMEOUT_S,
@@ -35,8 +37,8 @@ from fedge.constants import (
     RECONNECT_MAX_S,
     RECONNECT_MIN_S,
 )
+from fedge.envelope import Envelope, WireError
 from fedge.link import Connect
-from fedge.wire import Envelope, Reassembler, WireError, encode_status, frames, iter_frames, unframe
 
 log = logging.getLogger(__name__)
 _FATAL_CONNACK = {"Not authorized", "Bad user name or password", "Banned", "Client identifier not valid",
@@ -88,7 +90,7 @@ class Delivery:
     kind: str
     client: str | None
     envelope: Envelope
-    payload: bytes
+    payload: bytes | bytearray  # a writable bytearray when joined from chunks: decoded tensors view it
 
 
 def will_frame(run: str, sender: str, session: str) -> bytes:
@@ -106,18 +108,18 @@ class Inbox:
     Order (reliability-notes §6): run and topic shape; frame size; envelope schema and TTL; chunk geometry
     (a chunk count the announced size cannot need) and hash; identity (the sender named in the envelope must be
     the topic's client level, or "server" on a client's own topics); the run; expiry and clock skew; a repeat
-    of a message already delivered is dropped and counted in `reassembler.duplicates`, not rejected; then
+    of a message already delivered is dropped and counted in `joiner.duplicates`, not rejected; then
     `accept(kind, client, envelope)`, which may raise WireError (e.g. no open instruction) and returns the
-    largest payload allowed; only then are the bytes kept, within the reassembler's per-sender and total
-    budgets (evictions are counted per sender in `reassembler.evicted`), and the joined payload's SHA-256 is
-    checked. Rejections are logged in one line each and counted in `rejected` by reason.
+    largest payload allowed; only then are the bytes kept, within the joiner's per-sender and total
+    budgets (evictions are counted per sender in `joiner.evicted`), and the root over the chunks' SHA-256
+    digests is checked against the envelope. Rejections are logged in one line each and counted in `rejected` by reason.
     """
 
     def __init__(self, run: str, accept: Accept) -> None:
         self.run = run
         self.accept = accept
         self.rejected: Counter[str] = Counter()
-        self.reassembler = Reassembler()
+        self.joiner = ChunkJoiner()
         self._lock = threading.Lock()
 
     def reject(self, kind: str, client: str | None, error: WireError) -> None:
@@ -155,14 +157,14 @@ class Inbox:
             raise WireError("clock_skew", f"message {env.msg_id} was created {env.created_at - now:.0f} s in the "
                             f"future (tolerance {MAX_CLOCK_SKEW_S:g} s); check the sender's clock")
         with self._lock:
-            if self.reassembler.repeated(owner, env.msg_id):  # a QoS 1 redelivery of a message already delivered:
+            if self.joiner.repeated(owner, env.msg_id):  # a QoS 1 redelivery of a message already delivered:
                 return None  # not an error, whether or not the instruction it answered is still open
         limit = self.accept(kind, client, env)
         if env.size > limit:
             raise WireError("too_large", f"{env.type} of {env.size} bytes exceeds the {limit} bytes expected "
                             f"from {owner}")
         with self._lock:
-            payload = self.reassembler.add(owner, frame, limit)
+            payload = self.joiner.add(owner, frame, limit)
         return None if payload is None else Delivery(kind, client, env, payload)
 
     def receive(self, topic: str, data: bytes) -> Delivery | None:

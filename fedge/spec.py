@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any, Sequence
@@ -10,7 +12,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from fedge.constants import SPEC_SCHEMA_VERSION
+from fedge.constants import SHAPES_CACHE_SIZE, SPEC_SCHEMA_VERSION
 from fedge.layers import LayerSpec, Shape, SpecError, layer_type
 
 Device = torch.device | str
@@ -201,6 +203,25 @@ def build(spec: ModelSpec, device: Device | None = None) -> SpecModel:
         return SpecModel(spec)
 
 
+_shapes: OrderedDict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]] = OrderedDict()
+_shapes_lock = threading.Lock()
+
+
 def tensor_shapes(spec: ModelSpec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Name → (shape, dtype) of every tensor in the model's state dict, without allocating weights."""
-    return {k: (tuple(v.shape), v.dtype) for k, v in build(spec, "meta").state_dict().items()}
+    """Name → (shape, dtype) of every tensor in the model's state dict, without allocating weights.
+
+    The model is built on "meta" once per distinct spec (its JSON): the last SHAPES_CACHE_SIZE are remembered,
+    since every received model is checked against its spec. A spec whose layers cannot be built raises what
+    building raises, every time."""
+    key = spec.to_json()
+    with _shapes_lock:
+        shapes = _shapes.get(key)
+        if shapes is not None:
+            _shapes.move_to_end(key)
+            return dict(shapes)
+    shapes = {k: (tuple(v.shape), v.dtype) for k, v in build(spec, "meta").state_dict().items()}
+    with _shapes_lock:
+        _shapes[key] = shapes
+        while len(_shapes) > SHAPES_CACHE_SIZE:
+            _shapes.popitem(last=False)
+    return dict(shapes)

@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from fedge import tensorblob
 from fedge.constants import SPEC_METADATA_KEY
 from fedge.spec import Device, ModelSpec, SpecError, SpecModel, build, tensor_shapes
 from fedge.errors import UserError
 from fedge.files import atomic_write
 
 State = dict[str, torch.Tensor]
+_NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
 
 
 class WeightsError(UserError, ValueError):
@@ -44,7 +44,15 @@ def check_state(spec: ModelSpec, state: State) -> None:
 
 def all_finite(t: torch.Tensor) -> bool:
     """No NaN or Inf in `t`. A sum is NaN or Inf whenever an element is, so a finite sum proves it at a
-    fraction of the cost; only a non-finite sum (or an overflowing one) needs the element-wise check."""
+    fraction of the cost; only a non-finite sum (or an overflowing one) needs the element-wise check.
+
+    CPU tensors numpy can view are checked by numpy, on one thread: torch's parallel reduction stalls for
+    milliseconds when its threads compete for busy cores (10 MB of float32: 12 ms against numpy's 0.4 ms,
+    measured on 2 shared cores), and this check runs on every model that arrives."""
+    if t.device.type == "cpu" and t.dtype in _NUMPY_FLOATS:
+        a = t.detach().resolve_conj().resolve_neg().numpy()
+        with np.errstate(over="ignore", invalid="ignore"):
+            return bool(np.isfinite(a.sum())) or bool(np.isfinite(a).all())
     return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
@@ -63,27 +71,20 @@ def to_bytes(spec: ModelSpec, state: State) -> bytes:
     return st_save(tensors, metadata={SPEC_METADATA_KEY: spec.to_json()})
 
 
-def _header_metadata(data: bytes) -> dict[str, str]:
-    if len(data) < 8:
-        raise WeightsError("weights blob is shorter than a safetensors header")
-    n = int.from_bytes(data[:8], "little")
-    if n > len(data) - 8:
-        raise WeightsError(f"safetensors header length {n} exceeds the blob ({len(data)} bytes)")
+def from_bytes(data: bytes | bytearray | memoryview) -> tuple[ModelSpec, State]:
+    """Parse a blob written by to_bytes; any malformation raises WeightsError (or SpecError for the spec).
+
+    The tensors view `data` (see tensorblob.parse): a writable buffer is not copied, read-only bytes once."""
     try:
-        return json.loads(data[8:8 + n]).get("__metadata__") or {}
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
-        raise WeightsError(f"safetensors header is not a JSON object: {e}") from None
-
-
-def from_bytes(data: bytes) -> tuple[ModelSpec, State]:
-    """Parse a blob written by to_bytes; any malformation raises WeightsError (or SpecError for the spec)."""
-    meta = _header_metadata(data)
+        meta = tensorblob.metadata(data)
+    except tensorblob.BlobError as e:
+        raise WeightsError(str(e)) from None
     if SPEC_METADATA_KEY not in meta:
         raise WeightsError(f"weights blob has no {SPEC_METADATA_KEY!r} metadata: not written by fedge")
     spec = ModelSpec.from_json(meta[SPEC_METADATA_KEY])
     try:
-        state = st_load(data)
-    except (SafetensorError, ValueError, RuntimeError) as e:
+        _, state = tensorblob.parse(data)
+    except tensorblob.BlobError as e:
         raise WeightsError(f"malformed safetensors payload: {e}") from None
     check_state(spec, state)
     return spec, state
@@ -97,7 +98,9 @@ def save_model(path: str | os.PathLike[str], spec: ModelSpec, state: State) -> N
 def load_model(path: str | os.PathLike[str]) -> tuple[ModelSpec, State]:
     """Load a file written by save_model; a missing or malformed file raises WeightsError."""
     try:
-        data = Path(path).read_bytes()
+        with open(path, "rb") as f:  # into writable memory, which the tensors then use as it is
+            data = bytearray(os.fstat(f.fileno()).st_size)
+            del data[f.readinto(data):]
     except OSError as e:
         raise WeightsError(f"cannot read weights file {path}: {e.strerror}") from None
     try:

@@ -10,7 +10,6 @@ the client stops re-sending; rejected ones are logged in one line and counted, a
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 import uuid
@@ -31,17 +30,9 @@ from fedge.constants import (
 from fedge.link import Connect
 from fedge.messages import ClientInfo, Result, Task, client_order
 from fedge.mqtt import Delivery, Inbox, will_frame
-from fedge.spec import tensor_shapes
-from fedge.wire import (
-    Envelope,
-    WireError,
-    decode_info,
-    decode_result,
-    decode_status,
-    encode_ack,
-    encode_status,
-    encode_task,
-)
+from fedge.payloads import model_bytes
+from fedge.codec import decode_info, decode_result, decode_status, encode_ack, encode_status, encode_task
+from fedge.envelope import Envelope, WireError
 from fedge.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -54,9 +45,9 @@ class FleetError(UserError, RuntimeError):
 
 
 def reply_limit(info: ClientInfo) -> int:
-    """Largest reply accepted from a client: its registered model's tensor bytes plus header slack."""
-    nbytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in tensor_shapes(info.spec).values())
-    return nbytes + REPLY_SLACK_BYTES
+    """The default largest reply from a client, for an exchange given no limits: its registered model's tensor
+    bytes plus header slack."""
+    return model_bytes(info.spec) + REPLY_SLACK_BYTES
 
 
 @dataclass
@@ -186,7 +177,7 @@ class Fleet:
         return {"transport": {"kind": "mqtt", "broker": str(self.link.broker), "run_id": self.run}
                 | dict(self.counts) | {"takeovers": dict(self.takeovers)},
                 "rejected_messages": dict(self.inbox.rejected),
-                "evicted_messages": dict(self.inbox.reassembler.evicted)} | broker
+                "evicted_messages": dict(self.inbox.joiner.evicted)} | broker
 
     def alive(self, cid: str) -> bool:
         """Not announced offline (will or clean exit) and heard from within a few heartbeats."""

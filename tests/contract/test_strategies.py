@@ -14,7 +14,7 @@ from fedge.config import ConfigError
 from fedge.messages import ClientInfo, Result, Weights
 from fedge.payloads import DTYPES, Expected, payload_rejection
 from fedge.spec import build
-from fedge.wire import encode_result
+from fedge.codec import encode_result
 from fedge.zoo import create
 from server.strategy import STRATEGIES, PublicData, StrategyConfig, create_strategy, parse_options
 

@@ -2,7 +2,7 @@
 
 A raw paho client (tests/helpers/raw.py) authenticates as a registered client id and publishes hand-built
 frames while the server's round (Fleet.exchange) runs in a background thread. Each test asserts the server's
-counters (`fleet.inbox.rejected`, `fleet.inbox.reassembler`) and the round's results, and that a valid
+counters (`fleet.inbox.rejected`, `fleet.inbox.joiner`) and the round's results, and that a valid
 message sent afterwards is still accepted. Every test runs on the embedded broker and on Mosquitto.
 """
 
@@ -35,7 +35,9 @@ from helpers.raw import (  # noqa: F401, F811 (broker, fleet and connect are pyt
 from fedge.embedded_broker import EmbeddedBroker
 from fedge.constants import MAX_MESSAGE_BYTES
 from fedge.constants import MAX_CHUNK_BYTES, MAX_HEADER_BYTES, REPLY_SLACK_BYTES, SUPPORTED_SCHEMA_VERSIONS
-from fedge.wire import Envelope, decode_result, frames
+from fedge.chunks import frames
+from fedge.codec import decode_result
+from fedge.envelope import Envelope
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -54,15 +56,15 @@ def test_an_upload_delivered_three_times_is_taken_once(fleet, connect):
         a.publish(a.topic("result"), frame)
 
     results = ex.results()
-    wait_for(lambda: fleet.inbox.reassembler.duplicates == 2, "both repeats to be counted")
+    wait_for(lambda: fleet.inbox.joiner.duplicates == 2, "both repeats to be counted")
     assert set(results) == {"a"} and same_weights(results["a"], decode_result(payload))
     assert a.wait_ack(env.msg_id) is None
-    assert fleet.inbox.reassembler.duplicates == 2 and not fleet.inbox.rejected  # a repeat is not an error
+    assert fleet.inbox.joiner.duplicates == 2 and not fleet.inbox.rejected  # a repeat is not an error
 
     # A late repeat, once the next round is open, is still a duplicate (not a stale result) and changes nothing.
     ex, envs = open_round(fleet, [a], 2)
     a.publish(a.topic("result"), frame)
-    wait_for(lambda: fleet.inbox.reassembler.duplicates == 3, "the late repeat to be counted")
+    wait_for(lambda: fleet.inbox.joiner.duplicates == 3, "the late repeat to be counted")
     second = valid_result("a", 2, own("a"), seed=1)
     assert a.wait_ack(a.answer(envs["a"], second).msg_id) is None
     assert same_weights(ex.results()["a"], decode_result(second)) and not fleet.inbox.rejected
@@ -80,8 +82,8 @@ def test_a_repeated_chunked_upload_counts_every_repeated_chunk(fleet, connect):
     a.publish_frames("result", parts[::-1] + parts)  # out of order, then all again
 
     assert set(ex.results()) == {"a"}
-    wait_for(lambda: fleet.inbox.reassembler.duplicates == 4, "4 repeated chunks")
-    assert not fleet.inbox.rejected and fleet.inbox.reassembler.pending == 0
+    wait_for(lambda: fleet.inbox.joiner.duplicates == 4, "4 repeated chunks")
+    assert not fleet.inbox.rejected and fleet.inbox.joiner.pending == 0
 
 
 def test_a_result_for_the_previous_round_is_stale(fleet, connect):
@@ -122,12 +124,12 @@ def test_an_upload_announcing_twice_the_expected_size_is_refused_at_its_first_ch
     parts = frames(env, payload)
     a.publish(a.topic("result"), parts[0])
     rejected_only(fleet, too_large=1)
-    assert fleet.inbox.reassembler.pending == 0
+    assert fleet.inbox.joiner.pending == 0
 
     liar = {**Envelope.new(RUN, 1, "result", "a", payload[:limit], reply_to=envs["a"].msg_id).to_dict(), "chunks": 2}
     a.publish(a.topic("result"), frame_bytes(liar, 0, payload[:limit]))  # 2 chunks of `limit` bytes in all
     rejected_only(fleet, too_large=1, bad_chunk=1)
-    assert fleet.inbox.reassembler.pending == 0
+    assert fleet.inbox.joiner.pending == 0
 
     good = valid_result("a", 1, own("a"))
     assert a.wait_ack(a.answer(envs["a"], good).msg_id) is None

@@ -3,7 +3,7 @@
 
 Over a real broker (both kinds) a raw client uploads each case as a correctly framed and hashed result;
 the server must refuse it with its reason and keep serving. The fuzz loop and the hostile-blob cases call
-fedge.wire and fedge.mqtt.Inbox directly: nothing but WireError may come out of them.
+fedge.codec and fedge.mqtt.Inbox directly: nothing but WireError may come out of them.
 """
 
 from __future__ import annotations
@@ -50,7 +50,9 @@ from fedge.messages import Result, Task
 from fedge.mqtt import Inbox
 from fedge.payloads import Expected
 from fedge.weights import check_state
-from fedge.wire import Envelope, WireError, decode_result, frames
+from fedge.chunks import frames
+from fedge.codec import decode_result
+from fedge.envelope import Envelope, WireError
 from server.coordinator import rejection
 
 pytestmark = pytest.mark.timeout(90)
@@ -159,7 +161,7 @@ def test_malformed_payloads_each_get_their_own_reason(fleet, connect):
     """§10.16: each malformation is refused with its reason code and a message naming the defect.
 
     Several share the code `bad_format` (container) or `bad_weights` (the safetensors inside): the
-    codes come from fedge.wire.REASONS, the refusal's text tells the cases apart.
+    codes come from fedge.envelope.REASONS, the refusal's text tells the cases apart.
     """
     a = connect("a")
     ex, envs = open_round(fleet, [a], 1)
@@ -347,7 +349,7 @@ def _layer_args(block: int, layer: int, **args):
     return lambda d: d["blocks"][block]["layers"][layer]["args"].update(args)
 
 
-HOSTILE_SPECS = {  # each one escaped decode_result as a non-WireError before fedge.wire caught every parser failure
+HOSTILE_SPECS = {  # each one escaped decode_result as a non-WireError before the codec caught every parser failure
     "conv stride 0": _layer_args(0, 0, stride=0),  # ZeroDivisionError in the shape arithmetic
     "dropout p = -1": _layer_args(2, 3, p=-1),  # ValueError from torch when the layer is built
     "dropout p a string": _layer_args(2, 3, p="x"),  # TypeError from torch

@@ -37,7 +37,8 @@ from fedge.constants import NORM_OUTLIER_FACTOR
 from device_profiles import get_profile
 from fedge.payloads import Expected
 from fedge.messages import Result, Task, Weights
-from fedge.wire import Envelope, decode_result
+from fedge.codec import decode_result
+from fedge.envelope import Envelope
 from server.coordinator import rejection
 from server.fleet import Fleet
 
@@ -150,7 +151,7 @@ def test_a_single_non_finite_value_is_refused(fleet, connect):
     blob = safetensors_blob(own("a"), state)
     nan_metric = container("result", None, {"local": blob}, header=json.dumps(  # json writes the NaN token
         {"kind": "result", "fields": result_fields("a", 1, metrics={"train_loss": math.nan}),
-         "models": {"local": [0, len(blob)]}}).encode())
+         "models": {"local": [0, len(blob)]}, "tensors": None}).encode())
     assert refused(a, a.answer(envs["a"], nan_metric)).startswith("bad_value:")
     assert a.wait_ack(a.answer(envs["a"], valid_result("a", 1, own("a"))).msg_id) is None
     assert set(ex.results()) == {"a"}

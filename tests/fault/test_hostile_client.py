@@ -34,7 +34,8 @@ from fedge.checkpoint import load_tree, nonfinite
 from fedge.constants import MAX_CLOCK_SKEW_S, PENDING_SENDER_BYTES, PENDING_TOTAL_BYTES
 from fedge.messages import ClientInfo, Result, Weights
 from launch.runs import load_partitioned
-from fedge.wire import Envelope, decode_result, encode_info, encode_result
+from fedge.codec import decode_result, encode_info, encode_result
+from fedge.envelope import Envelope
 from fedge.zoo import create
 
 pytestmark = pytest.mark.timeout(120)
@@ -63,15 +64,15 @@ def test_a_flood_of_padded_partial_frames_is_held_to_the_senders_budget(fleet, c
         env = Envelope.new(RUN, 0, "register", "c", b"x" * 1000, chunk_size=1).to_dict()
         c.publish(c.topic("register"), padded_frame(env, i % 1000, b"x"), qos=0 if i % 10 else 1)
         peak = max(peak, rss())
-    reassembler = fleet.inbox.reassembler
-    wait_for(lambda: reassembler.pending + reassembler.evicted["c"] == FLOOD_FRAMES, "every flood frame to arrive")
+    joiner = fleet.inbox.joiner
+    wait_for(lambda: joiner.pending + joiner.evicted["c"] == FLOOD_FRAMES, "every flood frame to arrive")
     peak = max(peak, rss())
     print(f"RSS {before / 2**20:.0f} MiB before the flood, peak {peak / 2**20:.0f} MiB; held by c "
-          f"{reassembler.held['c'] / 2**20:.1f} MiB in {reassembler.pending} partials, evicted {reassembler.evicted}")
-    assert reassembler.held["c"] <= PENDING_SENDER_BYTES and reassembler.held_total <= PENDING_TOTAL_BYTES
-    assert reassembler.evicted["c"] >= FLOOD_FRAMES - PENDING_SENDER_BYTES // PADDED_HEADER_BYTES
-    assert set(reassembler.evicted) == {"c"}
-    assert fleet.report()["evicted_messages"] == {"c": reassembler.evicted["c"]}
+          f"{joiner.held['c'] / 2**20:.1f} MiB in {joiner.pending} partials, evicted {joiner.evicted}")
+    assert joiner.held["c"] <= PENDING_SENDER_BYTES and joiner.held_total <= PENDING_TOTAL_BYTES
+    assert joiner.evicted["c"] >= FLOOD_FRAMES - PENDING_SENDER_BYTES // PADDED_HEADER_BYTES
+    assert set(joiner.evicted) == {"c"}
+    assert fleet.report()["evicted_messages"] == {"c": joiner.evicted["c"]}
     assert peak - before < RSS_GROWTH_BOUND
 
     ex, envs = open_round(fleet, [a], 1)

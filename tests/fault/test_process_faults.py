@@ -22,11 +22,14 @@ from helpers.federation import Federation, make_config, read_rows, run_inproc, t
 from helpers.proxy import TcpProxy
 
 from edge_client.session import MAX_SENDS
-from fedge import topics, wire
+from fedge import topics
+from fedge.chunks import frames, unframe
+from fedge.codec import decode_result, encode_info, encode_result, encode_status
+from fedge.envelope import Envelope, chunk_digests, root_sha256
 from fedge.access import generate_users
 from fedge.checkpoint import load_tree
 from launch.cli import USER_ERRORS
-from fedge.constants import MAX_PAYLOAD_BYTES, RECONNECT_GRACE_S
+from fedge.constants import CHUNK_SIZE, MAX_PAYLOAD_BYTES, RECONNECT_GRACE_S
 from launch.client import client_agents
 from server.registration import registration_check
 from fedge.layers import LayerSpec
@@ -134,14 +137,14 @@ def test_link_cut_mid_upload_is_completed_after_reconnect_and_aggregated_once(tm
         fed.start_clients(["0", "1"])
         client2 = fed.start_clients(["2"], port=proxy.port, settings={"chunk_size": chunk})
         assert proxy.wait_for_cut(90), "client 2's upload never reached the cut"
-        wait_until(lambda: fleet.inbox.reassembler.pending, 2, "the first half to reach the server")
+        wait_until(lambda: fleet.inbox.joiner.pending, 2, "the first half to reach the server")
         seen["accepted"] = "2" in fleet.results  # the first half is held as a partial message, not accepted
         server.join(60)
 
         assert server.error is None, f"the run failed: {server.error!r}"
         round1 = next(e for e in fleet.exchanges if (e.round, e.type) == (1, "train"))
         print(f"cut after {half} of ~{2 * half} upload bytes; round 1 closed {round1.seconds:.2f} s after its tasks; "
-              f"{fleet.inbox.reassembler.duplicates} duplicate chunks ignored; rejected {dict(fleet.inbox.rejected)}")
+              f"{fleet.inbox.joiner.duplicates} duplicate chunks ignored; rejected {dict(fleet.inbox.rejected)}")
         assert "disconnected" in client2.log()
     assert not seen["accepted"]
     assert proxy.cuts == 1 and proxy.accepted == 2  # one cut, one reconnect
@@ -160,26 +163,26 @@ class Straggler:
     def __init__(self, fed: Federation, info) -> None:
         self.run, self.cid, self.session = fed.cfg.run_id, "2", uuid.uuid4().hex
         self.client = mqtt_client(fed.broker.url, self.cid, fed.users[self.cid])
-        self.tasks: dict[str, wire.Envelope] = {}  # msg_id → envelope of every task received, in order
+        self.tasks: dict[str, Envelope] = {}  # msg_id → envelope of every task received, in order
         self.client.on_message = self._on_message
         subscribe(self.client, topics.client_topic(self.run, topics.DOWNLINK, self.cid))
         self.stopped = threading.Event()
-        self.send("status", 0, wire.encode_status("online", self.session))
-        self.send("register", 0, wire.encode_info(info))
+        self.send("status", 0, encode_status("online", self.session))
+        self.send("register", 0, encode_info(info))
         self.beat = threading.Thread(target=self._heartbeat, args=(fed.cfg.heartbeat_s,), daemon=True)
         self.beat.start()
 
     def send(self, kind: str, rnd: int, payload: bytes, reply_to: str | None = None) -> None:
-        env = wire.Envelope.new(self.run, rnd, kind, self.cid, payload, reply_to=reply_to)
-        for frame in wire.frames(env, payload):
+        env = Envelope.new(self.run, rnd, kind, self.cid, payload, reply_to=reply_to)
+        for frame in frames(env, payload):
             publish(self.client, topics.client_topic(self.run, kind, self.cid), frame)
 
     def _heartbeat(self, period: float) -> None:
         while not self.stopped.wait(period):
-            self.send("status", 0, wire.encode_status("alive", self.session))
+            self.send("status", 0, encode_status("alive", self.session))
 
     def _on_message(self, client, userdata, message) -> None:
-        frame = wire.unframe(message.payload)
+        frame = unframe(message.payload)
         if frame.envelope.type == "task":
             self.tasks.setdefault(frame.envelope.msg_id, frame.envelope)
 
@@ -202,7 +205,7 @@ def test_straggler_is_cut_off_at_the_deadline_every_round_and_its_late_reply_dis
         try:
             wait_until(lambda: fleet.exchanges, 90, "round 0's training to close")
             train0 = next(iter(straggler.tasks.values()))  # the first instruction: round 0's training
-            straggler.send("result", 0, wire.encode_result(Result("2", 0, "train", 1)), reply_to=train0.msg_id)
+            straggler.send("result", 0, encode_result(Result("2", 0, "train", 1)), reply_to=train0.msg_id)
             wait_until(lambda: rejected["stale_round"] + rejected["no_open_task"], 10, "the late reply's rejection")
             server.join(90)
         finally:
@@ -348,7 +351,7 @@ RESEND_S = 5.0  # the sender re-sends the same message when it did not get throu
 @pytest.mark.timeout(90)
 def test_a_52_mb_model_crosses_the_broker_in_chunks_bitwise(tmp_path):
     weights = big_state()
-    payload = wire.encode_result(Result("a", 0, "train", 1, {}, {"local": weights}))
+    payload = encode_result(Result("a", 0, "train", 1, {}, {"local": weights}))
     assert len(payload) >= 50 * 1024 * 1024
     users = generate_users(["a"])
     run = "big"
@@ -388,6 +391,6 @@ def test_a_52_mb_model_crosses_the_broker_in_chunks_bitwise(tmp_path):
           f"({len(payload) / 1e6 / seconds:.0f} MB/s); {sends} send(s), {len(frames)} frames arrived")
     (delivery,) = arrived
     assert env.chunks > 1 and not inbox.rejected
-    assert wire.sha256_hex(delivery.payload) == env.sha256 == wire.sha256_hex(payload)
-    received = wire.decode_result(delivery.payload).models["local"]
+    assert bytes(delivery.payload) == payload and root_sha256(chunk_digests(payload, CHUNK_SIZE)) == env.sha256
+    received = decode_result(delivery.payload).models["local"]
     assert received.spec == weights.spec and same_tree(received.state, weights.state)

@@ -1,7 +1,7 @@
 """An in-memory broker for unit tests of the server's Fleet and the client's EdgeClient: no broker, no sockets.
 
 `FakeBroker.connect` is a fedge.link.Connect. The links it makes hand each frame, as the real ones would put it
-on the wire (fedge.wire.iter_frames), to the `on_frame` of every started link subscribed to its topic, which
+on the wire (fedge.chunks.iter_frames), to the `on_frame` of every started link subscribed to its topic, which
 then validates it through its real fedge.mqtt.Inbox. Delivery is synchronous, in the publisher's thread, one
 frame at a time across the whole broker (one lock): once a publish returned, nothing of it is in flight (an
 EdgeClient still handles what it received on its own thread, from its queue).
@@ -24,7 +24,8 @@ from fedge import topics, zoo
 from fedge.constants import CHUNK_SIZE
 from fedge.link import OnFrame
 from fedge.messages import ClientInfo, Result, Task
-from fedge.wire import Envelope, iter_frames, unframe
+from fedge.chunks import iter_frames, unframe
+from fedge.envelope import Envelope
 from server.fleet import Fleet
 
 Drop = Callable[[str, Envelope], bool]

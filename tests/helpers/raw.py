@@ -1,9 +1,9 @@
 """A hand-driven fedge client for fault tests: a raw paho connection that publishes hand-built frames.
 
 The real client (edge_client.session.EdgeClient) only ever sends well-formed messages; this one sends
-whatever a test builds: valid frames from fedge.wire, frames with a forged envelope, or raw bytes. What
+whatever a test builds: valid frames from fedge.chunks, frames with a forged envelope, or raw bytes. What
 it receives from the server (tasks, acknowledgements) is parsed with fedge.mqtt.Inbox, the client's own
-validation. Builders for malformed payloads bypass every check of fedge.wire and fedge.weights.
+validation. Builders for malformed payloads bypass every check of fedge.codec and fedge.weights.
 
 Also the fixtures of tests/fault/test_bad_*.py (a broker of each kind, the server's Fleet on it, registered
 RawClients) and their round helpers; those test modules import the fixtures by name.
@@ -33,7 +33,9 @@ from server.registration import registration_check
 from fedge.messages import ClientInfo, Result, Task, Weights
 from fedge.mqtt import Inbox, connector, parse_broker
 from fedge.spec import ModelSpec, tensor_shapes
-from fedge.wire import Envelope, decode_ack, decode_task, encode_info, encode_result, frames, sha256_hex
+from fedge.chunks import frames
+from fedge.codec import decode_ack, decode_task, encode_info, encode_result
+from fedge.envelope import Envelope, sha256_hex
 from server.coordinator import Coordinator, LoopConfig
 from server.fleet import Fleet
 from server.runlog import RunLog
@@ -71,10 +73,11 @@ def safetensors_blob(spec: ModelSpec, tensors: Mapping[str, torch.Tensor]) -> by
 
 
 def container(kind: str, fields: Any, blobs: Mapping[str, bytes] | None = None, index: Any = None,
-              header: bytes | None = None) -> bytes:
+              header: bytes | None = None, tensors: Any = None) -> bytes:
     """A payload container (8-byte LE header length + JSON header + blobs) with nothing checked.
 
-    `index` replaces the computed model spans, `header` the whole JSON header.
+    `index` replaces the computed model spans, `tensors` the span of the named tensors' blob (none: null),
+    `header` the whole JSON header.
     """
     blobs = dict(blobs or {})
     if index is None:
@@ -83,7 +86,7 @@ def container(kind: str, fields: Any, blobs: Mapping[str, bytes] | None = None, 
             index[role] = [offset, len(blob)]
             offset += len(blob)
     if header is None:
-        header = json.dumps({"kind": kind, "fields": fields, "models": index}, sort_keys=True,
+        header = json.dumps({"kind": kind, "fields": fields, "models": index, "tensors": tensors}, sort_keys=True,
                             separators=(",", ":")).encode()
     return len(header).to_bytes(8, "little") + header + b"".join(blobs.values())
 
@@ -110,12 +113,12 @@ def split_container(payload: bytes) -> tuple[dict[str, Any], bytes]:
 def result_fields(cid: str, rnd: int, type: str = "train", num_examples: Any = NUM_TRAIN,
                   metrics: Any = None) -> dict[str, Any]:
     return {"client_id": cid, "round": rnd, "type": type, "num_examples": num_examples,
-            "metrics": {"train_loss": 0.5} if metrics is None else metrics, "error": None}
+            "metrics": {"train_loss": 0.5} if metrics is None else metrics, "error": None, "records": {}}
 
 
 def valid_result(cid: str, rnd: int, spec: ModelSpec, type: str = "train", scale: float = 0.01,
                  num_examples: int = NUM_TRAIN, seed: int = 0) -> bytes:
-    """A well-formed result payload, encoded by fedge.wire (what a correct client uploads)."""
+    """A well-formed result payload, encoded by fedge.codec (what a correct client uploads)."""
     state = state_for(spec, scale, seed)
     return encode_result(Result(cid, rnd, type, num_examples, {"train_loss": 0.5}, {"local": Weights(spec, state)}))
 

@@ -35,7 +35,7 @@ def test_a_lost_acknowledgement_makes_repeats_that_the_server_recognises():
         client = fed.client("0", ack_timeout_s=0.01).client
         fed.net.drop_next(lambda topic, env: env.type == "ack" and env.round == 1)
         assert list(fed.fleet.exchange({"0": Task("train", 1)})) == ["0"]
-        wait_until(lambda: fed.fleet.inbox.reassembler.duplicates == MAX_SENDS - 1 and not client.pending,
+        wait_until(lambda: fed.fleet.inbox.joiner.duplicates == MAX_SENDS - 1 and not client.pending,
                    "the client to give up on the acknowledgement")
         assert fed.net.count("result") == MAX_SENDS  # a bounded number of sends, each the same message
         assert len({env.msg_id for _, env in fed.net.sent if env.type == "result"}) == 1

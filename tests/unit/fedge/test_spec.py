@@ -7,7 +7,7 @@ import torch
 
 from fedge.layers import LayerSpec as L
 from fedge.layers import SpecError
-from fedge.spec import ModelSpec, build, make_spec
+from fedge.spec import ModelSpec, build, make_spec, tensor_shapes
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -108,3 +108,12 @@ def test_residual_is_used_only_when_shapes_allow():
     x = torch.randn(2, 8, 4, 4)
     module.eval()
     assert torch.equal(module.run_block(0, x), x)  # a zeroed body leaves only the skip connection
+
+
+def test_tensor_shapes_are_remembered_per_spec_and_returned_as_copies():
+    a, b = tiny(4), tiny(6)
+    first = tensor_shapes(a)
+    assert first["blocks.0.0.weight"] == ((4, 1, 3, 3), torch.float32)
+    first.clear()  # the caller's copy: the remembered shapes are unchanged
+    assert tensor_shapes(a) == {k: (tuple(v.shape), v.dtype) for k, v in build(a, "meta").state_dict().items()}
+    assert tensor_shapes(b)["blocks.0.0.weight"] == ((6, 1, 3, 3), torch.float32)  # another spec, its own shapes

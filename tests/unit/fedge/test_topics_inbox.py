@@ -5,8 +5,9 @@ import os
 import pytest
 
 from fedge import topics
+from fedge.chunks import frames
+from fedge.envelope import Envelope, WireError
 from fedge.mqtt import Inbox, parse_broker
-from fedge.wire import Envelope, WireError, frames
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -52,7 +53,7 @@ def test_inbox_joins_chunks_once_and_counts_nothing_when_clean():
     out = [inbox.receive("fedge/r/result/a", p) for p in parts[::-1] + parts]
     done = [d for d in out if d is not None]
     assert len(done) == 1 and done[0].payload == b"x" * 100 and done[0].client == "a"
-    assert not inbox.rejected and inbox.reassembler.duplicates == len(parts)
+    assert not inbox.rejected and inbox.joiner.duplicates == len(parts)
 
 
 @pytest.mark.parametrize("topic, kwargs, reason", [
@@ -73,7 +74,7 @@ def test_inbox_size_cap_checked_before_any_chunk_is_kept():
     inbox, seen = _inbox(limit=50)
     _, parts = _frames()
     assert inbox.receive("fedge/r/result/a", parts[0]) is None
-    assert inbox.rejected == {"too_large": 1} and inbox.reassembler.pending == 0
+    assert inbox.rejected == {"too_large": 1} and inbox.joiner.pending == 0
 
 
 def test_inbox_expired_and_accept_refusal():

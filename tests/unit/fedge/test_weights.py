@@ -1,12 +1,13 @@
 """Weights: exact key/shape/dtype/finiteness checks, safetensors only, atomic writes."""
 
+import math
 import pickle
 
 import pytest
 import torch
 
 from fedge.spec import build
-from fedge.weights import WeightsError, check_state, from_bytes, load_model, save_model, to_bytes
+from fedge.weights import WeightsError, all_finite, check_state, from_bytes, load_model, save_model, to_bytes
 from fedge.zoo import create
 
 pytestmark = pytest.mark.timeout(60)
@@ -77,3 +78,14 @@ def test_atomic_save_leaves_no_temp_files(model, tmp_path):
     assert load_model(path)[0] == spec
     with pytest.raises(WeightsError, match="cannot read weights file"):
         load_model(tmp_path / "absent.safetensors")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_all_finite_finds_one_bad_value_and_survives_an_overflowing_sum(dtype):
+    for bad in (math.nan, math.inf, -math.inf):
+        t = torch.zeros(3, 400, dtype=dtype)
+        t[1, 123] = bad
+        assert not all_finite(t) and not all_finite(t.t()) and not all_finite(t[:, 100:200])
+    huge = torch.full((64,), torch.finfo(dtype).max, dtype=dtype)  # finite values whose sum overflows
+    assert all_finite(huge) and all_finite(-huge) and all_finite(torch.zeros(0, dtype=dtype))
+    assert all_finite(torch.ones(5, dtype=dtype, requires_grad=True))
