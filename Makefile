@@ -3,12 +3,16 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test
+.PHONY: run test lint
 run: $(VENV)/.installed
 	$(BIN)/fedge run
 
-test: $(VENV)/.installed
+test: lint
 	$(BIN)/python -m pytest
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -50,8 +50,10 @@ def hardware() -> str:
         pass
     load = "/".join(f"{v:.1f}" for v in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     gpu = f", CUDA {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""
-    return (f"CPU {cpu} ({os.cpu_count()} logical cores), torch {torch.__version__}, {torch.get_num_threads()} "
-            f"threads, python {platform.python_version()}{gpu}; load average {load}")
+    return (
+        f"CPU {cpu} ({os.cpu_count()} logical cores), torch {torch.__version__}, {torch.get_num_threads()} "
+        f"threads, python {platform.python_version()}{gpu}; load average {load}"
+    )
 
 
 def models() -> list[Weights]:
@@ -65,8 +67,10 @@ def models() -> list[Weights]:
 
 def block_dims(weights: list[Weights], mode: str) -> list[tuple[int, int]]:
     """(D_in, D_out) of every block's feature vectors, from the specs alone."""
+
     def dim(shape: tuple[int, ...]) -> int:
         return shape[0] if len(shape) == 3 and mode == "pool" else math.prod(shape)
+
     return [(dim(tuple(b.in_shape)), dim(tuple(b.out_shape))) for w in weights for b in w.spec.blocks]
 
 
@@ -127,9 +131,11 @@ def row(weights: list[Weights], n: int, mode: str, device: str, budget: float, g
         t_naive *= len(all_pairs) / len(done)
     mb = sum(all_distinct) * n * 4 / 2**20
     feat = f"{'~' if partial else ' '}{t_feat:8.2f}{'*' if partial else ' '}"
-    return (f"{n:>5} {mode:>7} {sum(all_distinct):>7} {choose_method(n, all_distinct):>7} {feat:>11} {mb:>6.0f} "
-            f"{'~' if partial else ' '}{t_vec:10.3f} {'~' if n_est else ' '}{t_naive:10.3f} "
-            f"{t_naive / t_vec:>6.0f}x {t_group if not partial else float('nan'):>9.4f}")
+    return (
+        f"{n:>5} {mode:>7} {sum(all_distinct):>7} {choose_method(n, all_distinct):>7} {feat:>11} {mb:>6.0f} "
+        f"{'~' if partial else ' '}{t_vec:10.3f} {'~' if n_est else ' '}{t_naive:10.3f} "
+        f"{t_naive / t_vec:>6.0f}x {t_group if not partial else float('nan'):>9.4f}"
+    )
 
 
 def main() -> None:
@@ -142,19 +148,25 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print(hardware())
     weights = models()
-    print(f"models: {', '.join(MODELS)} → B = {sum(len(w.spec.blocks) for w in weights)} blocks, "
-          f"{len(distinct_dims(weights, 'pool'))} distinct feature tensors; device {args.device}")
+    print(
+        f"models: {', '.join(MODELS)} → B = {sum(len(w.spec.blocks) for w in weights)} blocks, "
+        f"{len(distinct_dims(weights, 'pool'))} distinct feature tensors; device {args.device}"
+    )
     warm = [f for w in weights for f in block_features(w, torch.randn(8, 1, 28, 28), device=args.device)]
     group_blocks(block_similarity(warm, device=args.device), k=4, seed=0)  # first-call overheads
-    print(f"{'N':>5} {'conv':>7} {'ΣD':>7} {'method':>7} {'features s':>11} {'MB':>6} "
-          f"{'vectorised s':>11} {'naive loop s':>11} {'ratio':>7} {'group s':>9}")
+    print(
+        f"{'N':>5} {'conv':>7} {'ΣD':>7} {'method':>7} {'features s':>11} {'MB':>6} "
+        f"{'vectorised s':>11} {'naive loop s':>11} {'ratio':>7} {'group s':>9}"
+    )
     gen = torch.Generator().manual_seed(0)
     for n in SIZES:
         for mode in MODES:
             print(row(weights, n, mode, args.device, args.budget, gen), flush=True)
-    print("~ = extrapolated with the cost models (module docstring); * = first model only. features s = "
-          "block_features; MB = distinct feature tensors of all 5 models; ratio = naive / vectorised; "
-          "group s = group_blocks (k = 4) on the B×B similarity.")
+    print(
+        "~ = extrapolated with the cost models (module docstring); * = first model only. features s = "
+        "block_features; MB = distinct feature tensors of all 5 models; ratio = naive / vectorised; "
+        "group s = group_blocks (k = 4) on the B×B similarity."
+    )
 
 
 if __name__ == "__main__":

@@ -32,12 +32,17 @@ STRATEGIES = ("local", "pfedhr", "pfedclub", "pfedclub+")
 def hardware() -> str:
     cpu = platform.processor() or "cpu"
     try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
+        cpu = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
     except (OSError, StopIteration):
         pass
-    return (f"{cpu}, {os.cpu_count()} logical cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-            f"python {platform.python_version()}")
+    return (
+        f"{cpu}, {os.cpu_count()} logical cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+        f"python {platform.python_version()}"
+    )
 
 
 def mean_std(values: list[float]) -> str:
@@ -49,14 +54,32 @@ def mean_std(values: list[float]) -> str:
 
 def run_one(args: argparse.Namespace, dataset: str, zoo: str, strategy: str, seed: int) -> dict:
     out = Path(args.out) / f"{dataset}-zoo{zoo}-{strategy}-s{seed}"
-    cfg = config_from(dict(strategy=strategy, dataset=dataset, data=str(Path(args.data_dir) / f"{dataset}.npz"), zoo=zoo,
-                    clients=args.clients, active=args.active, rounds=args.rounds, local_epochs=args.local_epochs,
-                    seed=seed, partition="noniid", max_samples_per_client=args.samples_per_client,
-                    max_public_samples=args.public_samples, eta=args.eta, out=str(out)))
+    cfg = config_from(
+        dict(
+            strategy=strategy,
+            dataset=dataset,
+            data=str(Path(args.data_dir) / f"{dataset}.npz"),
+            zoo=zoo,
+            clients=args.clients,
+            active=args.active,
+            rounds=args.rounds,
+            local_epochs=args.local_epochs,
+            seed=seed,
+            partition="noniid",
+            max_samples_per_client=args.samples_per_client,
+            max_public_samples=args.public_samples,
+            eta=args.eta,
+            out=str(out),
+        )
+    )
     start = time.perf_counter()
     summary = run_simulation(cfg, progress=False)
-    print(f"  {dataset} zoo {zoo} {strategy:9s} seed {seed}: acc {summary['final_accuracy']['mean']:.3f} "
-          f"in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    print(
+        f"  {dataset} zoo {zoo} {strategy:9s} seed {seed}: acc {summary['final_accuracy']['mean']:.3f} "
+        f"in {time.perf_counter() - start:.0f} s",
+        file=sys.stderr,
+        flush=True,
+    )
     return summary
 
 
@@ -70,11 +93,13 @@ def row(summaries: list[dict]) -> dict:
             phi_by_model[s["models"][cid]].append(phi)
             phis.append(phi)
         teacher += list(s.get("teacher_params", {}).values())
-    return {"acc": mean_std([s["final_accuracy"]["mean"] for s in summaries]),
-            "teacher": statistics.fmean(teacher) if teacher else None,
-            "phi": statistics.fmean(phis) if phis else None,
-            "phi_by_model": {m: round(statistics.fmean(v), 3) for m, v in sorted(phi_by_model.items())},
-            "server_s": statistics.fmean(server)}
+    return {
+        "acc": mean_std([s["final_accuracy"]["mean"] for s in summaries]),
+        "teacher": statistics.fmean(teacher) if teacher else None,
+        "phi": statistics.fmean(phis) if phis else None,
+        "phi_by_model": {m: round(statistics.fmean(v), 3) for m, v in sorted(phi_by_model.items())},
+        "server_s": statistics.fmean(server),
+    }
 
 
 def main() -> None:
@@ -94,28 +119,37 @@ def main() -> None:
     p.add_argument("--out", default="runs/bench-compare")
     args = p.parse_args()
     print(f"hardware: {hardware()}")
-    print(f"setting: non-IID 2 classes/client, {args.clients} clients, {args.active} active, {args.rounds} rounds, "
-          f"{args.local_epochs} local epochs, ≤{args.samples_per_client} samples/client, "
-          f"{args.public_samples} public samples, seeds {args.seeds}", flush=True)
+    print(
+        f"setting: non-IID 2 classes/client, {args.clients} clients, {args.active} active, {args.rounds} rounds, "
+        f"{args.local_epochs} local epochs, ≤{args.samples_per_client} samples/client, "
+        f"{args.public_samples} public samples, seeds {args.seeds}",
+        flush=True,
+    )
     cells = {}
     for dataset in args.datasets:
         for zoo in args.zoos:
             for strategy in args.strategies:
                 cells[(dataset, zoo, strategy)] = row([run_one(args, dataset, zoo, strategy, s) for s in args.seeds])
-    print(f"\n{'dataset':8s} {'zoo':4s} {'strategy':10s} {'accuracy':>12s} {'teacher params':>15s} {'mean ϕ':>8s} "
-          f"{'server s/round':>15s}  ϕ per model type")
+    print(
+        f"\n{'dataset':8s} {'zoo':4s} {'strategy':10s} {'accuracy':>12s} {'teacher params':>15s} {'mean ϕ':>8s} "
+        f"{'server s/round':>15s}  ϕ per model type"
+    )
     for (dataset, zoo, strategy), c in cells.items():
         teacher = f"{c['teacher']:,.0f}" if c["teacher"] is not None else "-"
         phi = f"{c['phi']:+.3f}" if c["phi"] is not None else "-"
-        print(f"{dataset:8s} {zoo:4s} {strategy:10s} {c['acc']:>12s} {teacher:>15s} {phi:>8s} "
-              f"{c['server_s']:>15.2f}  {json.dumps(c['phi_by_model'])}")
+        print(
+            f"{dataset:8s} {zoo:4s} {strategy:10s} {c['acc']:>12s} {teacher:>15s} {phi:>8s} "
+            f"{c['server_s']:>15.2f}  {json.dumps(c['phi_by_model'])}"
+        )
     print("\nratios pFedClub / pFedHR (same dataset, zoo, seeds):")
     for dataset in args.datasets:
         for zoo in args.zoos:
             club, hr = cells.get((dataset, zoo, "pfedclub")), cells.get((dataset, zoo, "pfedhr"))
             if club and hr and hr["teacher"] and hr["server_s"]:
-                print(f"  {dataset} zoo {zoo}: server time {club['server_s'] / hr['server_s']:.2f}x, "
-                      f"teacher size {club['teacher'] / hr['teacher']:.2f}x")
+                print(
+                    f"  {dataset} zoo {zoo}: server time {club['server_s'] / hr['server_s']:.2f}x, "
+                    f"teacher size {club['teacher'] / hr['teacher']:.2f}x"
+                )
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "table.json").write_text(json.dumps({"/".join(k): v for k, v in cells.items()}, indent=2))
 

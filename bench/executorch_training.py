@@ -31,8 +31,8 @@ from export.parity import gated_training_program  # noqa: E402
 from export.pte import teacher_logits_pte  # noqa: E402
 from export.training_program import trainable_form  # noqa: E402
 from fedge import constants as C  # noqa: E402
-from fedge.distill import kd_loss  # noqa: E402
 from fedge.data import load_dataset  # noqa: E402
+from fedge.distill import kd_loss  # noqa: E402
 from fedge.messages import Weights  # noqa: E402
 from fedge.spec import build  # noqa: E402
 from fedge.zoo import MODELS, create  # noqa: E402
@@ -75,12 +75,16 @@ def main() -> None:
     cfg = TrainConfig(epochs=1, batch_size=args.batch_size, lr=1e-3, seed=1, sgd_lr=SGD_LR, sgd_momentum=MOMENTUM)
     steps = -(-len(x) // args.batch_size)
     print(hardware())
-    print(f"{args.dataset}: {len(x)} samples of {list(ds.input_shape)}, batch {args.batch_size} ({steps} steps per "
-          f"epoch), {args.threads} torch thread(s); ExecuTorch: portable kernels (training has no XNNPACK); "
-          f"median of {args.repeats} epochs")
+    print(
+        f"{args.dataset}: {len(x)} samples of {list(ds.input_shape)}, batch {args.batch_size} ({steps} steps per "
+        f"epoch), {args.threads} torch thread(s); ExecuTorch: portable kernels (training has no XNNPACK); "
+        f"median of {args.repeats} epochs"
+    )
     print("ratio = ExecuTorch epoch / eager epoch (same loss, same batches, SGD)\n")
-    head = (f"{'model':8s} {'export+gate s':>13s} {'ET epoch s':>10s} {'ET ms/step':>10s} {'eager SGD s':>11s} "
-            f"{'ET/eager':>8s} {'Adam s':>7s} {'teacher pte s':>13s} " + " ".join(f"{p.name:>18s}" for p in android))
+    head = (
+        f"{'model':8s} {'export+gate s':>13s} {'ET epoch s':>10s} {'ET ms/step':>10s} {'eager SGD s':>11s} "
+        f"{'ET/eager':>8s} {'Adam s':>7s} {'teacher pte s':>13s} " + " ".join(f"{p.name:>18s}" for p in android)
+    )
     print(head)
     print("-" * len(head))
     for name in MODELS:
@@ -91,9 +95,12 @@ def main() -> None:
             print(f"{name:8s} not trainable under executorch: {str(e)[:90]}")
             continue
         start = time.perf_counter()
-        trainer = ExecuTorchTrainer(spec, args.batch_size,
-                                    lambda b, spec=spec: TrainingSession(gated_training_program(spec, b)),
-                                    teacher_logits_pte)
+        trainer = ExecuTorchTrainer(
+            spec,
+            args.batch_size,
+            lambda b, spec=spec: TrainingSession(gated_training_program(spec, b)),
+            teacher_logits_pte,
+        )
         setup = time.perf_counter() - start
         torch.manual_seed(0)
         model = build(spec)
@@ -106,10 +113,14 @@ def main() -> None:
         teacher_logits_pte(Weights(spec, model.state_dict()), x)
         tpte = time.perf_counter() - start
         sim = " ".join(f"{train_seconds(spec.macs, len(x), 1, p):18.3f}" for p in android)
-        print(f"{name:8s} {setup:13.2f} {et:10.2f} {1e3 * et / steps:10.1f} {sgd:11.3f} {et / sgd:8.1f} {adam:7.3f} "
-              f"{tpte:13.2f} {sim}")
-    print("\nlast columns: seconds the simulated clock charges for the same epoch on each Android profile "
-          "(3 x forward MACs x samples / train_macs_per_s; device_profiles.capability.train_seconds)")
+        print(
+            f"{name:8s} {setup:13.2f} {et:10.2f} {1e3 * et / steps:10.1f} {sgd:11.3f} {et / sgd:8.1f} {adam:7.3f} "
+            f"{tpte:13.2f} {sim}"
+        )
+    print(
+        "\nlast columns: seconds the simulated clock charges for the same epoch on each Android profile "
+        "(3 x forward MACs x samples / train_macs_per_s; device_profiles.capability.train_seconds)"
+    )
 
 
 if __name__ == "__main__":

@@ -28,19 +28,28 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.compare import hardware  # noqa: E402
-from export.pte import export_pte  # noqa: E402
 from export.onnx import INPUT_NAME, export_onnx  # noqa: E402
+from export.pte import export_pte  # noqa: E402
 from export.run_models import load_final_model, parity_sample, run_config  # noqa: E402
-from fedge.executorch_program import dense  # noqa: E402
 from fedge.data import load_dataset  # noqa: E402
+from fedge.executorch_program import dense  # noqa: E402
 from fedge.spec import build  # noqa: E402
 from fedge.weights import load_module  # noqa: E402
 from fedge.zoo import MODELS, create  # noqa: E402
 
 RUNTIMES = ("eager", "ORT", "ET")
-FEDERATION = {"strategy": "pfedclub", "rounds": 2, "local_epochs": 1, "clients": 4, "active": 4,
-              "max_samples_per_client": 200, "max_public_samples": 500, "finetune_epochs": 1,
-              "export_onnx": "false", "device": "cpu"}
+FEDERATION = {
+    "strategy": "pfedclub",
+    "rounds": 2,
+    "local_epochs": 1,
+    "clients": 4,
+    "active": 4,
+    "max_samples_per_client": 200,
+    "max_public_samples": 500,
+    "finetune_epochs": 1,
+    "export_onnx": "false",
+    "device": "cpu",
+}
 
 
 def latency(fn, warmup: int, runs: int) -> tuple[float, float]:
@@ -58,8 +67,19 @@ def latency(fn, warmup: int, runs: int) -> tuple[float, float]:
 
 def run_federation(out: Path, dataset: str, data: str | None) -> None:
     """A small pFedClub federation in this machine's one process (transport inproc) into `out`."""
-    cmd = [sys.executable, "-m", "launch.cli", "run", "--transport", "inproc", "--no-progress", "--out", str(out),
-           "--dataset", dataset]
+    cmd = [
+        sys.executable,
+        "-m",
+        "launch.cli",
+        "run",
+        "--transport",
+        "inproc",
+        "--no-progress",
+        "--out",
+        str(out),
+        "--dataset",
+        dataset,
+    ]
     cmd += ["--data", data] if data else []
     for key, value in FEDERATION.items():
         cmd += ["--set", f"{key}={value}"]
@@ -72,8 +92,8 @@ def run_federation(out: Path, dataset: str, data: str | None) -> None:
 def bench_model(spec, state, sample: torch.Tensor, stem: Path, args) -> dict:
     """Latencies {runtime: (p50, p95) or 'failed: ...'} and ExecuTorch's non-delegated ops for one model;
     its exports are written to `stem`.onnx and `stem`.pte."""
-    from executorch.runtime import Runtime
     import onnxruntime as ort
+    from executorch.runtime import Runtime
 
     row: dict = {"ops": ""}
     x1 = dense(sample[:1])  # canonical strides, as the ExecuTorch runtime reads a dim order from them
@@ -105,9 +125,11 @@ def bench_model(spec, state, sample: torch.Tensor, stem: Path, args) -> dict:
 
 
 def print_table(rows: list[tuple[str, object, dict]]) -> None:
-    head = (f"{'model':16s} {'params':>9s} {'MACs':>11s} {'eager p50':>9s} {'p95':>7s} {'ORT p50':>8s} {'p95':>7s} "
-            f"{'ET p50':>7s} {'p95':>7s} {'ORT/eager p50':>13s} {'p95':>5s} {'ET/eager p50':>12s} {'p95':>5s}  "
-            f"ET non-delegated ops")
+    head = (
+        f"{'model':16s} {'params':>9s} {'MACs':>11s} {'eager p50':>9s} {'p95':>7s} {'ORT p50':>8s} {'p95':>7s} "
+        f"{'ET p50':>7s} {'p95':>7s} {'ORT/eager p50':>13s} {'p95':>5s} {'ET/eager p50':>12s} {'p95':>5s}  "
+        f"ET non-delegated ops"
+    )
     print(head)
     print("-" * len(head))
     for name, spec, r in rows:
@@ -121,9 +143,11 @@ def print_table(rows: list[tuple[str, object, dict]]) -> None:
         for rt in ("ORT", "ET"):
             ok = isinstance(r[rt], tuple) and isinstance(r["eager"], tuple)
             ratios += [f"{r[rt][i] / r['eager'][i]:.2f}" if ok else "-" for i in (0, 1)]
-        print(f"{name:16s} {spec.params:9,d} {spec.macs:11,d} {cells[0]:>9s} {cells[1]:>7s} {cells[2]:>8s} "
-              f"{cells[3]:>7s} {cells[4]:>7s} {cells[5]:>7s} {ratios[0]:>13s} {ratios[1]:>5s} {ratios[2]:>12s} "
-              f"{ratios[3]:>5s}  {r['ops']}")
+        print(
+            f"{name:16s} {spec.params:9,d} {spec.macs:11,d} {cells[0]:>9s} {cells[1]:>7s} {cells[2]:>8s} "
+            f"{cells[3]:>7s} {cells[4]:>7s} {cells[5]:>7s} {ratios[0]:>13s} {ratios[1]:>5s} {ratios[2]:>12s} "
+            f"{ratios[3]:>5s}  {r['ops']}"
+        )
         for failure in failures:
             print(f"{'':16s} {failure}")
 
@@ -144,8 +168,9 @@ def teachers(args, tmp: Path, rows: list, origins: list[str]) -> None:
             continue
         spec = weights.spec
         rows.append((label, spec, bench_model(spec, weights.state, sample, tmp / f"teacher-{client}", args)))
-        blocks = " ".join(b.name if b.origin.client is None else f"{b.name}<{b.origin.model}@c{b.origin.client}"
-                          for b in spec.blocks)
+        blocks = " ".join(
+            b.name if b.origin.client is None else f"{b.name}<{b.origin.model}@c{b.origin.client}" for b in spec.blocks
+        )
         origins.append(f"{label}: {spec.name}, {spec.params:,d} params, {spec.macs:,d} MACs: {blocks}")
         print(f"  {label} done", flush=True)
 
@@ -163,13 +188,17 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     from executorch.extension.pybindings.portable_lib import _threadpool_get_thread_count, _unsafe_reset_threadpool
+
     _unsafe_reset_threadpool(args.threads)
     ds = load_dataset(args.dataset, args.data)
     sample = parity_sample(ds, 8)
     print(f"hardware: {hardware()}")
-    print(f"settings: {args.threads} thread(s) (torch {torch.get_num_threads()}, onnxruntime intra/inter-op "
-          f"{args.threads}, ExecuTorch threadpool {_threadpool_get_thread_count()}); batch 1; warmup {args.warmup}, "
-          f"runs {args.runs}; dataset {ds.name} input {tuple(ds.input_shape)}, {ds.num_classes} classes", flush=True)
+    print(
+        f"settings: {args.threads} thread(s) (torch {torch.get_num_threads()}, onnxruntime intra/inter-op "
+        f"{args.threads}, ExecuTorch threadpool {_threadpool_get_thread_count()}); batch 1; warmup {args.warmup}, "
+        f"runs {args.runs}; dataset {ds.name} input {tuple(ds.input_shape)}, {ds.num_classes} classes",
+        flush=True,
+    )
 
     with tempfile.TemporaryDirectory(prefix="export-latency-") as tmp:
         tmp = Path(tmp)

@@ -24,10 +24,10 @@ from fedge.config import config_from  # noqa: E402
 from fedge.data import load_dataset  # noqa: E402
 from fedge.messages import Result  # noqa: E402
 from fedge.partition import make_partition  # noqa: E402
+from fedge.zoo import assign_models  # noqa: E402
 from launch.client import make_agent  # noqa: E402
 from launch.runs import partition_config  # noqa: E402
 from launch.server import strategy_config  # noqa: E402
-from fedge.zoo import assign_models  # noqa: E402
 from server.reassembly import STAGES  # noqa: E402
 from server.strategy import PublicData, create_strategy  # noqa: E402
 
@@ -42,8 +42,18 @@ def main() -> None:
     p.add_argument("--strategy", default="pfedclub")
     p.add_argument("--device", default="cpu")
     args = p.parse_args()
-    cfg = config_from(dict(strategy=args.strategy, dataset=args.dataset, data=args.data, zoo="I", clients=args.clients,
-                    active=args.active, device=args.device, profiles=("jetson-orin-nano",)))
+    cfg = config_from(
+        dict(
+            strategy=args.strategy,
+            dataset=args.dataset,
+            data=args.data,
+            zoo="I",
+            clients=args.clients,
+            active=args.active,
+            device=args.device,
+            profiles=("jetson-orin-nano",),
+        )
+    )
     ds = load_dataset(cfg.dataset, cfg.data)
     part = make_partition(ds.y, ds.num_classes, partition_config(cfg))
     models = assign_models("I", cfg.clients, cfg.seed)
@@ -67,8 +77,10 @@ def main() -> None:
     strategy.aggregate(0, results)
     total = time.perf_counter() - start
 
-    print(f"\none client's local training ({args.local_epochs} epochs, mean of {len(agents)}): {client:.2f} s "
-          f"(per model: {', '.join(f'{a.spec.name} {s:.1f}' for a, s in zip(agents, train_seconds))})")
+    print(
+        f"\none client's local training ({args.local_epochs} epochs, mean of {len(agents)}): {client:.2f} s "
+        f"(per model: {', '.join(f'{a.spec.name} {s:.1f}' for a, s in zip(agents, train_seconds))})"
+    )
     print(f"{'stage':12s} {'seconds':>9s} {'/ client training':>18s}")
     for stage in STAGES:
         print(f"{stage:12s} {strategy.times[stage]:9.2f} {strategy.times[stage] / client:17.2f}x")

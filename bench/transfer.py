@@ -31,15 +31,15 @@ import torch  # noqa: E402
 
 from bench.compare import hardware  # noqa: E402
 from fedge.access import generate_users  # noqa: E402
-from fedge.embedded_broker import EmbeddedBroker  # noqa: E402
-from fedge.mosquitto import write_mosquitto_config  # noqa: E402
+from fedge.codec import decode_result, encode_result  # noqa: E402
 from fedge.constants import CHUNK_SIZE  # noqa: E402
+from fedge.embedded_broker import EmbeddedBroker  # noqa: E402
 from fedge.layers import LayerSpec  # noqa: E402
 from fedge.messages import Result, Weights  # noqa: E402
+from fedge.mosquitto import write_mosquitto_config  # noqa: E402
 from fedge.mqtt import Broker, Endpoint, Inbox  # noqa: E402
 from fedge.spec import make_spec  # noqa: E402
 from fedge.weights import check_state  # noqa: E402
-from fedge.codec import decode_result, encode_result  # noqa: E402
 
 RUN = "bench"
 MOSQUITTO = "/usr/sbin/mosquitto"
@@ -50,7 +50,9 @@ def model_of(megabytes: float) -> Weights:
     """A one-block linear model with about `megabytes` MB of float32 weights."""
     width = 1024
     out = max(1, int(megabytes * 1e6 / 4 / width))
-    spec = make_spec("blob", (width,), out, [("fc", [LayerSpec("linear", {"in_features": width, "out_features": out})])])
+    spec = make_spec(
+        "blob", (width,), out, [("fc", [LayerSpec("linear", {"in_features": width, "out_features": out})])]
+    )
     gen = torch.Generator().manual_seed(0)
     state = {"blocks.0.0.weight": torch.randn(out, width, generator=gen), "blocks.0.0.bias": torch.zeros(out)}
     check_state(spec, state)
@@ -78,11 +80,16 @@ def receiver(kind: str, port: int, nbytes: int, count: int) -> None:
                     check_state(w.spec, w.state)
                 finished()
 
-        rx = Endpoint(Broker("127.0.0.1", port, username="server", password=password), "server",
-                      [f"fedge/{RUN}/result/+"], on_frame)
+        rx = Endpoint(
+            Broker("127.0.0.1", port, username="server", password=password),
+            "server",
+            [f"fedge/{RUN}/result/+"],
+            on_frame,
+        )
         rx.start(30)
         stop = rx.stop
     else:
+
         def on_message(client: paho.Client, userdata: object, msg: paho.MQTTMessage) -> None:
             seen[1] += len(msg.payload)
             if seen[1] >= nbytes * (seen[0] + 1):
@@ -100,11 +107,16 @@ def receiver(kind: str, port: int, nbytes: int, count: int) -> None:
     stop()
 
 
-def transfers(kind: str, broker: Broker, users: dict[str, str], data: bytes, repeats: int,
-              protocol: int) -> list[float]:
+def transfers(
+    kind: str, broker: Broker, users: dict[str, str], data: bytes, repeats: int, protocol: int
+) -> list[float]:
     """Seconds per transfer of `data` (a fedge result payload, or plain bytes for paho) to a receiver process."""
-    child = subprocess.Popen([sys.executable, __file__, "--receiver", kind, str(broker.port), str(len(data)),
-                              str(repeats)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--receiver", kind, str(broker.port), str(len(data)), str(repeats)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert child.stdin is not None and child.stdout is not None
     child.stdin.write(users["server"] + "\n")
     child.stdin.flush()
@@ -123,7 +135,7 @@ def transfers(kind: str, broker: Broker, users: dict[str, str], data: bytes, rep
                 tx.publish(f"fedge/{RUN}/result/a", "result", 0, data, reply_to="0" * 32, chunk_size=CHUNK_SIZE)
             else:
                 for i in range(0, len(data), CHUNK_SIZE):
-                    c.publish(f"fedge/{RUN}/result/a", data[i:i + CHUNK_SIZE], qos=1)
+                    c.publish(f"fedge/{RUN}/result/a", data[i : i + CHUNK_SIZE], qos=1)
             line = child.stdout.readline().split()
             if not line or line[0] != "done":
                 raise RuntimeError(f"the {kind} receiver failed")
@@ -214,11 +226,15 @@ def main() -> None:
         return
     sizes = [float(s) for s in args.sizes.split(",")]
     users = generate_users(["a"])
-    print(f"hardware: {hardware()}; chunk size {CHUNK_SIZE // 1024} KiB, QoS 1, median of {args.repeats}; "
-          "sender and receiver in separate processes; fedge's time starts from the encoded payload "
-          "(encoding the model is shown apart)")
-    print(f"{'broker':10s} {'MB':>6s} {'encode s':>8s} {'fedge s':>8s} {'fedge MB/s':>10s} {'paho s':>8s} "
-          f"{'paho MB/s':>9s} {'socket MB/s':>11s} {'fedge/paho':>10s}")
+    print(
+        f"hardware: {hardware()}; chunk size {CHUNK_SIZE // 1024} KiB, QoS 1, median of {args.repeats}; "
+        "sender and receiver in separate processes; fedge's time starts from the encoded payload "
+        "(encoding the model is shown apart)"
+    )
+    print(
+        f"{'broker':10s} {'MB':>6s} {'encode s':>8s} {'fedge s':>8s} {'fedge MB/s':>10s} {'paho s':>8s} "
+        f"{'paho MB/s':>9s} {'socket MB/s':>11s} {'fedge/paho':>10s}"
+    )
     for name in args.brokers.split(","):
         if name == "embedded":
             embedded = EmbeddedBroker(users=users).start()
@@ -237,8 +253,11 @@ def main() -> None:
                 paho_s = statistics.median(transfers(kind, broker, users, bytes(len(payload)), args.repeats, protocol))
                 sock_s = median(lambda: socket_once(len(payload)), args.repeats)
                 mbytes = len(payload) / 1e6
-                print(f"{name:10s} {mbytes:6.1f} {encode_s:8.3f} {fedge_s:8.3f} {mbytes / fedge_s:10.0f} {paho_s:8.3f} "
-                      f"{mbytes / paho_s:9.0f} {mbytes / sock_s:11.0f} {paho_s / fedge_s:10.2f}", flush=True)
+                print(
+                    f"{name:10s} {mbytes:6.1f} {encode_s:8.3f} {fedge_s:8.3f} {mbytes / fedge_s:10.0f} {paho_s:8.3f} "
+                    f"{mbytes / paho_s:9.0f} {mbytes / sock_s:11.0f} {paho_s / fedge_s:10.2f}",
+                    flush=True,
+                )
         finally:
             stop()
 

@@ -88,8 +88,7 @@ def fits(model: SizedModel, profile: DeviceProfile) -> Verdict:
     memory = training_memory_bytes(params)
     if memory > profile.memory_bytes:
         label = f"training memory estimate (params x {BYTES_PER_PARAM * TRAINING_COPIES} B)"
-        failures.append(_over(label, memory,
-                              "memory_bytes", profile.memory_bytes))
+        failures.append(_over(label, memory, "memory_bytes", profile.memory_bytes))
     return Verdict(ok=not failures, failures=tuple(failures))
 
 
@@ -124,9 +123,7 @@ def compatible_models(models: Mapping[str, SizedModel], profile: DeviceProfile) 
     return sorted(ok, key=lambda name: (macs[name], name))
 
 
-def train_seconds(
-    forward_macs_per_sample: int, samples: int, epochs: int, profile: DeviceProfile
-) -> float:
+def train_seconds(forward_macs_per_sample: int, samples: int, epochs: int, profile: DeviceProfile) -> float:
     """Simulated local-training time: 3 x forward MACs x samples x epochs / train_macs_per_s.
 
     The factor 3 is FedScale's rule (backward ~ 2x forward; fedscale/cloud/internal/
@@ -134,8 +131,12 @@ def train_seconds(
     3x is applied here only once. Raises TypeError/ValueError for negative or
     non-integer inputs.
     """
-    work = (TRAIN_COST_FACTOR * _count(forward_macs_per_sample, "forward_macs_per_sample")
-            * _count(samples, "samples") * _count(epochs, "epochs"))
+    work = (
+        TRAIN_COST_FACTOR
+        * _count(forward_macs_per_sample, "forward_macs_per_sample")
+        * _count(samples, "samples")
+        * _count(epochs, "epochs")
+    )
     return work / profile.train_macs_per_s
 
 
@@ -151,6 +152,5 @@ def transfer_seconds(num_bytes: int, profile: DeviceProfile, direction: str) -> 
     elif direction == DIRECTION_DOWN:
         bandwidth = profile.downlink_bps
     else:
-        raise ValueError(f"direction must be {DIRECTION_UP!r} or {DIRECTION_DOWN!r}, "
-                         f"got {direction!r}")
+        raise ValueError(f"direction must be {DIRECTION_UP!r} or {DIRECTION_DOWN!r}, got {direction!r}")
     return profile.rtt_s + size * 8 / bandwidth

@@ -89,8 +89,7 @@ def field_problem(field: str, value: object) -> str | None:
         return _str_problem(field, value)
     if field in _INT_FIELDS:
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            return (f"field {field!r} must be a positive integer "
-                    f"(e.g. {_EXAMPLES[field]}), got {value!r}")
+            return f"field {field!r} must be a positive integer (e.g. {_EXAMPLES[field]}), got {value!r}"
         return None
     if field in _FLOAT_FIELDS:
         return _float_problem(field, value)
@@ -101,11 +100,9 @@ def _str_problem(field: str, value: object) -> str | None:
     if not isinstance(value, str) or not value.strip():
         return f"field {field!r} must be a non-empty string, got {value!r}"
     if field == "runtime" and value not in ALLOWED_RUNTIMES:
-        return (f"field 'runtime' must be one of {sorted(ALLOWED_RUNTIMES)}, "
-                f"got {value!r}")
+        return f"field 'runtime' must be one of {sorted(ALLOWED_RUNTIMES)}, got {value!r}"
     if field == "name" and not re.fullmatch(PROFILE_NAME_PATTERN, value):
-        return (f"field 'name' must match {PROFILE_NAME_PATTERN} "
-                f"(letters, digits, '-', '_', '.'), got {value!r}")
+        return f"field 'name' must match {PROFILE_NAME_PATTERN} (letters, digits, '-', '_', '.'), got {value!r}"
     return None
 
 
@@ -113,18 +110,14 @@ def _float_problem(field: str, value: object) -> str | None:
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if field == "availability":
         if not is_number or not math.isfinite(value) or not 0 < value <= 1:
-            return (f"field 'availability' must be a probability in (0, 1] "
-                    f"(e.g. 0.5), got {value!r}")
+            return f"field 'availability' must be a probability in (0, 1] (e.g. 0.5), got {value!r}"
         return None
     if not is_number or not math.isfinite(value) or value <= 0:
-        return (f"field {field!r} must be a positive finite number "
-                f"(e.g. {_EXAMPLES[field]}), got {value!r}")
+        return f"field {field!r} must be a positive finite number (e.g. {_EXAMPLES[field]}), got {value!r}"
     return None
 
 
-def profile_from_mapping(
-    data: Mapping[str, object], source: str, expected_name: str | None = None
-) -> DeviceProfile:
+def profile_from_mapping(data: Mapping[str, object], source: str, expected_name: str | None = None) -> DeviceProfile:
     """Build a validated DeviceProfile from a flat mapping of the file keys.
 
     Raises ProfileError listing every problem at once: unknown keys, missing keys, bad
@@ -135,18 +128,15 @@ def profile_from_mapping(
         if key == "source":
             problems.append("field 'source' is set by the loader; remove it from the file")
         elif key not in FILE_KEYS:
-            problems.append(f"unknown field {key!r}; remove it (allowed fields: "
-                            f"{', '.join(FILE_KEYS)})")
+            problems.append(f"unknown field {key!r}; remove it (allowed fields: {', '.join(FILE_KEYS)})")
     for key in FILE_KEYS:
         if key not in data:
-            problems.append(f"missing field {key!r}; add it (e.g. "
-                            f"{key} = {_EXAMPLES.get(key, '...')})")
+            problems.append(f"missing field {key!r}; add it (e.g. {key} = {_EXAMPLES.get(key, '...')})")
         elif problem := field_problem(key, data[key]):
             problems.append(problem)
     name = data.get("name")
     if expected_name is not None and isinstance(name, str) and name != expected_name:
-        problems.append(f"field 'name' is {name!r} but the file is named "
-                        f"{expected_name!r}; make them equal")
+        problems.append(f"field 'name' is {name!r} but the file is named {expected_name!r}; make them equal")
     if problems:
         raise ProfileError(source, problems)
     values = {k: float(v) if k in _FLOAT_FIELDS else v for k, v in data.items()}
@@ -172,4 +162,3 @@ def load_profile(path: PathLike) -> DeviceProfile:
     except tomllib.TOMLDecodeError as exc:
         raise ProfileError(source, [f"not valid TOML ({exc}); fix the syntax"]) from exc
     return profile_from_mapping(data, source, expected_name=file.stem)
-

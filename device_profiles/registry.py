@@ -26,16 +26,21 @@ def search_dirs(extra_dirs: Iterable[PathLike] = ()) -> list[Path]:
     entries (e.g. a trailing separator) are ignored.
     """
     if isinstance(extra_dirs, (str, Path)):
-        raise TypeError("extra_dirs must be a collection of directories, e.g. "
-                        f"[{str(extra_dirs)!r}], not a single path")
+        raise TypeError(
+            f"extra_dirs must be a collection of directories, e.g. [{str(extra_dirs)!r}], not a single path"
+        )
     user = [(Path(d), "extra_dirs") for d in extra_dirs]
     env_value = os.environ.get(PROFILE_PATH_ENV, "")
     user += [(Path(d), PROFILE_PATH_ENV) for d in env_value.split(os.pathsep) if d]
     for directory, origin in user:
         if not directory.is_dir():
-            raise ProfileError(str(directory), [
-                f"profile directory (from {origin}) does not exist or is not a "
-                f"directory; create it or remove it from {origin}"])
+            raise ProfileError(
+                str(directory),
+                [
+                    f"profile directory (from {origin}) does not exist or is not a "
+                    f"directory; create it or remove it from {origin}"
+                ],
+            )
     return [d for d, _ in user] + [BUNDLED_DIR]
 
 
@@ -70,10 +75,14 @@ def get_profile(name_or_path: PathLike, extra_dirs: Iterable[PathLike] = ()) -> 
         return load_profile(name_or_path)
     files = profile_files(extra_dirs)
     if name_or_path not in files:
-        raise ProfileError(str(name_or_path), [
-            f"unknown device profile; available: {', '.join(sorted(files))}. "
-            f"Pass a path to a {PROFILE_SUFFIX} file, or add its directory to "
-            f"{PROFILE_PATH_ENV}"])
+        raise ProfileError(
+            str(name_or_path),
+            [
+                f"unknown device profile; available: {', '.join(sorted(files))}. "
+                f"Pass a path to a {PROFILE_SUFFIX} file, or add its directory to "
+                f"{PROFILE_PATH_ENV}"
+            ],
+        )
     return load_profile(files[name_or_path])
 
 

@@ -1,4 +1,6 @@
 """The edge device agent: holds a client's model and data, and executes the server's tasks."""
 
-from edge_client import tasks  # noqa: F401  (registers the task handlers)
-from edge_client import distill  # noqa: F401  (registers kd_train)
+from edge_client import (
+    distill,  # noqa: F401  (registers kd_train)
+    tasks,  # noqa: F401  (registers the task handlers)
+)

@@ -55,9 +55,11 @@ def register_task(name: str, mutates: bool = True) -> Callable[[TaskHandler], Ta
     """Decorator: the client half of a strategy, under a task type name. Say `mutates=False` only for a
     handler that leaves the own model as it is (evaluation); the agent snapshots the model after every
     mutating task so that one re-sent for the same round starts from the same model again."""
+
     def add(handler: TaskHandler) -> TaskHandler:
         TASKS.add(name, TaskKind(handler, mutates))
         return handler
+
     return add
 
 
@@ -71,8 +73,16 @@ class ClientAgent:
     started again on the same directory continues from the newest readable one.
     """
 
-    def __init__(self, client_id: str, spec: ModelSpec, data: ClientData, profile: str, seed: int,
-                 state_dir: Path | None = None, trainer: Trainer | None = None) -> None:
+    def __init__(
+        self,
+        client_id: str,
+        spec: ModelSpec,
+        data: ClientData,
+        profile: str,
+        seed: int,
+        state_dir: Path | None = None,
+        trainer: Trainer | None = None,
+    ) -> None:
         self.client_id = client_id
         self.trainer = TorchTrainer() if trainer is None else trainer
         self.spec = spec.with_origin(client_id)
@@ -116,8 +126,10 @@ class ClientAgent:
         kind = TASKS.get(task.type)
         before = [r for r in self.snapshots if r < task.round or (r == task.round and not kind.mutates)]
         if not before:
-            raise TaskError(f"client {self.client_id}: round {task.round} is older than its kept model snapshots "
-                            f"(rounds {sorted(self.snapshots)}); it cannot be run again")
+            raise TaskError(
+                f"client {self.client_id}: round {task.round} is older than its kept model snapshots "
+                f"(rounds {sorted(self.snapshots)}); it cannot be run again"
+            )
         self.use(max(before))
         if not kind.mutates:
             return kind.handler(self, task)

@@ -37,9 +37,11 @@ def _teacher_distillation(agent: ClientAgent, task: Task, lam: float, temperatur
     ExecuTorch inference program)."""
     weights = task.models["teacher"]
     if weights.spec.input_shape != agent.spec.input_shape or weights.spec.num_classes != agent.spec.num_classes:
-        raise TaskError(f"client {agent.client_id}: teacher {weights.spec.name!r} takes "
-                        f"{list(weights.spec.input_shape)} and gives {weights.spec.num_classes} classes; "
-                        f"this client needs {list(agent.spec.input_shape)} and {agent.spec.num_classes}")
+        raise TaskError(
+            f"client {agent.client_id}: teacher {weights.spec.name!r} takes "
+            f"{list(weights.spec.input_shape)} and gives {weights.spec.num_classes} classes; "
+            f"this client needs {list(agent.spec.input_shape)} and {agent.spec.num_classes}"
+        )
     agent.module_for(weights)  # checks the weights against their spec (TaskError)
     try:
         logits = agent.trainer.teacher_logits(weights, agent.data.x_train)
@@ -68,5 +70,11 @@ def kd_train_task(agent: ClientAgent, task: Task) -> Result:
     stats = agent.trainer.fit(agent.model, agent.data.x_train, agent.data.y_train, cfg, distill)
     seconds = time.perf_counter() - start
     models = {"local": agent.weights()} if train_settings(task).upload else {}
-    return Result(agent.client_id, task.round, task.type, len(agent.data.y_train),
-                  {"train_loss": stats.loss, "train_seconds": seconds, "kd_loss": stats.kd}, models)
+    return Result(
+        agent.client_id,
+        task.round,
+        task.type,
+        len(agent.data.y_train),
+        {"train_loss": stats.loss, "train_seconds": seconds, "kd_loss": stats.kd},
+        models,
+    )

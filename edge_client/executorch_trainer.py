@@ -40,8 +40,15 @@ class ProgramSession(Protocol):
 
     def optimizer(self, lr: float, momentum: float) -> Any: ...
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, teacher_logits: torch.Tensor, kd_lambda: float,
-             temperature: float, optimizer: Any) -> tuple[float, float, float]: ...
+    def step(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        teacher_logits: torch.Tensor,
+        kd_lambda: float,
+        temperature: float,
+        optimizer: Any,
+    ) -> tuple[float, float, float]: ...
 
 
 class TrainingSession:
@@ -70,8 +77,15 @@ class TrainingSession:
 
         return get_sgd_optimizer(self.live, lr, momentum, 0.0, 0.0, False)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, teacher_logits: torch.Tensor, kd_lambda: float,
-             temperature: float, optimizer: Any = None) -> tuple[float, float, float]:
+    def step(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        teacher_logits: torch.Tensor,
+        kd_lambda: float,
+        temperature: float,
+        optimizer: Any = None,
+    ) -> tuple[float, float, float]:
         """One forward-backward (and an optimizer step if given) on a batch of exactly the exported size;
         returns (loss, CE, KL). Invalid λ or T, or another batch size, raise ProgramError."""
         try:
@@ -105,8 +119,13 @@ class ExecuTorchTrainer:
 
     runtime = "executorch"
 
-    def __init__(self, spec: ModelSpec, batch_size: int, session_for: Callable[[int], ProgramSession],
-                 teacher_logits: Callable[[Weights, torch.Tensor], torch.Tensor]) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        batch_size: int,
+        session_for: Callable[[int], ProgramSession],
+        teacher_logits: Callable[[Weights, torch.Tensor], torch.Tensor],
+    ) -> None:
         self.spec = spec
         self.session_for = session_for
         self.teacher_logits = teacher_logits
@@ -119,8 +138,9 @@ class ExecuTorchTrainer:
             self.sessions[batch] = self.session_for(batch)
         return self.sessions[batch]
 
-    def fit(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
-            kd: Distillation | None = None) -> TrainStats:
+    def fit(
+        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig, kd: Distillation | None = None
+    ) -> TrainStats:
         """Train `model` in place with SGD (cfg.sgd_lr, cfg.sgd_momentum) on CE + λ·KL (pFedClub Eq. (5)) through
         the program; the same contract as edge_client.training.fit (ValueError on empty data, bad teacher
         logits or divergence). Without a teacher λ = 0 and the teacher input is zeros, so the update is CE's."""

@@ -51,9 +51,16 @@ class EdgeClient:
     `fedge.mqtt.connector(broker, keepalive)`). `compute` serialises training between the virtual clients of
     one process."""
 
-    def __init__(self, agent: ClientAgent, connect: Connect, run: str, heartbeat_s: float = HEARTBEAT_S,
-                 chunk_size: int = CHUNK_SIZE, ack_timeout_s: float = ACK_TIMEOUT_S,
-                 compute: threading.Lock | None = None) -> None:
+    def __init__(
+        self,
+        agent: ClientAgent,
+        connect: Connect,
+        run: str,
+        heartbeat_s: float = HEARTBEAT_S,
+        chunk_size: int = CHUNK_SIZE,
+        ack_timeout_s: float = ACK_TIMEOUT_S,
+        compute: threading.Lock | None = None,
+    ) -> None:
         self.agent, self.run, self.cid = agent, run, agent.client_id
         self.heartbeat_s, self.chunk_size, self.ack_timeout_s = heartbeat_s, chunk_size, ack_timeout_s
         self.compute = compute or threading.Lock()
@@ -66,9 +73,13 @@ class EdgeClient:
         self.stopped = threading.Event()
         self.lock = threading.Lock()
         task_topic = topics.client_topic(run, topics.DOWNLINK, self.cid)
-        self.link = connect(self.cid, [task_topic, topics.server_topic(run)],
-                            lambda t, d: self._deliver(self.inbox.receive(t, d)), self._on_connect,
-                            (self.topic("status"), will_frame(run, self.cid, self.session)))
+        self.link = connect(
+            self.cid,
+            [task_topic, topics.server_topic(run)],
+            lambda t, d: self._deliver(self.inbox.receive(t, d)),
+            self._on_connect,
+            (self.topic("status"), will_frame(run, self.cid, self.session)),
+        )
 
     def topic(self, kind: str) -> str:
         return topics.client_topic(self.run, kind, self.cid)
@@ -100,8 +111,7 @@ class EdgeClient:
         self._send(self.topic("register"), "register", 0, encode_info(self.agent.info()), None)
 
     def _send(self, topic: str, type: str, rnd: int, payload: bytes, reply_to: str | None) -> _Pending:
-        env = self.link.publish(topic, type, rnd, payload, reply_to=reply_to, chunk_size=self.chunk_size,
-                                run=self.run)
+        env = self.link.publish(topic, type, rnd, payload, reply_to=reply_to, chunk_size=self.chunk_size, run=self.run)
         p = _Pending(topic, env, payload, 1, time.monotonic() + self.ack_timeout_s)
         with self.lock:
             self.pending[env.msg_id] = p
@@ -140,8 +150,13 @@ class EdgeClient:
             due = [p for p in self.pending.values() if p.due <= now]
         for p in due:
             if p.sends >= MAX_SENDS:
-                log.warning("client %s: %s %s was never acknowledged after %d sends; giving up on it", self.cid,
-                            p.envelope.type, p.envelope.msg_id, p.sends)
+                log.warning(
+                    "client %s: %s %s was never acknowledged after %d sends; giving up on it",
+                    self.cid,
+                    p.envelope.type,
+                    p.envelope.msg_id,
+                    p.sends,
+                )
                 with self.lock:
                     self.pending.pop(p.envelope.msg_id, None)
                 continue
@@ -183,9 +198,11 @@ class EdgeClient:
             log.info("client %s: the server ended the run", self.cid)
             self.stopped.set()
         elif session == self.session:
-            raise ClientStopped(f"client {self.cid}: another connection with client id {self.cid} took over this "
-                                f"one ({task.config.get('reason')}); is a second `fedge client --id {self.cid}` "
-                                "running? Stopping this one")
+            raise ClientStopped(
+                f"client {self.cid}: another connection with client id {self.cid} took over this "
+                f"one ({task.config.get('reason')}); is a second `fedge client --id {self.cid}` "
+                "running? Stopping this one"
+            )
 
     def _acknowledged(self, msg_id: str | None, error: str | None) -> None:
         with self.lock:

@@ -23,9 +23,14 @@ def train_config(agent: ClientAgent, task: Task) -> TrainConfig:
     """The trainer's settings for a task: its TrainTask with this client's seed for this round; TaskError when the
     task's config is bad."""
     t = train_settings(task)
-    return TrainConfig(epochs=t.epochs, batch_size=t.batch_size, lr=t.lr,
-                       seed=derive_seed(t.seed, "train", agent.client_id, task.round), sgd_lr=t.sgd_lr,
-                       sgd_momentum=t.sgd_momentum)
+    return TrainConfig(
+        epochs=t.epochs,
+        batch_size=t.batch_size,
+        lr=t.lr,
+        seed=derive_seed(t.seed, "train", agent.client_id, task.round),
+        sgd_lr=t.sgd_lr,
+        sgd_momentum=t.sgd_momentum,
+    )
 
 
 @register_task("train")
@@ -38,8 +43,14 @@ def train_task(agent: ClientAgent, task: Task) -> Result:
     loss = agent.trainer.fit(agent.model, agent.data.x_train, agent.data.y_train, cfg).loss
     seconds = time.perf_counter() - start
     models = {"local": agent.weights()} if train_settings(task).upload else {}
-    return Result(agent.client_id, task.round, task.type, len(agent.data.y_train),
-                  {"train_loss": loss, "train_seconds": seconds}, models)
+    return Result(
+        agent.client_id,
+        task.round,
+        task.type,
+        len(agent.data.y_train),
+        {"train_loss": loss, "train_seconds": seconds},
+        models,
+    )
 
 
 @register_task("evaluate", mutates=False)
@@ -47,5 +58,4 @@ def evaluate_task(agent: ClientAgent, task: Task) -> Result:
     """Accuracy and loss on the client's own test set, of its own model or of a sent `global` one."""
     model = agent.module_for(task.models["global"]) if "global" in task.models else agent.model
     accuracy, loss = evaluate(model, agent.data.x_test, agent.data.y_test)
-    return Result(agent.client_id, task.round, task.type, len(agent.data.y_test),
-                  {"accuracy": accuracy, "loss": loss})
+    return Result(agent.client_id, task.round, task.type, len(agent.data.y_test), {"accuracy": accuracy, "loss": loss})

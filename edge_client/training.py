@@ -61,13 +61,13 @@ def train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig) 
 def check_distillation(kd: Distillation, x: torch.Tensor) -> None:
     """ValueError unless the teacher logits match the data and λ, T are valid."""
     if kd.teacher_logits.dim() != 2 or len(kd.teacher_logits) != len(x):
-        raise ValueError(f"teacher logits must be (num_samples={len(x)}, classes), "
-                         f"got {list(kd.teacher_logits.shape)}")
+        raise ValueError(f"teacher logits must be (num_samples={len(x)}, classes), got {list(kd.teacher_logits.shape)}")
     check_kd_settings(kd.kd_lambda, kd.temperature)
 
 
-def fit(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
-        kd: Distillation | None = None) -> TrainStats:
+def fit(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig, kd: Distillation | None = None
+) -> TrainStats:
     """Train in place with Adam on CE, plus λ·KL to a teacher when `kd` is given (pFedClub Eq. (5)).
 
     Without `kd` (or with λ = 0) the updates are exactly those of plain CE training; the KL is then
@@ -136,8 +136,9 @@ class Trainer(Protocol):
 
     runtime: str
 
-    def fit(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
-            kd: Distillation | None = None) -> TrainStats: ...
+    def fit(
+        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig, kd: Distillation | None = None
+    ) -> TrainStats: ...
 
     def teacher_logits(self, teacher: Weights, x: torch.Tensor) -> torch.Tensor: ...
 
@@ -147,8 +148,9 @@ class TorchTrainer:
 
     runtime = "torch"
 
-    def fit(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
-            kd: Distillation | None = None) -> TrainStats:
+    def fit(
+        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig, kd: Distillation | None = None
+    ) -> TrainStats:
         return fit(model, x, y, cfg, kd)
 
     def teacher_logits(self, teacher: Weights, x: torch.Tensor) -> torch.Tensor:

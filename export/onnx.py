@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from export import PARITY_ATOL, ExportError, require
-from fedge.spec import ModelSpec
 from fedge.files import atomic_write
+from fedge.spec import ModelSpec
 from fedge.weights import State, load_module
 
 log = logging.getLogger(__name__)
@@ -58,11 +58,20 @@ def fedge_version() -> str:
 
 def spec_metadata(spec: ModelSpec) -> dict[str, str]:
     """The metadata props every export of `spec` carries: name, block origins, params, MACs, shapes, spec."""
-    origins = [{"name": b.name, "model": b.origin.model, "client": b.origin.client, "block": b.origin.block}
-               for b in spec.blocks]
-    return {"model": spec.name, "blocks": json.dumps(origins), "params": str(spec.params), "macs": str(spec.macs),
-            "input_shape": "x".join(map(str, spec.input_shape)), "num_classes": str(spec.num_classes),
-            "fedge_version": fedge_version(), "fedge_spec": spec.to_json()}
+    origins = [
+        {"name": b.name, "model": b.origin.model, "client": b.origin.client, "block": b.origin.block}
+        for b in spec.blocks
+    ]
+    return {
+        "model": spec.name,
+        "blocks": json.dumps(origins),
+        "params": str(spec.params),
+        "macs": str(spec.macs),
+        "input_shape": "x".join(map(str, spec.input_shape)),
+        "num_classes": str(spec.num_classes),
+        "fedge_version": fedge_version(),
+        "fedge_spec": spec.to_json(),
+    }
 
 
 def _to_onnx_bytes(module: nn.Module, sample: torch.Tensor, exporter: str) -> bytes:
@@ -71,14 +80,29 @@ def _to_onnx_bytes(module: nn.Module, sample: torch.Tensor, exporter: str) -> by
         warnings.simplefilter("ignore")
         if exporter == "dynamo":
             batch = torch.export.Dim(BATCH_DIM, min=1)
-            program = torch.onnx.export(module, (sample,), None, dynamo=True, opset_version=ONNX_OPSET,
-                                        input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
-                                        dynamic_shapes=({0: batch},), verbose=False)
+            program = torch.onnx.export(
+                module,
+                (sample,),
+                None,
+                dynamo=True,
+                opset_version=ONNX_OPSET,
+                input_names=[INPUT_NAME],
+                output_names=[OUTPUT_NAME],
+                dynamic_shapes=({0: batch},),
+                verbose=False,
+            )
             return program.model_proto.SerializeToString()
         buf = io.BytesIO()
-        torch.onnx.export(module, (sample,), buf, dynamo=False, opset_version=ONNX_OPSET,
-                          input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
-                          dynamic_axes={INPUT_NAME: {0: BATCH_DIM}, OUTPUT_NAME: {0: BATCH_DIM}})
+        torch.onnx.export(
+            module,
+            (sample,),
+            buf,
+            dynamo=False,
+            opset_version=ONNX_OPSET,
+            input_names=[INPUT_NAME],
+            output_names=[OUTPUT_NAME],
+            dynamic_axes={INPUT_NAME: {0: BATCH_DIM}, OUTPUT_NAME: {0: BATCH_DIM}},
+        )
         return buf.getvalue()
 
 
@@ -86,8 +110,14 @@ def _dims(value_info) -> tuple[int | str, ...]:  # noqa: ANN001 - onnx.ValueInfo
     return tuple(d.dim_param or d.dim_value for d in value_info.type.tensor_type.shape.dim)
 
 
-def export_module(module: nn.Module, path: str | Path, sample: torch.Tensor, metadata: Mapping[str, str],
-                  exporters: tuple[str, ...] = ONNX_EXPORTERS, atol: float = PARITY_ATOL) -> OnnxReport:
+def export_module(
+    module: nn.Module,
+    path: str | Path,
+    sample: torch.Tensor,
+    metadata: Mapping[str, str],
+    exporters: tuple[str, ...] = ONNX_EXPORTERS,
+    atol: float = PARITY_ATOL,
+) -> OnnxReport:
     """Export `module` (in eval mode, on CPU) to `path` and prove the file: onnx.checker, then onnxruntime on
     `sample` (and on its first row alone, for the dynamic batch) against eager PyTorch. Every exporter failing,
     a failed check, a max abs logit difference above `atol` or any differing argmax raise ExportError (and
@@ -127,8 +157,9 @@ def export_module(module: nn.Module, path: str | Path, sample: torch.Tensor, met
         raise
 
 
-def _parity(module: nn.Module, path: Path, sample: torch.Tensor, exporter: str, opset: int, atol: float,
-            model) -> OnnxReport:  # noqa: ANN001 - onnx.ModelProto
+def _parity(
+    module: nn.Module, path: Path, sample: torch.Tensor, exporter: str, opset: int, atol: float, model
+) -> OnnxReport:  # noqa: ANN001 - onnx.ModelProto
     """Load the written file back into onnxruntime and compare it with eager PyTorch (batch N and batch 1)."""
     session = _session(path)
     got = session.run([OUTPUT_NAME], {INPUT_NAME: sample.numpy()})[0]
@@ -136,28 +167,45 @@ def _parity(module: nn.Module, path: Path, sample: torch.Tensor, exporter: str, 
     with torch.no_grad():
         want = module(sample).numpy()
     if got.shape != want.shape or got_one.shape != want[:1].shape:
-        raise ExportError(f"{path}: onnxruntime gives shapes {got.shape} (batch {len(sample)}) and {got_one.shape} "
-                          f"(batch 1), eager PyTorch {want.shape}")
+        raise ExportError(
+            f"{path}: onnxruntime gives shapes {got.shape} (batch {len(sample)}) and {got_one.shape} "
+            f"(batch 1), eager PyTorch {want.shape}"
+        )
     diff = float(max(np.abs(got - want).max(), np.abs(got_one - want[:1]).max()))
     agree = bool((got.argmax(1) == want.argmax(1)).all() and (got_one.argmax(1) == want[:1].argmax(1)).all())
     if not diff <= atol or not agree:
         disagree = int((got.argmax(1) != want.argmax(1)).sum())
-        raise ExportError(f"{path}: onnxruntime does not reproduce eager PyTorch: max abs logit difference "
-                          f"{diff:.3g} (allowed {atol:g}), argmax differs on {disagree} of {len(sample)} samples")
+        raise ExportError(
+            f"{path}: onnxruntime does not reproduce eager PyTorch: max abs logit difference "
+            f"{diff:.3g} (allowed {atol:g}), argmax differs on {disagree} of {len(sample)} samples"
+        )
     graph = model.graph
-    return OnnxReport(path, exporter, opset, diff, agree, len(sample), INPUT_NAME, OUTPUT_NAME,
-                      _dims(graph.input[0]), _dims(graph.output[0]))
+    return OnnxReport(
+        path,
+        exporter,
+        opset,
+        diff,
+        agree,
+        len(sample),
+        INPUT_NAME,
+        OUTPUT_NAME,
+        _dims(graph.input[0]),
+        _dims(graph.output[0]),
+    )
 
 
-def export_onnx(spec: ModelSpec, state: State, path: str | Path, sample: torch.Tensor,
-                metadata: Mapping[str, str]) -> OnnxReport:
+def export_onnx(
+    spec: ModelSpec, state: State, path: str | Path, sample: torch.Tensor, metadata: Mapping[str, str]
+) -> OnnxReport:
     """Export spec + weights to an ONNX file at `path` with a dynamic batch, metadata props (the spec's own:
     model, blocks with origins, params, MACs, input shape, version; plus `metadata`, e.g. client, round,
     classes) and a parity check on `sample` (real inputs). Weights that do not fit the spec raise WeightsError;
     a sample of the wrong shape or a failed check raises ExportError."""
     if tuple(sample.shape[1:]) != tuple(spec.input_shape):
-        raise ExportError(f"the parity sample has shape {list(sample.shape[1:])} per item, model {spec.name!r} "
-                          f"takes {list(spec.input_shape)}")
+        raise ExportError(
+            f"the parity sample has shape {list(sample.shape[1:])} per item, model {spec.name!r} "
+            f"takes {list(spec.input_shape)}"
+        )
     module = load_module(spec, state, "cpu")
     return export_module(module, path, sample, spec_metadata(spec) | dict(metadata))
 
@@ -187,5 +235,5 @@ def predict_onnx(path: str | Path, x: np.ndarray | torch.Tensor, batch_size: int
     want = [d if isinstance(d, int) else None for d in inp.shape[1:]]
     if x.ndim != len(inp.shape) or any(w is not None and w != g for w, g in zip(want, x.shape[1:])):
         raise ExportError(f"{path} takes inputs of shape {['N', *want]}, got {list(x.shape)}")
-    outs = [session.run(None, {inp.name: x[i:i + batch_size]})[0] for i in range(0, len(x), batch_size)]
+    outs = [session.run(None, {inp.name: x[i : i + batch_size]})[0] for i in range(0, len(x), batch_size)]
     return np.concatenate(outs) if outs else np.zeros((0, 0), np.float32)

@@ -51,9 +51,16 @@ class ParityReport:
         return max(self.max_rel_err.values(), default=0.0)
 
 
-def train_step_pte(program: TrainingProgram, params: State, x: torch.Tensor, y: torch.Tensor,
-                   teacher_logits: torch.Tensor, lr: float, kd_lambda: float = 0.2,
-                   temperature: float = 1.0) -> tuple[float, State, State]:
+def train_step_pte(
+    program: TrainingProgram,
+    params: State,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    lr: float,
+    kd_lambda: float = 0.2,
+    temperature: float = 1.0,
+) -> tuple[float, State, State]:
     """One SGD step (no momentum) through the program freshly loaded at `params`: (loss, new params, gradients).
 
     ExportError when λ or T is invalid, the batch is not of the exported size, the parameters do not match the
@@ -78,9 +85,16 @@ def train_step_pte(program: TrainingProgram, params: State, x: torch.Tensor, y: 
     return float(out[0]), by_student_name(live), grads
 
 
-def gradient_parity(spec: ModelSpec, state: State, x: torch.Tensor, y: torch.Tensor, teacher_logits: torch.Tensor,
-                    kd_lambda: float = 0.2, temperature: float = 1.0,
-                    program: TrainingProgram | None = None) -> ParityReport:
+def gradient_parity(
+    spec: ModelSpec,
+    state: State,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    kd_lambda: float = 0.2,
+    temperature: float = 1.0,
+    program: TrainingProgram | None = None,
+) -> ParityReport:
     """Loss and every parameter's gradient of one step through a .pte against eager PyTorch.
 
     Dropout is off on both sides (the program is exported without it). Raises ExportError when the model
@@ -115,11 +129,17 @@ def _gated(spec_json: str, batch_size: int) -> TrainingProgram:
     report = gradient_parity(spec, state, x, y, t, GATE_KD_LAMBDA, GATE_TEMPERATURE, program)
     if not report.passed:
         name = max(report.max_rel_err, key=report.max_rel_err.get)
-        raise ExportError(f"{spec.name!r} fails the ExecuTorch gradient-parity gate: loss {report.loss_pte:.6g} vs "
-                          f"eager {report.loss_eager:.6g}, worst parameter {name} (relative gradient error "
-                          f"{report.max_rel_err[name]:.2g}); it cannot train under the executorch runtime")
-    log.info("%s passes the ExecuTorch gradient-parity gate (batch %d, worst relative gradient error %.2g)",
-             spec.name, batch_size, report.worst)
+        raise ExportError(
+            f"{spec.name!r} fails the ExecuTorch gradient-parity gate: loss {report.loss_pte:.6g} vs "
+            f"eager {report.loss_eager:.6g}, worst parameter {name} (relative gradient error "
+            f"{report.max_rel_err[name]:.2g}); it cannot train under the executorch runtime"
+        )
+    log.info(
+        "%s passes the ExecuTorch gradient-parity gate (batch %d, worst relative gradient error %.2g)",
+        spec.name,
+        batch_size,
+        report.worst,
+    )
     return program
 
 

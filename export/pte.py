@@ -46,8 +46,10 @@ def eager_module(spec: ModelSpec, state: State) -> SpecModel:
 def check_input(spec: ModelSpec, x: torch.Tensor) -> None:
     """ExportError unless `x` is a float32 batch of `spec`'s input shape."""
     if x.dim() != 4 or tuple(x.shape[1:]) != tuple(spec.input_shape) or x.dtype != torch.float32:
-        raise ExportError(f"{spec.name!r} takes float32 batches of shape (N, {', '.join(map(str, spec.input_shape))}), "
-                          f"got {x.dtype} {list(x.shape)}")
+        raise ExportError(
+            f"{spec.name!r} takes float32 batches of shape (N, {', '.join(map(str, spec.input_shape))}), "
+            f"got {x.dtype} {list(x.shape)}"
+        )
 
 
 def op_name(target: object) -> str:
@@ -109,10 +111,19 @@ def export_pte(spec: ModelSpec, state: State, path: str | os.PathLike[str], samp
     diff = float((got - want).abs().max())
     same = bool(torch.equal(got.argmax(1), want.argmax(1)))
     if not (diff <= PARITY_ATOL and same):
-        raise ExportError(f"{path}: ExecuTorch output differs from eager for {spec.name!r} "
-                          f"(max |Δ| {diff:.3g}, argmax {'equal' if same else 'differs'})")
-    log.info("exported %s to %s (%d bytes, max |Δ| %.2g, %d delegate calls, portable ops %s)",
-             spec.name, path, len(data), diff, calls, list(rest))
+        raise ExportError(
+            f"{path}: ExecuTorch output differs from eager for {spec.name!r} "
+            f"(max |Δ| {diff:.3g}, argmax {'equal' if same else 'differs'})"
+        )
+    log.info(
+        "exported %s to %s (%d bytes, max |Δ| %.2g, %d delegate calls, portable ops %s)",
+        spec.name,
+        path,
+        len(data),
+        diff,
+        calls,
+        list(rest),
+    )
     return PteReport(str(path), len(data), diff, same, calls, rest)
 
 

@@ -33,29 +33,46 @@ def parity_sample(ds: Dataset, n: int = PARITY_SAMPLES) -> torch.Tensor:
 
 def model_metadata(ds: Dataset, client: str, role: str, rnd: int | None) -> dict[str, str]:
     """The run-specific metadata props of an export: client, role, round, dataset, classes, normalisation."""
-    return {"client": client, "role": role, "round": "" if rnd is None else str(rnd), "dataset": ds.name,
-            "class_names": json.dumps(list(ds.classes)), "mean": json.dumps(list(ds.mean)),
-            "std": json.dumps(list(ds.std))}
+    return {
+        "client": client,
+        "role": role,
+        "round": "" if rnd is None else str(rnd),
+        "dataset": ds.name,
+        "class_names": json.dumps(list(ds.classes)),
+        "mean": json.dumps(list(ds.mean)),
+        "std": json.dumps(list(ds.std)),
+    }
 
 
-def write_final_models(run_dir: str | Path, finals: Mapping[str, Mapping[str, Weights]], ds: Dataset,
-                       rnd: int | None, onnx: bool = True,
-                       progress: bool = False) -> dict[str, dict[str, OnnxReport | None]]:
+def write_final_models(
+    run_dir: str | Path,
+    finals: Mapping[str, Mapping[str, Weights]],
+    ds: Dataset,
+    rnd: int | None,
+    onnx: bool = True,
+    progress: bool = False,
+) -> dict[str, dict[str, OnnxReport | None]]:
     """Save each client's final models as <run>/models/<client>/<role>.safetensors and, with `onnx`, export
     and check <role>.onnx. An export that fails its check is logged as an error and left out (None): the
     run's other results stay valid."""
     reports: dict[str, dict[str, OnnxReport | None]] = {}
     sample = parity_sample(ds) if onnx and finals else None
-    for client, models in tqdm(finals.items(), desc="export ONNX" if onnx else "save models", unit="client",
-                               disable=not progress, dynamic_ncols=True):
+    for client, models in tqdm(
+        finals.items(),
+        desc="export ONNX" if onnx else "save models",
+        unit="client",
+        disable=not progress,
+        dynamic_ncols=True,
+    ):
         for role, weights in models.items():
             folder = Path(run_dir) / C.FINAL_MODELS_DIR / client
             save_model(folder / f"{role}.safetensors", weights.spec, weights.state)
             if sample is None:
                 continue
             try:
-                report = export_onnx(weights.spec, weights.state, folder / f"{role}.onnx", sample,
-                                     model_metadata(ds, client, role, rnd))
+                report = export_onnx(
+                    weights.spec, weights.state, folder / f"{role}.onnx", sample, model_metadata(ds, client, role, rnd)
+                )
                 log.info("client %s %s → %s (max abs diff %.2g)", client, role, report.path, report.max_abs_diff)
             except ExportError as e:
                 log.error("client %s: the final %s was not exported to ONNX: %s", client, role, e)
@@ -89,8 +106,10 @@ def load_final_model(run_dir: str | Path, client: str, what: str) -> tuple[Weigh
     if what == "teacher":
         path = run / C.FINAL_MODELS_DIR / client / "teacher.safetensors"
         if not path.exists():
-            raise ExportError(f"client {client} has no final teacher in {path.parent} (the strategy "
-                              f"{cfg.get('strategy')!r} builds none, or the client never got one)")
+            raise ExportError(
+                f"client {client} has no final teacher in {path.parent} (the strategy "
+                f"{cfg.get('strategy')!r} builds none, or the client never got one)"
+            )
         try:
             spec, state = load_model(path)
         except WeightsError as e:

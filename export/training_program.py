@@ -20,9 +20,16 @@ from fedge.spec import ModelSpec, SpecModel, build
 from fedge.weights import State
 
 _BAD_TRAINING_OPS = {  # aten ops whose portable backward is wrong or missing (platform-facts "ExecuTorch")
-    "max_pool2d", "max_pool2d_with_indices", "avg_pool2d", "adaptive_avg_pool2d", "_adaptive_avg_pool2d",
-    "batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
-    "_native_batch_norm_legit_no_training", "native_batch_norm",
+    "max_pool2d",
+    "max_pool2d_with_indices",
+    "avg_pool2d",
+    "adaptive_avg_pool2d",
+    "_adaptive_avg_pool2d",
+    "batch_norm",
+    "_native_batch_norm_legit",
+    "_native_batch_norm_legit_functional",
+    "_native_batch_norm_legit_no_training",
+    "native_batch_norm",
 }
 
 
@@ -41,8 +48,10 @@ class BlockPool(nn.Module):
         n, c, h, w = x.shape
         if self.out is not None:
             if h % self.out or w % self.out:
-                raise ExportError(f"layer {self.name}: adaptive average pool to {self.out} of a {h}x{w} map "
-                                  "has unequal windows; no exact training form")
+                raise ExportError(
+                    f"layer {self.name}: adaptive average pool to {self.out} of a {h}x{w} map "
+                    "has unequal windows; no exact training form"
+                )
             kh, kw = h // self.out, w // self.out
         else:
             kh = kw = self.kernel
@@ -67,8 +76,10 @@ def _pool_rewrite(module: nn.Module, name: str) -> nn.Module | None:
         dil = getattr(module, "dilation", 1)
         if isinstance(k, int) and s in (k, (k, k)) and p in (0, (0, 0)) and dil in (1, (1, 1)) and not module.ceil_mode:
             return BlockPool("max" if isinstance(module, nn.MaxPool2d) else "mean", kernel=k, name=name)
-        raise ExportError(f"layer {name}: only square pools with stride = kernel, no padding/dilation/ceil "
-                          "have an exact training form under ExecuTorch")
+        raise ExportError(
+            f"layer {name}: only square pools with stride = kernel, no padding/dilation/ceil "
+            "have an exact training form under ExecuTorch"
+        )
     if isinstance(module, nn.AdaptiveAvgPool2d):
         out = module.output_size
         out = out[0] if isinstance(out, tuple) and out[0] == out[1] else out
@@ -93,9 +104,11 @@ def trainable_form(spec: ModelSpec, model: SpecModel) -> nn.Module:
     for path, module in list(model.named_modules()):
         name = _layer_name(spec, path, module)
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
-            raise ExportError(f"{spec.name!r} cannot be trained under ExecuTorch: layer {name} is BatchNorm, and "
-                              "training-mode BatchNorm does not export (portable kernels are inference-only); "
-                              "use a BN-free model or train it in eager PyTorch")
+            raise ExportError(
+                f"{spec.name!r} cannot be trained under ExecuTorch: layer {name} is BatchNorm, and "
+                "training-mode BatchNorm does not export (portable kernels are inference-only); "
+                "use a BN-free model or train it in eager PyTorch"
+            )
         new = _pool_rewrite(module, name)
         if new is None and isinstance(module, nn.Dropout):
             new = nn.Identity()
@@ -118,8 +131,14 @@ class KDTrainer(nn.Module):
         super().__init__()
         self.student = student  # the program's parameters are "student.<name>" (executorch_program.STUDENT)
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor, teacher_logits: torch.Tensor, kd_lambda: torch.Tensor,
-                temperature: torch.Tensor):
+    def forward(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        teacher_logits: torch.Tensor,
+        kd_lambda: torch.Tensor,
+        temperature: torch.Tensor,
+    ):
         logits = self.student(x)
         loss, ce, kl = kd_terms(logits, y, teacher_logits, kd_lambda, temperature)
         return loss, ce.detach(), kl.detach(), logits.detach()
@@ -131,8 +150,10 @@ def _refuse_bad_ops(spec: ModelSpec, ep: torch.export.ExportedProgram) -> None:
         if node.op == "call_function" and op_name(node.target).split(".")[0] in _BAD_TRAINING_OPS:
             stack = node.meta.get("nn_module_stack") or {}
             where = list(stack.values())[-1][0] if stack else "?"
-            raise ExportError(f"{spec.name!r} cannot be trained under ExecuTorch: {op_name(node.target)} at "
-                              f"{where} has no correct portable backward kernel and no exact rewrite")
+            raise ExportError(
+                f"{spec.name!r} cannot be trained under ExecuTorch: {op_name(node.target)} at "
+                f"{where} has no correct portable backward kernel and no exact rewrite"
+            )
 
 
 def export_training(spec: ModelSpec, state: State, batch_size: int = 32) -> TrainingProgram:
@@ -161,7 +182,8 @@ def export_training(spec: ModelSpec, state: State, batch_size: int = 32) -> Trai
     try:
         joint = _export_forward_backward(ep)
         prog = to_edge(joint, compile_config=EdgeCompileConfig(_check_ir_validity=False)).to_executorch(
-            config=ExecutorchBackendConfig(external_mutable_weights=True))
+            config=ExecutorchBackendConfig(external_mutable_weights=True)
+        )
         with tempfile.TemporaryDirectory() as tmp:  # the public API writes the .ptd files to a folder
             prog.write_tensor_data_to_file(tmp)
             data = [f.read_bytes() for f in sorted(Path(tmp).glob("*.ptd"))]

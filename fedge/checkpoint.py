@@ -52,8 +52,10 @@ def _encode(value: Tree, tensors: dict[str, torch.Tensor]) -> Any:
         if bad:
             raise TypeError(f"checkpoint dict keys must be strings not starting with '$', got {bad[:3]}")
         return {k: _encode(value[k], tensors) for k in sorted(value)}  # sorted: one encoding per content
-    raise TypeError(f"cannot checkpoint a {type(value).__name__}; use dict, list, str, int, float, bool, "
-                    f"None, torch.Tensor or Weights")
+    raise TypeError(
+        f"cannot checkpoint a {type(value).__name__}; use dict, list, str, int, float, bool, "
+        f"None, torch.Tensor or Weights"
+    )
 
 
 def _decode(node: Any, tensors: dict[str, torch.Tensor]) -> Tree:
@@ -126,11 +128,14 @@ def load_tree(path: str | os.PathLike[str]) -> Tree:
             metadata = f.metadata() or {}
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {path} cannot be read (missing, truncated or not safetensors): {e}") \
-            from None
+        raise CheckpointError(
+            f"checkpoint {path} cannot be read (missing, truncated or not safetensors): {e}"
+        ) from None
     if metadata.get(_VERSION_KEY) != str(C.CHECKPOINT_VERSION):
-        raise CheckpointError(f"checkpoint {path} has format version {metadata.get(_VERSION_KEY)!r}; "
-                              f"this fedge reads version {C.CHECKPOINT_VERSION}")
+        raise CheckpointError(
+            f"checkpoint {path} has format version {metadata.get(_VERSION_KEY)!r}; "
+            f"this fedge reads version {C.CHECKPOINT_VERSION}"
+        )
     skeleton = metadata.get(_TREE_KEY, "")
     if metadata.get(_HASH_KEY) != _digest(skeleton, tensors):
         raise CheckpointError(f"checkpoint {path} is corrupt: its SHA-256 does not match its contents")

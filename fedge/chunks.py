@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------------------- chunking
 
+
 def split(payload: bytes | memoryview, chunk_size: int = CHUNK_SIZE) -> list[bytes | memoryview]:
     """Cut `payload` into chunks of `chunk_size` bytes (the last may be shorter; b"" gives [b""]).
 
@@ -44,7 +45,7 @@ def split(payload: bytes | memoryview, chunk_size: int = CHUNK_SIZE) -> list[byt
     """
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise WireError("bad_chunk", f"chunk_size must be a positive integer, got {chunk_size!r}")
-    return [payload[i:i + chunk_size] for i in range(0, len(payload), chunk_size)] or [b""]
+    return [payload[i : i + chunk_size] for i in range(0, len(payload), chunk_size)] or [b""]
 
 
 @dataclass
@@ -90,8 +91,12 @@ class ChunkJoiner:
     duplicates are recognised.
     """
 
-    def __init__(self, sender_budget: int = PENDING_SENDER_BYTES, total_budget: int = PENDING_TOTAL_BYTES,
-                 max_completed: int = MAX_COMPLETED_IDS):
+    def __init__(
+        self,
+        sender_budget: int = PENDING_SENDER_BYTES,
+        total_budget: int = PENDING_TOTAL_BYTES,
+        max_completed: int = MAX_COMPLETED_IDS,
+    ):
         self.sender_budget, self.total_budget, self.max_completed = sender_budget, total_budget, max_completed
         self.duplicates = 0
         self.evicted: Counter[str] = Counter()
@@ -128,8 +133,17 @@ class ChunkJoiner:
         self.evicted[p.sender] += 1
         n = self.evicted[p.sender]
         if n & (n - 1) == 0:
-            log.warning("evicted partial message %s from %s (%d of %d chunks, %d bytes held): %s; %d eviction(s) "
-                        "from this sender so far", key[1], p.sender, len(p.digests), p.total, p.cost, why, n)
+            log.warning(
+                "evicted partial message %s from %s (%d of %d chunks, %d bytes held): %s; %d eviction(s) "
+                "from this sender so far",
+                key[1],
+                p.sender,
+                len(p.digests),
+                p.total,
+                p.cost,
+                why,
+                n,
+            )
 
     def _reject(self, key: tuple[str, str], reason: str, message: str) -> WireError:
         if key[1] in self._pending.get(key[0], ()):
@@ -161,9 +175,13 @@ class ChunkJoiner:
             raise self._reject(key, "too_large", f"{env.size} bytes exceed the cap of {max_size}")
         p = self._pending.get(sender, {}).get(env.msg_id)
         if p is not None and (p.total, p.sha256, p.size, p.stride) != (env.chunks, env.sha256, env.size, frame.stride):
-            raise self._reject(key, "bad_chunk", f"chunk {frame.index} says {env.chunks} chunks of {frame.stride} "
-                               f"bytes, {env.size} bytes, sha {env.sha256[:12]}; earlier chunks said {p.total} of "
-                               f"{p.stride}, {p.size}, {p.sha256[:12]}")
+            raise self._reject(
+                key,
+                "bad_chunk",
+                f"chunk {frame.index} says {env.chunks} chunks of {frame.stride} "
+                f"bytes, {env.size} bytes, sha {env.sha256[:12]}; earlier chunks said {p.total} of "
+                f"{p.stride}, {p.size}, {p.sha256[:12]}",
+            )
         if p is not None and p.has(frame.index):
             self.duplicates += 1
             return None
@@ -179,8 +197,10 @@ class ChunkJoiner:
             return None
         self._drop(key)
         if root_sha256([p.digests[i] for i in range(p.total)]) != p.sha256:
-            raise WireError("hash_mismatch", f"message {key[1]}: the root SHA-256 over its {p.total} chunk digests "
-                            "does not match the envelope")
+            raise WireError(
+                "hash_mismatch",
+                f"message {key[1]}: the root SHA-256 over its {p.total} chunk digests does not match the envelope",
+            )
         payload = p.joined
         self._done[key] = None
         while len(self._done) > self.max_completed:
@@ -194,17 +214,23 @@ class ChunkJoiner:
         while self.held[sender] + cost > sender_budget:
             older = self._oldest_other(sender, key)
             if older is None:
-                raise self._reject(key, "too_large", f"its frames hold {self.held[sender] + cost} bytes, over the "
-                                   f"{sender_budget}-byte budget of sender {sender} (headers far larger than chunks?)")
+                raise self._reject(
+                    key,
+                    "too_large",
+                    f"its frames hold {self.held[sender] + cost} bytes, over the "
+                    f"{sender_budget}-byte budget of sender {sender} (headers far larger than chunks?)",
+                )
             self._evict(older, f"sender {sender} holds over its budget of {sender_budget} bytes")
         while self.held_total + cost > self.total_budget:
             candidates = [s for s in self.held if self._oldest_other(s, key) is not None]
             if not candidates:
-                raise self._reject(key, "too_large", f"{cost} more bytes do not fit the total budget of "
-                                   f"{self.total_budget} bytes")
+                raise self._reject(
+                    key, "too_large", f"{cost} more bytes do not fit the total budget of {self.total_budget} bytes"
+                )
             biggest = max(candidates, key=lambda s: self.held[s])
-            self._evict(self._oldest_other(biggest, key),
-                        f"partial messages of all senders hold over {self.total_budget} bytes")
+            self._evict(
+                self._oldest_other(biggest, key), f"partial messages of all senders hold over {self.total_budget} bytes"
+            )
 
 
 # ---------------------------------------------------------------------------------------------- frames
@@ -239,9 +265,12 @@ def iter_frames(env: Envelope, payload: bytes | bytearray, chunk_size: int = CHU
     parts = split(view, chunk_size)
     digests = list(env.digests) if env.digests is not None else chunk_digests(view, chunk_size)
     if (len(parts), len(view), len(digests), root_sha256(digests)) != (env.chunks, env.size, env.chunks, env.sha256):
-        raise WireError("bad_chunk", f"envelope announces {env.chunks} chunks of {env.size} bytes, sha "
-                        f"{env.sha256[:12]}; the payload gives {len(parts)} of {len(view)}, sha "
-                        f"{root_sha256(digests)[:12]}")
+        raise WireError(
+            "bad_chunk",
+            f"envelope announces {env.chunks} chunks of {env.size} bytes, sha "
+            f"{env.sha256[:12]}; the payload gives {len(parts)} of {len(view)}, sha "
+            f"{root_sha256(digests)[:12]}",
+        )
     head = json.dumps(env.to_dict(), sort_keys=True, separators=(",", ":"))
     for i, (part, digest) in enumerate(zip(parts, digests)):
         header = f'{{"chunk":{i},"chunk_sha256":"{digest.hex()}","envelope":{head}}}'.encode()
@@ -255,13 +284,16 @@ def unframe(data: bytes) -> Frame:
         raise WireError("bad_format", f"a {len(data)}-byte message is too short to be a fedge frame")
     n = int.from_bytes(data[:_FRAME_LEN_BYTES], "little")
     if n > MAX_HEADER_BYTES or n > len(data) - _FRAME_LEN_BYTES:
-        raise WireError("bad_format", f"frame header length {n} is over the cap or beyond the {len(data)}-byte "
-                        "message; not a fedge frame")
-    header = exact_keys(json_loads(data[_FRAME_LEN_BYTES:_FRAME_LEN_BYTES + n], "frame header"), _FRAME_FIELDS,
-                        "frame header")
+        raise WireError(
+            "bad_format",
+            f"frame header length {n} is over the cap or beyond the {len(data)}-byte message; not a fedge frame",
+        )
+    header = exact_keys(
+        json_loads(data[_FRAME_LEN_BYTES : _FRAME_LEN_BYTES + n], "frame header"), _FRAME_FIELDS, "frame header"
+    )
     env = Envelope.from_dict(header["envelope"])
     index = check_int(header, "chunk")
-    chunk = memoryview(data)[_FRAME_LEN_BYTES + n:]
+    chunk = memoryview(data)[_FRAME_LEN_BYTES + n :]
     if index >= env.chunks:
         raise WireError("bad_chunk", f"chunk {index} of a message announced with {env.chunks} chunks")
     if len(chunk) > MAX_CHUNK_BYTES:
@@ -288,6 +320,7 @@ def chunk_stride(size: int, chunks: int, index: int, length: int) -> int:
         stride = rest // (chunks - 1) if length >= 1 and rest > 0 else 0
         ok = length >= 1 and stride >= length and stride * (chunks - 1) == rest
     if not ok:
-        raise WireError("bad_chunk", f"chunk {index} of {length} bytes cannot belong to {size} bytes cut into "
-                        f"{chunks} equal chunks")
+        raise WireError(
+            "bad_chunk", f"chunk {index} of {length} bytes cannot belong to {size} bytes cut into {chunks} equal chunks"
+        )
     return stride

@@ -29,6 +29,7 @@ Buffer = bytes | bytearray | memoryview
 
 # ---------------------------------------------------------------------------------------------- container
 
+
 def _tensor_blob(tensors: Tensors) -> bytes:
     """One safetensors blob of named tensors, no metadata; WireError "bad_format" for a bad name or a
     non-tensor, "bad_value" for NaN/Inf."""
@@ -37,8 +38,11 @@ def _tensor_blob(tensors: Tensors) -> bytes:
         if not isinstance(name, str) or not name:
             raise WireError("bad_format", f"tensor name must be a non-empty string, got {name!r}")
         if not isinstance(t, torch.Tensor) or t.dtype not in tensorblob.DTYPES.values():
-            raise WireError("bad_format", f"tensor {name!r} must be a torch.Tensor of one of "
-                            f"{sorted(tensorblob.DTYPES)}, got {getattr(t, 'dtype', type(t).__name__)}")
+            raise WireError(
+                "bad_format",
+                f"tensor {name!r} must be a torch.Tensor of one of "
+                f"{sorted(tensorblob.DTYPES)}, got {getattr(t, 'dtype', type(t).__name__)}",
+            )
         if t.is_floating_point() and not all_finite(t):
             raise WireError("bad_value", f"tensor {name!r} contains NaN or Inf")
         out[name] = t.detach().to("cpu").contiguous()
@@ -73,8 +77,12 @@ def _pack(kind: str, fields: dict[str, Any], models: dict[str, Weights], tensors
         span = [offset, len(blobs[-1])]
     check_finite_json(fields, kind)
     try:
-        header = json.dumps({"kind": kind, "fields": fields, "models": index, "tensors": span}, sort_keys=True,
-                            separators=(",", ":"), allow_nan=False).encode("utf-8")
+        header = json.dumps(
+            {"kind": kind, "fields": fields, "models": index, "tensors": span},
+            sort_keys=True,
+            separators=(",", ":"),
+            allow_nan=False,
+        ).encode("utf-8")
     except (TypeError, ValueError) as e:  # a value JSON cannot carry (an object, a non-string key)
         raise WireError("bad_value", f"{kind} fields are not JSON: {e}") from None
     header += b" " * (-(_LEN_BYTES + len(header)) % _ALIGN)
@@ -95,11 +103,13 @@ def _read_header(data: Buffer, kind: str) -> tuple[dict[str, Any], dict[str, Any
         raise WireError("bad_format", f"{kind} payload of {len(data)} bytes is too short for a header")
     n = int.from_bytes(data[:_LEN_BYTES], "little")
     if n > len(data) - _LEN_BYTES:
-        raise WireError("bad_format", f"{kind} header length {n} exceeds the payload ({len(data)} bytes); "
-                        "truncated, or not a fedge payload")
+        raise WireError(
+            "bad_format",
+            f"{kind} header length {n} exceeds the payload ({len(data)} bytes); truncated, or not a fedge payload",
+        )
     if n > MAX_HEADER_BYTES:
         raise WireError("too_large", f"{kind} header of {n} bytes exceeds {MAX_HEADER_BYTES}")
-    raw = bytes(data[_LEN_BYTES:_LEN_BYTES + n])
+    raw = bytes(data[_LEN_BYTES : _LEN_BYTES + n])
     if not raw.startswith(b"{"):
         raise WireError("bad_format", f"{kind} header is not a JSON object")
     header = exact_keys(json_loads(raw, f"{kind} header"), _HEADER_FIELDS, f"{kind} header")
@@ -107,7 +117,7 @@ def _read_header(data: Buffer, kind: str) -> tuple[dict[str, Any], dict[str, Any
         raise WireError("bad_format", f"expected a {kind} payload, got {header['kind']!r}")
     if not isinstance(header["fields"], dict) or not isinstance(header["models"], dict):
         raise WireError("bad_format", f"{kind} header fields and models must be JSON objects")
-    return header["fields"], header["models"], header["tensors"], data[_LEN_BYTES + n:]
+    return header["fields"], header["models"], header["tensors"], data[_LEN_BYTES + n :]
 
 
 def _spans(index: dict[str, Any], tensors: Any, body: memoryview) -> dict[str | None, tuple[int, int]]:
@@ -118,8 +128,12 @@ def _spans(index: dict[str, Any], tensors: Any, body: memoryview) -> dict[str | 
         named.append((None, "the tensors blob", tensors))
     spans: list[tuple[int, int, str | None, str]] = []
     for role, what, span in named:
-        if (role == "" or not isinstance(span, list) or len(span) != 2
-                or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in span)):
+        if (
+            role == ""
+            or not isinstance(span, list)
+            or len(span) != 2
+            or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in span)
+        ):
             raise WireError("bad_format", f"{what} span must be [offset, length] of integers >= 0")
         if span[0] + span[1] > len(body):
             raise WireError("bad_format", f"{what} span {span} lies outside the {len(body)}-byte body")
@@ -128,22 +142,24 @@ def _spans(index: dict[str, Any], tensors: Any, body: memoryview) -> dict[str | 
     end, previous = 0, None
     for start, length, role, what in spans:
         if start < end:
-            raise WireError("bad_format", f"{what} overlaps the previous "
-                            f"{'tensors blob' if previous is None else 'model'}'s bytes")
+            raise WireError(
+                "bad_format", f"{what} overlaps the previous {'tensors blob' if previous is None else 'model'}'s bytes"
+            )
         end, previous = start + length, role
     if sum(s[1] for s in spans) != len(body):
         raise WireError("bad_format", f"blob spans cover {sum(s[1] for s in spans)} of {len(body)} body bytes")
     return {role: (start, length) for start, length, role, _ in spans}
 
 
-def _unpack_models(index: dict[str, Any], spans: dict[str | None, tuple[int, int]],
-                   body: memoryview) -> dict[str, Weights]:
+def _unpack_models(
+    index: dict[str, Any], spans: dict[str | None, tuple[int, int]], body: memoryview
+) -> dict[str, Weights]:
     """Parse each model's blob in place (fedge.weights.from_bytes: spec, keys, shapes, dtypes, finite values)."""
     models: dict[str, Weights] = {}
     for role in index:
         start, length = spans[role]
         try:
-            spec, state = from_bytes(body[start:start + length])
+            spec, state = from_bytes(body[start : start + length])
         except (WeightsError, SpecError) as e:
             raise WireError("bad_weights", f"model {role!r}: {e}") from None
         except Exception as e:  # noqa: BLE001 - hostile specs still trip the layer code (stride 0, p=-1): reject
@@ -157,7 +173,7 @@ def _unpack_tensors(spans: dict[str | None, tuple[int, int]], body: memoryview) 
     blob has none), NaN/Inf "bad_value"."""
     start, length = spans[None]
     try:
-        meta, tensors = tensorblob.parse(body[start:start + length])
+        meta, tensors = tensorblob.parse(body[start : start + length])
     except tensorblob.BlobError as e:
         raise WireError("bad_format", f"tensors blob: {e}") from None
     if meta:
@@ -189,6 +205,7 @@ def _records(records: Any, kind: str) -> Records:
 
 # ---------------------------------------------------------------------------------------------- messages
 
+
 def encode_task(task: Task) -> bytes:
     """Task → container bytes; a non-JSON or non-finite config or record raises WireError "bad_value", a bad
     tensor name "bad_format", a non-finite tensor "bad_value", bad weights "bad_weights"."""
@@ -202,8 +219,9 @@ def decode_task(data: Buffer) -> Task:
     check_finite_json(f, "task")
     if not isinstance(f["config"], dict):
         raise WireError("bad_format", "task config must be a JSON object")
-    return Task(check_str(f, "type"), check_int(f, "round"), f["config"], models, tensors,
-                _records(f["records"], "task"))
+    return Task(
+        check_str(f, "type"), check_int(f, "round"), f["config"], models, tensors, _records(f["records"], "task")
+    )
 
 
 def _metrics(m: Any) -> dict[str, float]:
@@ -219,9 +237,15 @@ def encode_result(result: Result) -> bytes:
     """Result → container bytes; non-finite metrics, records or tensors raise WireError "bad_value"."""
     _metrics(result.metrics)
     records = _records(result.records, "result")
-    fields = {"client_id": result.client_id, "round": result.round, "type": result.type,
-              "num_examples": result.num_examples, "metrics": dict(result.metrics), "error": result.error,
-              "records": records}
+    fields = {
+        "client_id": result.client_id,
+        "round": result.round,
+        "type": result.type,
+        "num_examples": result.num_examples,
+        "metrics": dict(result.metrics),
+        "error": result.error,
+        "records": records,
+    }
     return _pack("result", fields, result.models, result.tensors)
 
 
@@ -232,16 +256,29 @@ def decode_result(data: Buffer) -> Result:
     records = _records(f["records"], "result")
     error = f["error"]
     if error is not None and not (isinstance(error, str) and len(error) <= MAX_ERROR_CHARS):
-        raise WireError("bad_format", f"result error must be null or a string of at most {MAX_ERROR_CHARS} "
-                        "characters")
-    return Result(check_str(f, "client_id"), check_int(f, "round"), check_str(f, "type"),
-                  check_int(f, "num_examples"), metrics, models, error, tensors, records)
+        raise WireError("bad_format", f"result error must be null or a string of at most {MAX_ERROR_CHARS} characters")
+    return Result(
+        check_str(f, "client_id"),
+        check_int(f, "round"),
+        check_str(f, "type"),
+        check_int(f, "num_examples"),
+        metrics,
+        models,
+        error,
+        tensors,
+        records,
+    )
 
 
 def encode_info(info: ClientInfo) -> bytes:
     """ClientInfo → container bytes (no models; the spec travels as JSON)."""
-    fields = {"client_id": info.client_id, "spec": info.spec.to_dict(), "profile": info.profile,
-              "num_train": info.num_train, "num_test": info.num_test}
+    fields = {
+        "client_id": info.client_id,
+        "spec": info.spec.to_dict(),
+        "profile": info.profile,
+        "num_train": info.num_train,
+        "num_test": info.num_test,
+    }
     return _pack("info", fields, {})
 
 
@@ -255,8 +292,9 @@ def decode_info(data: Buffer) -> ClientInfo:
         raise WireError("bad_spec", f"client spec: {e}") from None
     except Exception as e:  # noqa: BLE001 - as in _unpack_models: never anything but WireError on network input
         raise WireError("bad_spec", f"client spec is unusable: {type(e).__name__}: {e}") from None
-    return ClientInfo(check_str(f, "client_id"), spec, check_str(f, "profile"), check_int(f, "num_train"),
-                      check_int(f, "num_test"))
+    return ClientInfo(
+        check_str(f, "client_id"), spec, check_str(f, "profile"), check_int(f, "num_train"), check_int(f, "num_test")
+    )
 
 
 def encode_status(state: str, session: str) -> bytes:

@@ -75,8 +75,9 @@ class RunConfig:
         if self.active > self.clients:
             raise ConfigError(f"active ({self.active}) cannot exceed clients ({self.clients})")
         if not self.lr > 0 or not self.alpha > 0 or not self.sgd_lr > 0:
-            raise ConfigError(f"lr, sgd_lr and alpha must be positive, got lr={self.lr}, sgd_lr={self.sgd_lr}, "
-                              f"alpha={self.alpha}")
+            raise ConfigError(
+                f"lr, sgd_lr and alpha must be positive, got lr={self.lr}, sgd_lr={self.sgd_lr}, alpha={self.alpha}"
+            )
         if not 0 <= self.sgd_momentum < 1:
             raise ConfigError(f"sgd_momentum must be in [0, 1), got {self.sgd_momentum}")
         if not self.profiles:
@@ -84,15 +85,18 @@ class RunConfig:
         if self.transport not in ("mqtt", "inproc"):
             raise ConfigError(f"transport must be mqtt or inproc, got {self.transport!r}")
         if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.run_id):
-            raise ConfigError(f"run_id must be 1-64 letters, digits, _ or - (it is an MQTT topic level), "
-                              f"got {self.run_id!r}")
+            raise ConfigError(
+                f"run_id must be 1-64 letters, digits, _ or - (it is an MQTT topic level), got {self.run_id!r}"
+            )
         if self.min_replies < 1 or self.round_retries < 0 or not 0 < self.chunk_size <= C.MAX_CHUNK_BYTES:
             raise ConfigError(f"need min_replies >= 1, round_retries >= 0, 0 < chunk_size <= {C.MAX_CHUNK_BYTES}")
         if not (self.round_deadline_s > 0 and self.register_timeout_s > 0 and self.heartbeat_s > 0):
             raise ConfigError("round_deadline_s, register_timeout_s and heartbeat_s must be positive")
         if not 1 <= self.keepalive_s <= 65535:
-            raise ConfigError(f"keepalive_s must be 1..65535 seconds (MQTT keep-alive; Mosquitto's max_keepalive "
-                              f"caps it), got {self.keepalive_s}")
+            raise ConfigError(
+                f"keepalive_s must be 1..65535 seconds (MQTT keep-alive; Mosquitto's max_keepalive "
+                f"caps it), got {self.keepalive_s}"
+            )
         if not isinstance(self.export_onnx, bool):
             raise ConfigError(f"export_onnx must be true or false, got {self.export_onnx!r}")
         if self.device not in ("auto", "cpu", "cuda"):

@@ -16,15 +16,25 @@ import numpy as np
 import torch
 
 from fedge.constants import CIFAR10_BINARY_MD5, CIFAR10_BINARY_URL, DATA_CACHE_DIR
+from fedge.errors import UserError
 from fedge.extras import require
 from fedge.registry import Registry
-from fedge.errors import UserError
 
 logger = logging.getLogger(__name__)
 
 DIGIT_CLASSES: tuple[str, ...] = tuple(str(d) for d in range(10))
 CIFAR10_CLASSES: tuple[str, ...] = (
-    "airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+    "airplane",
+    "automobile",
+    "bird",
+    "cat",
+    "deer",
+    "dog",
+    "frog",
+    "horse",
+    "ship",
+    "truck",
+)
 _NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
 _ZIP_MAGIC = b"PK"  # every .npz is a zip archive, and every zip archive starts with these bytes
 
@@ -52,8 +62,10 @@ class Dataset:
     def __post_init__(self) -> None:
         x, y, n_classes = self.x, self.y, len(self.classes)
         if x.dtype != np.uint8 or x.ndim != 4 or y.dtype != np.int64 or y.shape != x.shape[:1]:
-            raise DatasetError(f"{self.name}: need x uint8 (N, C, H, W) and y int64 (N,), "
-                               f"got {x.dtype} {x.shape} and {y.dtype} {y.shape}")
+            raise DatasetError(
+                f"{self.name}: need x uint8 (N, C, H, W) and y int64 (N,), "
+                f"got {x.dtype} {x.shape} and {y.dtype} {y.shape}"
+            )
         if len(y) and (y.min() < 0 or y.max() >= n_classes):
             raise DatasetError(f"{self.name}: labels must lie in [0, {n_classes})")
         if not len(self.mean) == len(self.std) == x.shape[1] or min(self.std, default=1.0) <= 0:
@@ -140,18 +152,21 @@ def clear_dataset_cache() -> None:
     _load_cached.cache_clear()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load_cached(name: str, root: str | None) -> Dataset:
     dataset = DATASETS.get(name)(root)
-    logger.info("loaded dataset %s: %d images %s, %d classes", name, len(dataset), dataset.input_shape,
-                dataset.num_classes)
+    logger.info(
+        "loaded dataset %s: %d images %s, %d classes", name, len(dataset), dataset.input_shape, dataset.num_classes
+    )
     return dataset
 
 
 def _refuse_root(name: str, root: str | None) -> None:
     if root is not None:
-        raise DatasetError(f"dataset {name!r} is embedded in an installed package and takes no data path "
-                           f"(got {root!r}); drop --data, or choose one of mnist, cifar10, svhn")
+        raise DatasetError(
+            f"dataset {name!r} is embedded in an installed package and takes no data path "
+            f"(got {root!r}); drop --data, or choose one of mnist, cifar10, svhn"
+        )
 
 
 @register_dataset("mnist-5k")
@@ -246,8 +261,10 @@ def _read_npz(path: Path, name: str) -> Parts:
     except OSError as exc:
         raise DatasetError(f"{name}: cannot read {str(path)!r}: {exc}") from exc
     if head != _ZIP_MAGIC:  # else numpy would guess "pickled data" for any other bytes
-        raise DatasetError(f"{name}: {str(path)!r} is not an .npz file (a zip archive of arrays, as numpy.savez "
-                           f"writes; it starts with {head!r}); give an .npz holding {_NPZ_KEYS}")
+        raise DatasetError(
+            f"{name}: {str(path)!r} is not an .npz file (a zip archive of arrays, as numpy.savez "
+            f"writes; it starts with {head!r}); give an .npz holding {_NPZ_KEYS}"
+        )
     try:
         # allow_pickle=False: an .npz from elsewhere must never be able to run code on load.
         with np.load(path, allow_pickle=False) as npz:
@@ -263,8 +280,7 @@ def _read_mnist_dir(root: Path) -> Parts | None:
     """The four official IDX files (each optionally .gz) in `root` or `root/MNIST/raw` (torchvision)."""
     stems = [f"{s}-{k}-idx{d}-ubyte" for s in ("train", "t10k") for k, d in (("images", 3), ("labels", 1))]
     for directory in (root, root / "MNIST" / "raw"):
-        found = [next((p for p in (directory / s, directory / f"{s}.gz") if p.is_file()), None)
-                 for s in stems]
+        found = [next((p for p in (directory / s, directory / f"{s}.gz") if p.is_file()), None) for s in stems]
         if all(p is not None for p in found):
             arrays = [read_idx(p) for p in found if p is not None]
             return [(arrays[0], arrays[1]), (arrays[2], arrays[3])]
@@ -296,8 +312,7 @@ def _fetch_torchvision(cls_name: str, splits: tuple[dict[str, object], ...], tar
         getattr(tvd, cls_name)(str(target), download=True, **split)
 
 
-def _fetch_cifar10(target: Path, url: str = CIFAR10_BINARY_URL,
-                   md5: str = CIFAR10_BINARY_MD5) -> None:
+def _fetch_cifar10(target: Path, url: str = CIFAR10_BINARY_URL, md5: str = CIFAR10_BINARY_MD5) -> None:
     """Fetch the *binary* CIFAR-10 archive (checked against `md5`), never the pickled python one."""
     from torchvision.datasets.utils import download_and_extract_archive
 
@@ -327,8 +342,10 @@ def _download(layout: _FileLayout, cache_root: Path | None = None) -> Path:
     target = (cache_root or Path(DATA_CACHE_DIR).expanduser()) / layout.name
     hint = f"Pass --data PATH (e.g. --data ../shared/data/{layout.name}.npz)"
     if importlib.util.find_spec("torchvision") is None:
-        raise DatasetError(f"{layout.name}: no data path given and torchvision is not installed to "
-                           f"download it. {hint}, or pip install 'fedge[vision]'.")
+        raise DatasetError(
+            f"{layout.name}: no data path given and torchvision is not installed to "
+            f"download it. {hint}, or pip install 'fedge[vision]'."
+        )
     logger.info("downloading %s into %s with torchvision", layout.name, target)
     try:
         target.mkdir(parents=True, exist_ok=True)
@@ -347,11 +364,17 @@ def _pool(parts: Parts, layout: _FileLayout, source: Path) -> tuple[np.ndarray, 
         elif images.ndim == 4 and images.shape[-1] == c and images.shape[1] != c:
             images = images.transpose(0, 3, 1, 2)
         labels = labels.reshape(-1) if labels.ndim == 2 and labels.shape[1:] == (1,) else labels
-        if (images.shape[1:] != (c, h, w) or images.dtype.kind not in "iu" or labels.dtype.kind not in "iu"
-                or labels.shape != images.shape[:1]):
-            raise DatasetError(f"{layout.name}: {str(source)!r} has images {images.dtype} {images.shape} and "
-                               f"labels {labels.dtype} {labels.shape}; expected integer images NHWC "
-                               f"(N, {h}, {w}, {c}){' or NHW' if c == 1 else ''} and integer labels (N,)")
+        if (
+            images.shape[1:] != (c, h, w)
+            or images.dtype.kind not in "iu"
+            or labels.dtype.kind not in "iu"
+            or labels.shape != images.shape[:1]
+        ):
+            raise DatasetError(
+                f"{layout.name}: {str(source)!r} has images {images.dtype} {images.shape} and "
+                f"labels {labels.dtype} {labels.shape}; expected integer images NHWC "
+                f"(N, {h}, {w}, {c}){' or NHW' if c == 1 else ''} and integer labels (N,)"
+            )
         if images.dtype != np.uint8 and images.size and (images.min() < 0 or images.max() > 255):
             raise DatasetError(f"{layout.name}: image values in {str(source)!r} must lie in 0..255")
         xs.append(images.astype(np.uint8, copy=False))
@@ -380,24 +403,37 @@ def _file_dataset(layout: _FileLayout, root: str | None) -> Dataset:
 
 _NPZ_HINT = "an .npz with x_train, y_train, x_test, y_test (e.g. ../shared/data/{}.npz) or a directory with "
 _LAYOUTS = (
-    _FileLayout("mnist", (1, 28, 28), DIGIT_CLASSES,
-                _NPZ_HINT.format("mnist") + "train-images-idx3-ubyte, train-labels-idx1-ubyte, "
-                "t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte (each optionally .gz)",
-                "Get the IDX files from the official MNIST site, or pass --data PATH to an .npz.",
-                _read_mnist_dir,
-                functools.partial(_fetch_torchvision, "MNIST", ({"train": True}, {"train": False}))),
-    _FileLayout("cifar10", (3, 32, 32), CIFAR10_CLASSES,
-                _NPZ_HINT.format("cifar10") + "cifar-10-batches-bin/data_batch_1.bin .. data_batch_5.bin "
-                "and test_batch.bin (the CIFAR-10 binary version)",
-                "The python version (cifar-10-batches-py) is refused for safety as its batches are pickles: "
-                "download the binary version (cifar-10-binary.tar.gz) or pass --data PATH to an .npz.",
-                _read_cifar_dir, _fetch_cifar10,
-                refused=("cifar-10-batches-py", "data_batch_1", "test_batch")),
-    _FileLayout("svhn", (3, 32, 32), DIGIT_CLASSES,
-                _NPZ_HINT.format("svhn") + "train_32x32.mat and test_32x32.mat (official format 2)",
-                "Get them from http://ufldl.stanford.edu/housenumbers/ or pass --data PATH to an .npz.",
-                _read_svhn_dir,
-                functools.partial(_fetch_torchvision, "SVHN", ({"split": "train"}, {"split": "test"}))),
+    _FileLayout(
+        "mnist",
+        (1, 28, 28),
+        DIGIT_CLASSES,
+        _NPZ_HINT.format("mnist") + "train-images-idx3-ubyte, train-labels-idx1-ubyte, "
+        "t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte (each optionally .gz)",
+        "Get the IDX files from the official MNIST site, or pass --data PATH to an .npz.",
+        _read_mnist_dir,
+        functools.partial(_fetch_torchvision, "MNIST", ({"train": True}, {"train": False})),
+    ),
+    _FileLayout(
+        "cifar10",
+        (3, 32, 32),
+        CIFAR10_CLASSES,
+        _NPZ_HINT.format("cifar10") + "cifar-10-batches-bin/data_batch_1.bin .. data_batch_5.bin "
+        "and test_batch.bin (the CIFAR-10 binary version)",
+        "The python version (cifar-10-batches-py) is refused for safety as its batches are pickles: "
+        "download the binary version (cifar-10-binary.tar.gz) or pass --data PATH to an .npz.",
+        _read_cifar_dir,
+        _fetch_cifar10,
+        refused=("cifar-10-batches-py", "data_batch_1", "test_batch"),
+    ),
+    _FileLayout(
+        "svhn",
+        (3, 32, 32),
+        DIGIT_CLASSES,
+        _NPZ_HINT.format("svhn") + "train_32x32.mat and test_32x32.mat (official format 2)",
+        "Get them from http://ufldl.stanford.edu/housenumbers/ or pass --data PATH to an .npz.",
+        _read_svhn_dir,
+        functools.partial(_fetch_torchvision, "SVHN", ({"split": "train"}, {"split": "test"})),
+    ),
 )
 for _layout in _LAYOUTS:
     register_dataset(_layout.name)(functools.partial(_file_dataset, _layout))

@@ -22,8 +22,8 @@ from typing import Any
 
 from amqtt.adapters import BufferReader, ReaderAdapter, StreamReaderAdapter, StreamWriterAdapter
 from amqtt.broker import Broker
-from amqtt.contexts import Action, BaseContext
 from amqtt.codecs_amqtt import read_or_raise
+from amqtt.contexts import Action, BaseContext
 from amqtt.errors import AMQTTError, MQTTError, NoDataError
 from amqtt.mqtt.connack import BAD_USERNAME_PASSWORD, NOT_AUTHORIZED, UNACCEPTABLE_PROTOCOL_VERSION, ConnackPacket
 from amqtt.mqtt.connect import ConnectPacket
@@ -89,11 +89,19 @@ class _FedgeAmqttBroker(Broker):
         super().__init__(*args, **kwargs)
         self._subscriptions = _Snapshots()
 
-    async def retain_message(self, source_session: Session | None, topic_name: str | None,
-                             data: bytes | bytearray | None, qos: int | None = None) -> None:
+    async def retain_message(
+        self,
+        source_session: Session | None,
+        topic_name: str | None,
+        data: bytes | bytearray | None,
+        qos: int | None = None,
+    ) -> None:
         self.refused["retained_publish"] += 1
-        log.warning("broker: %s published a retained message on %r; delivered, not retained",
-                    source_session.client_id if source_session else "the broker", topic_name)
+        log.warning(
+            "broker: %s published a retained message on %r; delivered, not retained",
+            source_session.client_id if source_session else "the broker",
+            topic_name,
+        )
 
 
 @dataclass
@@ -211,18 +219,23 @@ class EmbeddedBroker:
             if logging.getLogger(name).level == logging.NOTSET:
                 logging.getLogger(name).setLevel(logging.WARNING)
         ready = threading.Event()
-        self._thread = threading.Thread(target=asyncio.run, args=(self._serve(ready),), name="fedge-broker",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=asyncio.run, args=(self._serve(ready),), name="fedge-broker", daemon=True
+        )
         self._thread.start()
         if not ready.wait(C.BROKER_START_TIMEOUT_S):
             raise BrokerError(f"the embedded broker did not start within {C.BROKER_START_TIMEOUT_S:g} s")
         if self._error is not None:
             self._thread.join(C.BROKER_STOP_TIMEOUT_S)
             hint = "; stop whatever uses that port or choose another one" if isinstance(self._error, OSError) else ""
-            raise BrokerError(f"cannot start the MQTT broker on {self.host}:{self.port}: {self._error}{hint}") \
-                from self._error
-        log.info("MQTT broker listening on %s (%s)", self.url,
-                 "anonymous, no ACL" if self.users is None else f"{len(self.users)} users, ACL on")
+            raise BrokerError(
+                f"cannot start the MQTT broker on {self.host}:{self.port}: {self._error}{hint}"
+            ) from self._error
+        log.info(
+            "MQTT broker listening on %s (%s)",
+            self.url,
+            "anonymous, no ACL" if self.users is None else f"{len(self.users)} users, ACL on",
+        )
         return self
 
     def stop(self) -> None:
@@ -252,8 +265,11 @@ class EmbeddedBroker:
             }
         # An "external" listener: this class owns the socket (port 0, backlog, the credential gate) and hands
         # each connection to amqtt through its public Broker.external_connected.
-        return {"listeners": {"default": {"type": "external"}}, "plugins": plugins,
-                "timeout_disconnect_delay": max(1, C.KEEPALIVE_S // 2)}
+        return {
+            "listeners": {"default": {"type": "external"}},
+            "plugins": plugins,
+            "timeout_disconnect_delay": max(1, C.KEEPALIVE_S // 2),
+        }
 
     async def _serve(self, ready: threading.Event) -> None:
         """The thread's main coroutine: start amqtt and the listener, wait for stop(), shut both down."""
@@ -302,8 +318,12 @@ class EmbeddedBroker:
             if reason:  # a wrong protocol level is routine (clients try MQTT 5 first), a bad login is not
                 if code != UNACCEPTABLE_PROTOCOL_VERSION:
                     self.refused[counted] += 1
-                log.log(logging.INFO if code == UNACCEPTABLE_PROTOCOL_VERSION else logging.WARNING,
-                        "broker refused %s: %s", peer, reason)
+                log.log(
+                    logging.INFO if code == UNACCEPTABLE_PROTOCOL_VERSION else logging.WARNING,
+                    "broker refused %s: %s",
+                    peer,
+                    reason,
+                )
                 try:
                     await ConnackPacket.build(0, code).to_stream(writer)
                     await writer.close()
@@ -331,14 +351,19 @@ class EmbeddedBroker:
         if earlier is None:
             return
         self.takeovers[client_id] += 1
-        log.warning("broker: client %s connected again from %s; ending its earlier connection (takeover %d)",
-                    client_id, peer, self.takeovers[client_id])
+        log.warning(
+            "broker: client %s connected again from %s; ending its earlier connection (takeover %d)",
+            client_id,
+            peer,
+            self.takeovers[client_id],
+        )
         earlier.writer.close()
         try:
             await asyncio.wait_for(earlier.done.wait(), C.BROKER_STOP_TIMEOUT_S)
         except asyncio.TimeoutError:
-            log.warning("broker: the earlier connection of %s did not end within %g s", client_id,
-                        C.BROKER_STOP_TIMEOUT_S)
+            log.warning(
+                "broker: the earlier connection of %s did not end within %g s", client_id, C.BROKER_STOP_TIMEOUT_S
+            )
 
 
 async def _read_connect(reader: ReaderAdapter) -> tuple[int, bytes]:
@@ -354,8 +379,9 @@ async def _read_connect(reader: ReaderAdapter) -> tuple[int, bytes]:
     return body[6], bytes(fixed.to_bytes()) + body
 
 
-def serve_forever(port: int, users_file: Path | None, host: str = "127.0.0.1",
-                  server_user: str = DEFAULT_SERVER_USER) -> None:
+def serve_forever(
+    port: int, users_file: Path | None, host: str = "127.0.0.1", server_user: str = DEFAULT_SERVER_USER
+) -> None:
     """Run the embedded broker in the foreground until SIGINT or SIGTERM (call from the main thread).
 
     ``users_file`` holds ``username:password`` lines and turns on authentication and the ACL; without it the

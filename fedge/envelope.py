@@ -26,9 +26,24 @@ from fedge.constants import (
 )
 
 MESSAGE_TYPES = ("register", "task", "result", "status", "ack")
-REASONS = ("bad_format", "schema_version", "too_large", "hash_mismatch", "bad_chunk", "bad_weights",
-           "bad_spec", "bad_value", "spoof", "wrong_run", "expired", "stale_round", "no_open_task", "duplicate",
-           "clock_skew", "bad_ttl")
+REASONS = (
+    "bad_format",
+    "schema_version",
+    "too_large",
+    "hash_mismatch",
+    "bad_chunk",
+    "bad_weights",
+    "bad_spec",
+    "bad_value",
+    "spoof",
+    "wrong_run",
+    "expired",
+    "stale_round",
+    "no_open_task",
+    "duplicate",
+    "clock_skew",
+    "bad_ttl",
+)
 HEX64 = re.compile(r"[0-9a-f]{64}")
 HEX32 = re.compile(r"[0-9a-f]{32}")
 
@@ -42,6 +57,7 @@ class WireError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------- SHA-256
+
 
 def sha256_hex(data: bytes | bytearray | memoryview) -> str:
     """Lowercase hex SHA-256 of `data`."""
@@ -67,7 +83,7 @@ def chunk_digests(payload: bytes | bytearray | memoryview, chunk_size: int = CHU
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise WireError("bad_chunk", f"chunk_size must be a positive integer, got {chunk_size!r}")
     view = memoryview(payload).cast("B")
-    parts = [view[i:i + chunk_size] for i in range(0, len(view), chunk_size)] or [view]
+    parts = [view[i : i + chunk_size] for i in range(0, len(view), chunk_size)] or [view]
     if len(view) < HASH_PARALLEL_MIN_BYTES or len(parts) < 2:
         return [hashlib.sha256(p).digest() for p in parts]
     return list(_hash_pool().map(lambda p: hashlib.sha256(p).digest(), parts))
@@ -81,6 +97,7 @@ def root_sha256(digests: list[bytes]) -> str:
 
 # ---------------------------------------------------------------------------------------------- checks
 
+
 def check_int(d: dict[str, Any], key: str, minimum: int = 0) -> int:
     """d[key] as an integer >= minimum (bools refused); else WireError "bad_format"."""
     v = d[key]
@@ -93,8 +110,12 @@ def check_str(d: dict[str, Any], key: str, pattern: re.Pattern[str] | None = Non
     """d[key] as a non-empty string (matching `pattern` in full, if given); else WireError "bad_format"."""
     v = d[key]
     if not isinstance(v, str) or not v or (pattern is not None and not pattern.fullmatch(v)):
-        raise WireError("bad_format", f"field {key!r} must be a non-empty string"
-                        + (f" matching {pattern.pattern}" if pattern else "") + f", got {v!r}")
+        raise WireError(
+            "bad_format",
+            f"field {key!r} must be a non-empty string"
+            + (f" matching {pattern.pattern}" if pattern else "")
+            + f", got {v!r}",
+        )
     return v
 
 
@@ -139,8 +160,20 @@ def json_loads(data: bytes | bytearray | memoryview, what: str) -> Any:
 
 # ---------------------------------------------------------------------------------------------- envelope
 
-_ENVELOPE_FIELDS = {"schema_version", "run", "round", "type", "msg_id", "reply_to", "sender", "created_at",
-                    "ttl_s", "sha256", "size", "chunks"}
+_ENVELOPE_FIELDS = {
+    "schema_version",
+    "run",
+    "round",
+    "type",
+    "msg_id",
+    "reply_to",
+    "sender",
+    "created_at",
+    "ttl_s",
+    "sha256",
+    "size",
+    "chunks",
+}
 
 
 def check_schema_version(version: Any) -> int:
@@ -177,15 +210,36 @@ class Envelope:
     digests: tuple[bytes, ...] | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def new(cls, run: str, round: int, type: str, sender: str, payload: bytes | bytearray | memoryview,
-            reply_to: str | None = None, ttl_s: float = MESSAGE_TTL_S, chunk_size: int = CHUNK_SIZE) -> Envelope:
+    def new(
+        cls,
+        run: str,
+        round: int,
+        type: str,
+        sender: str,
+        payload: bytes | bytearray | memoryview,
+        reply_to: str | None = None,
+        ttl_s: float = MESSAGE_TTL_S,
+        chunk_size: int = CHUNK_SIZE,
+    ) -> Envelope:
         """An envelope for `payload` cut in `chunk_size` chunks, with a fresh msg_id and the current time; bad
         fields raise WireError."""
         digests = tuple(chunk_digests(payload, chunk_size))
-        env = cls.from_dict({"schema_version": WIRE_SCHEMA_VERSION, "run": run, "round": round, "type": type,
-                             "msg_id": uuid.uuid4().hex, "reply_to": reply_to, "sender": sender,
-                             "created_at": time.time(), "ttl_s": float(ttl_s), "sha256": root_sha256(list(digests)),
-                             "size": len(memoryview(payload).cast("B")), "chunks": len(digests)})
+        env = cls.from_dict(
+            {
+                "schema_version": WIRE_SCHEMA_VERSION,
+                "run": run,
+                "round": round,
+                "type": type,
+                "msg_id": uuid.uuid4().hex,
+                "reply_to": reply_to,
+                "sender": sender,
+                "created_at": time.time(),
+                "ttl_s": float(ttl_s),
+                "sha256": root_sha256(list(digests)),
+                "size": len(memoryview(payload).cast("B")),
+                "chunks": len(digests),
+            }
+        )
         return cls(**{**env.to_dict(), "digests": digests})  # validated above: what we are about to send
 
     def expired(self, now: float | None = None) -> bool:
@@ -212,9 +266,20 @@ class Envelope:
         reply_to = d["reply_to"]
         if reply_to is not None:
             check_str(d, "reply_to", HEX32)
-        env = cls(version, check_str(d, "run"), check_int(d, "round"), d["type"], check_str(d, "msg_id", HEX32),
-                  reply_to, check_str(d, "sender"), check_float(d, "created_at"), check_float(d, "ttl_s"),
-                  check_str(d, "sha256", HEX64), check_int(d, "size"), check_int(d, "chunks", minimum=1))
+        env = cls(
+            version,
+            check_str(d, "run"),
+            check_int(d, "round"),
+            d["type"],
+            check_str(d, "msg_id", HEX32),
+            reply_to,
+            check_str(d, "sender"),
+            check_float(d, "created_at"),
+            check_float(d, "ttl_s"),
+            check_str(d, "sha256", HEX64),
+            check_int(d, "size"),
+            check_int(d, "chunks", minimum=1),
+        )
         if not 0 < env.ttl_s <= MAX_TTL_S:
             raise WireError("bad_ttl", f"envelope ttl_s must lie in (0, {MAX_TTL_S:g}] s, got {env.ttl_s:g}")
         if env.size > MAX_PAYLOAD_BYTES:

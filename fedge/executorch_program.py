@@ -55,8 +55,13 @@ class TrainingProgram:
 
 def zero_train_inputs(batch_size: int, input_shape: tuple[int, ...], num_classes: int) -> tuple[torch.Tensor, ...]:
     """The program's inputs for a batch of zeros with λ = 0 and T = 1 (plain CE): to trace it, and its first run."""
-    return (torch.zeros(batch_size, *input_shape), torch.zeros(batch_size, dtype=torch.long),
-            torch.zeros(batch_size, num_classes), torch.tensor(0.0), torch.tensor(1.0))
+    return (
+        torch.zeros(batch_size, *input_shape),
+        torch.zeros(batch_size, dtype=torch.long),
+        torch.zeros(batch_size, num_classes),
+        torch.tensor(0.0),
+        torch.tensor(1.0),
+    )
 
 
 def dense(x: torch.Tensor) -> torch.Tensor:
@@ -68,16 +73,22 @@ def dense(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def train_inputs(x: torch.Tensor, y: torch.Tensor, teacher_logits: torch.Tensor, kd_lambda: float,
-                 temperature: float) -> tuple[torch.Tensor, ...]:
+def train_inputs(
+    x: torch.Tensor, y: torch.Tensor, teacher_logits: torch.Tensor, kd_lambda: float, temperature: float
+) -> tuple[torch.Tensor, ...]:
     """The program's inputs (TRAIN_INPUTS) for one batch, laid out as the runtime reads them."""
-    return (dense(x), dense(y.to(torch.long)), dense(teacher_logits), torch.tensor(float(kd_lambda)),
-            torch.tensor(float(temperature)))
+    return (
+        dense(x),
+        dense(y.to(torch.long)),
+        dense(teacher_logits),
+        torch.tensor(float(kd_lambda)),
+        torch.tensor(float(temperature)),
+    )
 
 
 def student_name(name: str) -> str:
     """A program parameter's name as the student's state names it (the wrapper's `student.` prefix stripped)."""
-    return name[len(STUDENT) + 1:] if name.startswith(STUDENT + ".") else name
+    return name[len(STUDENT) + 1 :] if name.startswith(STUDENT + ".") else name
 
 
 def load_training_module(program: TrainingProgram) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -92,8 +103,9 @@ def load_training_module(program: TrainingProgram) -> tuple[Any, dict[str, torch
 
     try:
         module = TrainingModule(_load_for_executorch_from_buffer(program.program, program.weights))
-        module.forward_backward("forward", zero_train_inputs(program.batch_size, program.input_shape,
-                                                             program.num_classes))
+        module.forward_backward(
+            "forward", zero_train_inputs(program.batch_size, program.input_shape, program.num_classes)
+        )
     except Exception as e:  # the runtime raises RuntimeError with an error code
         raise ProgramError(f"the training program does not load or run: {type(e).__name__}: {e}") from e
     return module, module.named_parameters()
@@ -104,12 +116,15 @@ def copy_parameters(live: dict[str, torch.Tensor], params: State) -> None:
     unless the names and shapes match exactly."""
     names = {student_name(k): k for k in live}
     if set(names) != set(params):
-        raise ProgramError(f"parameters do not match the program: missing {sorted(set(names) - set(params))[:5]}, "
-                           f"unexpected {sorted(set(params) - set(names))[:5]}")
+        raise ProgramError(
+            f"parameters do not match the program: missing {sorted(set(names) - set(params))[:5]}, "
+            f"unexpected {sorted(set(params) - set(names))[:5]}"
+        )
     for name, full in names.items():
         if tuple(live[full].shape) != tuple(params[name].shape):
-            raise ProgramError(f"parameter {name!r} has shape {list(params[name].shape)}, "
-                               f"the program has {list(live[full].shape)}")
+            raise ProgramError(
+                f"parameter {name!r} has shape {list(params[name].shape)}, the program has {list(live[full].shape)}"
+            )
     for name, full in names.items():
         live[full].copy_(params[name])
 

@@ -10,9 +10,18 @@ import importlib.util
 
 from fedge.errors import UserError
 
-EXTRAS = {"tqdm": "server", "matplotlib": "server", "amqtt": "server", "mlxtend": "data", "sklearn": "data",
-          "onnx": "export", "onnxscript": "export", "onnxruntime": "export", "executorch": "export",
-          "torchvision": "vision"}
+EXTRAS = {
+    "tqdm": "server",
+    "matplotlib": "server",
+    "amqtt": "server",
+    "mlxtend": "data",
+    "sklearn": "data",
+    "onnx": "export",
+    "onnxscript": "export",
+    "onnxruntime": "export",
+    "executorch": "export",
+    "torchvision": "vision",
+}
 
 
 class MissingExtra(UserError, ImportError):
@@ -26,8 +35,9 @@ def missing_extra(module: str, what: str, extra: str | None = None) -> MissingEx
     extra = extra or EXTRAS.get(top)
     if extra is None:
         return None
-    return MissingExtra(f"{what} needs {top}, which is not installed; install the {extra} extra: "
-                        f"pip install 'fedge[{extra}]'")
+    return MissingExtra(
+        f"{what} needs {top}, which is not installed; install the {extra} extra: pip install 'fedge[{extra}]'"
+    )
 
 
 def require(*modules: str, what: str, extra: str | None = None) -> None:

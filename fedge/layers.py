@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedge.registry import Registry
 from fedge.errors import UserError
+from fedge.registry import Registry
 
 Shape = tuple[int, ...]
 
@@ -65,6 +65,7 @@ def _conv_out(size: int, k: int, stride: int, pad: int) -> int:
 
 # --- convolution, normalisation, linear -------------------------------------------------------
 
+
 def _conv_shape(a: dict[str, Any], s: Shape) -> Shape:
     _need(s, 3, "conv2d")
     c, h, w = s
@@ -86,8 +87,15 @@ def _conv_macs(a: dict[str, Any], s: Shape) -> int:
 
 
 def _conv_build(a: dict[str, Any], s: Shape) -> nn.Module:
-    return nn.Conv2d(s[0], a["out_channels"], a["kernel_size"], stride=a.get("stride", 1),
-                     padding=a.get("padding", 0), groups=a.get("groups", 1), bias=a.get("bias", True))
+    return nn.Conv2d(
+        s[0],
+        a["out_channels"],
+        a["kernel_size"],
+        stride=a.get("stride", 1),
+        padding=a.get("padding", 0),
+        groups=a.get("groups", 1),
+        bias=a.get("bias", True),
+    )
 
 
 register_layer("conv2d", LayerType(_conv_shape, _conv_build, _conv_params, _conv_macs))
@@ -110,12 +118,15 @@ def _linear_shape(a: dict[str, Any], s: Shape) -> Shape:
     return (a["out_features"],)
 
 
-register_layer("linear", LayerType(
-    _linear_shape,
-    lambda a, s: nn.Linear(s[0], a["out_features"], bias=a.get("bias", True)),
-    lambda a, s: s[0] * a["out_features"] + (a["out_features"] if a.get("bias", True) else 0),
-    lambda a, s: s[0] * a["out_features"],
-))
+register_layer(
+    "linear",
+    LayerType(
+        _linear_shape,
+        lambda a, s: nn.Linear(s[0], a["out_features"], bias=a.get("bias", True)),
+        lambda a, s: s[0] * a["out_features"] + (a["out_features"] if a.get("bias", True) else 0),
+        lambda a, s: s[0] * a["out_features"],
+    ),
+)
 
 # --- element-wise and shape layers ------------------------------------------------------------
 
@@ -133,10 +144,12 @@ def _pool_shape(a: dict[str, Any], s: Shape) -> Shape:
     return (s[0], _conv_out(s[1], k, st, 0), _conv_out(s[2], k, st, 0))
 
 
-register_layer("maxpool", LayerType(
-    _pool_shape, lambda a, s: nn.MaxPool2d(a["kernel_size"], a.get("stride", a["kernel_size"]))))
-register_layer("avgpool", LayerType(
-    _pool_shape, lambda a, s: nn.AvgPool2d(a["kernel_size"], a.get("stride", a["kernel_size"]))))
+register_layer(
+    "maxpool", LayerType(_pool_shape, lambda a, s: nn.MaxPool2d(a["kernel_size"], a.get("stride", a["kernel_size"])))
+)
+register_layer(
+    "avgpool", LayerType(_pool_shape, lambda a, s: nn.AvgPool2d(a["kernel_size"], a.get("stride", a["kernel_size"])))
+)
 
 
 def _adaptive_shape(a: dict[str, Any], s: Shape) -> Shape:
@@ -144,8 +157,9 @@ def _adaptive_shape(a: dict[str, Any], s: Shape) -> Shape:
     return (s[0], a.get("output_size", 1), a.get("output_size", 1))
 
 
-register_layer("adaptive_avgpool", LayerType(
-    _adaptive_shape, lambda a, s: nn.AdaptiveAvgPool2d(a.get("output_size", 1))))
+register_layer(
+    "adaptive_avgpool", LayerType(_adaptive_shape, lambda a, s: nn.AdaptiveAvgPool2d(a.get("output_size", 1)))
+)
 
 # --- composite layers: defined as sequences of primitive layers -------------------------------
 
@@ -174,9 +188,20 @@ def _build_seq(layers: list[LayerSpec], s: Shape) -> nn.Sequential:
 
 
 def _conv_bn(out: int, k: int, stride: int = 1, groups: int = 1, act: str | None = "relu") -> list[LayerSpec]:
-    layers = [LayerSpec("conv2d", {"out_channels": out, "kernel_size": k, "stride": stride,
-                                   "padding": k // 2, "groups": groups, "bias": False}),
-              LayerSpec("bn2d")]
+    layers = [
+        LayerSpec(
+            "conv2d",
+            {
+                "out_channels": out,
+                "kernel_size": k,
+                "stride": stride,
+                "padding": k // 2,
+                "groups": groups,
+                "bias": False,
+            },
+        ),
+        LayerSpec("bn2d"),
+    ]
     return layers + ([LayerSpec(act)] if act else [])
 
 
@@ -210,8 +235,9 @@ class Residual(nn.Module):
         return y + x if self.residual else y
 
 
-def _composite(expand: Callable[[dict[str, Any], Shape], list[LayerSpec]],
-               residual: Callable[[dict[str, Any], Shape], bool]) -> LayerType:
+def _composite(
+    expand: Callable[[dict[str, Any], Shape], list[LayerSpec]], residual: Callable[[dict[str, Any], Shape], bool]
+) -> LayerType:
     return LayerType(
         out_shape=lambda a, s: _chain_out(expand(a, s), s),
         build=lambda a, s: Residual(_build_seq(expand(a, s), s), residual(a, s)),
@@ -221,8 +247,10 @@ def _composite(expand: Callable[[dict[str, Any], Shape], list[LayerSpec]],
 
 
 register_layer("depthwise_separable", _composite(_depthwise_separable, lambda a, s: False))
-register_layer("inverted_residual", _composite(
-    _inverted_residual_main, lambda a, s: a.get("stride", 1) == 1 and a["out_channels"] == s[0]))
+register_layer(
+    "inverted_residual",
+    _composite(_inverted_residual_main, lambda a, s: a.get("stride", 1) == 1 and a["out_channels"] == s[0]),
+)
 
 
 class SqueezeExcite(nn.Module):
@@ -243,12 +271,15 @@ def _se_params(a: dict[str, Any], s: Shape) -> int:
     return c * h + h + h * c + c
 
 
-register_layer("squeeze_excite", LayerType(
-    lambda a, s: (_need(s, 3, "squeeze_excite"), s)[1],
-    lambda a, s: SqueezeExcite(s[0], a["hidden_channels"]),
-    _se_params,
-    lambda a, s: 2 * s[0] * a["hidden_channels"],
-))
+register_layer(
+    "squeeze_excite",
+    LayerType(
+        lambda a, s: (_need(s, 3, "squeeze_excite"), s)[1],
+        lambda a, s: SqueezeExcite(s[0], a["hidden_channels"]),
+        _se_params,
+        lambda a, s: 2 * s[0] * a["hidden_channels"],
+    ),
+)
 
 # --- stitching layers (pFedHR Eq. 2 / pFedClub §3.2: ReLU(Wᵀx + b) between mismatched blocks) --
 

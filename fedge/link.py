@@ -31,8 +31,17 @@ class Link(Protocol):
         """Connect within `timeout` s; raises ConnectionError (e.g. MqttError) if refused or unreachable."""
         ...
 
-    def publish(self, topic: str, type: str, round: int, payload: bytes, reply_to: str | None = None,
-                chunk_size: int = CHUNK_SIZE, sender: str | None = None, run: str | None = None) -> Envelope:
+    def publish(
+        self,
+        topic: str,
+        type: str,
+        round: int,
+        payload: bytes,
+        reply_to: str | None = None,
+        chunk_size: int = CHUNK_SIZE,
+        sender: str | None = None,
+        run: str | None = None,
+    ) -> Envelope:
         """Envelope `payload` (sender: the link's client id unless given) and send it; returns the envelope."""
         ...
 

@@ -115,8 +115,12 @@ def write_mosquitto_config(
     else:
         lines += ["persistence true", f"persistence_location {Path(persistence_dir).resolve()}/", "autosave_interval 1"]
     if tls is not None:
-        lines += [f"certfile {Path(tls.certfile).resolve()}", f"keyfile {Path(tls.keyfile).resolve()}",
-                  "tls_version tlsv1.2", f"require_certificate {str(tls.require_certificate).lower()}"]
+        lines += [
+            f"certfile {Path(tls.certfile).resolve()}",
+            f"keyfile {Path(tls.keyfile).resolve()}",
+            "tls_version tlsv1.2",
+            f"require_certificate {str(tls.require_certificate).lower()}",
+        ]
         if tls.cafile is not None:
             lines.append(f"cafile {Path(tls.cafile).resolve()}")
     atomic_write(conf, ("\n".join(lines) + "\n").encode(), mode=0o600)
@@ -134,15 +138,19 @@ def _run_as_owner(run_as: str | None, directory: Path) -> pwd.struct_passwd:
         owner = pwd.getpwnam(name)
     except KeyError:
         hint = "install Debian's mosquitto package (it adds that user) or " if run_as is None else ""
-        raise BrokerError(f"Mosquitto started as root runs as user {name!r}, which does not exist here; {hint}pass "
-                          "--run-as USER with a user that exists") from None
+        raise BrokerError(
+            f"Mosquitto started as root runs as user {name!r}, which does not exist here; {hint}pass "
+            "--run-as USER with a user that exists"
+        ) from None
     groups = set(os.getgrouplist(name, owner.pw_gid))
     for path in (directory, *directory.parents):
         st = path.stat()
         bit = 0o100 if st.st_uid == owner.pw_uid else 0o010 if st.st_gid in groups else 0o001
         if owner.pw_uid != 0 and not st.st_mode & bit:
-            raise BrokerError(f"user {name!r}, whom Mosquitto runs as, cannot enter {path} (mode "
-                              f"{stat.filemode(st.st_mode)}), so it could not read the files written to {directory};"
-                              f" write them under a directory it can reach (e.g. /etc/mosquitto/fedge), or chmod o+x "
-                              f"{path}")
+            raise BrokerError(
+                f"user {name!r}, whom Mosquitto runs as, cannot enter {path} (mode "
+                f"{stat.filemode(st.st_mode)}), so it could not read the files written to {directory};"
+                f" write them under a directory it can reach (e.g. /etc/mosquitto/fedge), or chmod o+x "
+                f"{path}"
+            )
     return owner

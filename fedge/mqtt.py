@@ -28,21 +28,26 @@ from fedge.codec import encode_status
 from fedge.constants import (
     CHUNK_SIZE,
     FLUSH_TIMEOUT_S,
-    MQTT_QOS,
-    WILL_TTL_S,
     KEEPALIVE_S,
     MAX_CHUNK_BYTES,
     MAX_CLOCK_SKEW_S,
     MAX_HEADER_BYTES,
+    MQTT_QOS,
     RECONNECT_MAX_S,
     RECONNECT_MIN_S,
+    WILL_TTL_S,
 )
 from fedge.envelope import Envelope, WireError
 from fedge.link import Connect
 
 log = logging.getLogger(__name__)
-_FATAL_CONNACK = {"Not authorized", "Bad user name or password", "Banned", "Client identifier not valid",
-                  "Bad authentication method"}
+_FATAL_CONNACK = {
+    "Not authorized",
+    "Bad user name or password",
+    "Banned",
+    "Client identifier not valid",
+    "Bad authentication method",
+}
 
 
 class MqttError(ConnectionError):
@@ -67,8 +72,14 @@ class Broker:
         return f"{'mqtts' if self.tls else 'mqtt'}://{user}{self.host}:{self.port}"
 
 
-def parse_broker(url: str, username: str | None = None, password: str | None = None, cafile: str | None = None,
-                 certfile: str | None = None, keyfile: str | None = None) -> Broker:
+def parse_broker(
+    url: str,
+    username: str | None = None,
+    password: str | None = None,
+    cafile: str | None = None,
+    certfile: str | None = None,
+    keyfile: str | None = None,
+) -> Broker:
     """mqtt://[user[:password]@]host[:port] or mqtts://...; explicit username/password win over the URL's."""
     parts = urlsplit(url if "://" in url else f"mqtt://{url}")
     if parts.scheme not in ("mqtt", "mqtts") or not parts.hostname:
@@ -77,10 +88,16 @@ def parse_broker(url: str, username: str | None = None, password: str | None = N
         port = parts.port or (8883 if parts.scheme == "mqtts" else 1883)
     except ValueError:
         raise MqttError(f"broker URL {url!r} has an invalid port") from None
-    return Broker(parts.hostname, port, parts.scheme == "mqtts",
-                  username if username is not None else (unquote(parts.username) if parts.username else None),
-                  password if password is not None else (unquote(parts.password) if parts.password else None),
-                  cafile, certfile, keyfile)
+    return Broker(
+        parts.hostname,
+        port,
+        parts.scheme == "mqtts",
+        username if username is not None else (unquote(parts.username) if parts.username else None),
+        password if password is not None else (unquote(parts.password) if parts.password else None),
+        cafile,
+        certfile,
+        keyfile,
+    )
 
 
 @dataclass(frozen=True)
@@ -143,26 +160,36 @@ class Inbox:
         owner = client if kind in topics.UPLINK else topics.SERVER_ID
         if env.sender != owner:
             raise WireError("spoof", f"envelope sender {env.sender!r} on topic {topic!r} (expected {owner!r})")
-        expected = {"register": ("register",), "result": ("result",), "status": ("status",),
-                    topics.DOWNLINK: ("task", "ack"), topics.SERVER: ("status",)}[kind]
+        expected = {
+            "register": ("register",),
+            "result": ("result",),
+            "status": ("status",),
+            topics.DOWNLINK: ("task", "ack"),
+            topics.SERVER: ("status",),
+        }[kind]
         if env.type not in expected:
             raise WireError("bad_format", f"a {env.type!r} message on a {kind} topic")
         if env.run != self.run:
             raise WireError("wrong_run", f"envelope of run {env.run!r} on run {self.run!r}")
         now = time.time()
         if env.expired(now):
-            raise WireError("expired", f"message {env.msg_id} expired {now - env.created_at:.0f} s after "
-                            "it was created")
+            raise WireError(
+                "expired", f"message {env.msg_id} expired {now - env.created_at:.0f} s after it was created"
+            )
         if env.created_at > now + MAX_CLOCK_SKEW_S:
-            raise WireError("clock_skew", f"message {env.msg_id} was created {env.created_at - now:.0f} s in the "
-                            f"future (tolerance {MAX_CLOCK_SKEW_S:g} s); check the sender's clock")
+            raise WireError(
+                "clock_skew",
+                f"message {env.msg_id} was created {env.created_at - now:.0f} s in the "
+                f"future (tolerance {MAX_CLOCK_SKEW_S:g} s); check the sender's clock",
+            )
         with self._lock:
             if self.joiner.repeated(owner, env.msg_id):  # a QoS 1 redelivery of a message already delivered:
                 return None  # not an error, whether or not the instruction it answered is still open
         limit = self.accept(kind, client, env)
         if env.size > limit:
-            raise WireError("too_large", f"{env.type} of {env.size} bytes exceeds the {limit} bytes expected "
-                            f"from {owner}")
+            raise WireError(
+                "too_large", f"{env.type} of {env.size} bytes exceeds the {limit} bytes expected from {owner}"
+            )
         with self._lock:
             payload = self.joiner.add(owner, frame, limit)
         return None if payload is None else Delivery(kind, client, env, payload)
@@ -182,9 +209,16 @@ class Endpoint:
     fedge messages as QoS 1 chunk frames: the production fedge.link.Link. `on_frame(topic, bytes)` runs on
     paho's network thread."""
 
-    def __init__(self, broker: Broker, client_id: str, subscriptions: list[str],
-                 on_frame: Callable[[str, bytes], None], on_connect: Callable[[], None] | None = None,
-                 will: tuple[str, bytes] | None = None, keepalive: int = KEEPALIVE_S) -> None:
+    def __init__(
+        self,
+        broker: Broker,
+        client_id: str,
+        subscriptions: list[str],
+        on_frame: Callable[[str, bytes], None],
+        on_connect: Callable[[], None] | None = None,
+        will: tuple[str, bytes] | None = None,
+        keepalive: int = KEEPALIVE_S,
+    ) -> None:
         self.broker, self.client_id, self.subscriptions = broker, client_id, list(subscriptions)
         self.on_frame, self.on_connect_hook, self.will, self.keepalive = on_frame, on_connect, will, keepalive
         self.connected = threading.Event()
@@ -202,8 +236,12 @@ class Endpoint:
         if self.broker.username is not None:
             c.username_pw_set(self.broker.username, self.broker.password)
         if self.broker.tls:
-            c.tls_set(ca_certs=self.broker.cafile, certfile=self.broker.certfile, keyfile=self.broker.keyfile,
-                      cert_reqs=ssl.CERT_REQUIRED)
+            c.tls_set(
+                ca_certs=self.broker.cafile,
+                certfile=self.broker.certfile,
+                keyfile=self.broker.keyfile,
+                cert_reqs=ssl.CERT_REQUIRED,
+            )
         if self.will is not None:
             c.will_set(self.will[0], self.will[1], qos=MQTT_QOS, retain=False)
         c.reconnect_delay_set(RECONNECT_MIN_S, RECONNECT_MAX_S)
@@ -211,8 +249,7 @@ class Endpoint:
         c.on_connect, c.on_disconnect, c.on_message = self._on_connect, self._on_disconnect, self._on_message
         return c
 
-    def _on_connect(self, client: paho.Client, userdata: object, flags: object, rc: ReasonCode,
-                    props: object) -> None:
+    def _on_connect(self, client: paho.Client, userdata: object, flags: object, rc: ReasonCode, props: object) -> None:
         if rc.is_failure:
             self.fatal = str(rc)
             if str(rc) in _FATAL_CONNACK or str(rc) == "Unsupported protocol version":
@@ -230,8 +267,9 @@ class Endpoint:
             except Exception:  # a hook's bug must not kill the network thread
                 log.exception("%s: on-connect hook failed", self.client_id)
 
-    def _on_disconnect(self, client: paho.Client, userdata: object, flags: object, rc: ReasonCode,
-                       props: object) -> None:
+    def _on_disconnect(
+        self, client: paho.Client, userdata: object, flags: object, rc: ReasonCode, props: object
+    ) -> None:
         if self.connected.is_set() and not self.stopping:
             log.warning("%s: disconnected from %s (%s); reconnecting", self.client_id, self.broker, rc)
         elif self.connects == 0:
@@ -269,20 +307,33 @@ class Endpoint:
                 self.client = self._make_client()
                 continue
             if self.fatal is not None:
-                raise MqttError(f"broker {self.broker} refused {self.client_id}: {self.fatal}. Check the username, "
-                                "password file and TLS settings")
-            raise MqttError(f"no connection to {self.broker} within {timeout:.0f} s; is the broker running and "
-                            "reachable?")
+                raise MqttError(
+                    f"broker {self.broker} refused {self.client_id}: {self.fatal}. Check the username, "
+                    "password file and TLS settings"
+                )
+            raise MqttError(
+                f"no connection to {self.broker} within {timeout:.0f} s; is the broker running and reachable?"
+            )
 
-    def publish(self, topic: str, type: str, round: int, payload: bytes, reply_to: str | None = None,
-                chunk_size: int = CHUNK_SIZE, sender: str | None = None, run: str | None = None) -> Envelope:
+    def publish(
+        self,
+        topic: str,
+        type: str,
+        round: int,
+        payload: bytes,
+        reply_to: str | None = None,
+        chunk_size: int = CHUNK_SIZE,
+        sender: str | None = None,
+        run: str | None = None,
+    ) -> Envelope:
         """Send `payload` as chunk frames at QoS 1 and return its envelope (for acknowledgements).
 
         paho queues what it cannot send now and sends it after a reconnect; callers that need the
         message to arrive wait for an application-level acknowledgement and re-send."""
         run = run if run is not None else topics.parse(topic)[0]
-        env = Envelope.new(run, round, type, sender or self.client_id, payload, reply_to=reply_to,
-                           chunk_size=chunk_size)
+        env = Envelope.new(
+            run, round, type, sender or self.client_id, payload, reply_to=reply_to, chunk_size=chunk_size
+        )
         self.send(topic, env, payload, chunk_size)
         return env
 

@@ -47,7 +47,8 @@ class PartitionConfig:
     `scheme` is "iid", "noniid" (`classes_per_client` classes each) or "dirichlet" (per-class
     proportions ~ Dir(`alpha`)). `test_fraction` is the share of each client's own data held out
     as its test set. `max_samples_per_client` caps train + test of every client, and
-    `max_public_samples` the public set, both keeping class proportions. Invalid values raise PartitionError naming the field and the allowed range.
+    `max_public_samples` the public set, both keeping class proportions. Invalid values raise PartitionError
+    naming the field and the allowed range.
     """
 
     scheme: str
@@ -62,8 +63,7 @@ class PartitionConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.scheme, str) or self.scheme not in _ASSIGNERS:
-            raise PartitionError(f"PartitionConfig.scheme must be one of {sorted(_ASSIGNERS)}, "
-                                 f"got {self.scheme!r}")
+            raise PartitionError(f"PartitionConfig.scheme must be one of {sorted(_ASSIGNERS)}, got {self.scheme!r}")
         _require_int("num_clients", self.num_clients, 1)
         _require_int("classes_per_client", self.classes_per_client, 1)
         _require_int("seed", self.seed, 0)
@@ -117,8 +117,9 @@ def _check_labels(y: np.ndarray, num_classes: int) -> np.ndarray:
     return y
 
 
-def _split_public(y: np.ndarray, num_classes: int, fraction: float,
-                  rng: np.random.Generator) -> tuple[np.ndarray, list[np.ndarray]]:
+def _split_public(
+    y: np.ndarray, num_classes: int, fraction: float, rng: np.random.Generator
+) -> tuple[np.ndarray, list[np.ndarray]]:
     """Stratified public set (a random `fraction` of every class) and each class's shuffled rest."""
     public, pools = [], []
     for c in range(num_classes):
@@ -132,14 +133,12 @@ def _split_public(y: np.ndarray, num_classes: int, fraction: float,
 Assigner = Callable[[list[np.ndarray], PartitionConfig, np.random.Generator], list[np.ndarray]]
 
 
-def _assign_iid(pools: list[np.ndarray], config: PartitionConfig,
-                rng: np.random.Generator) -> list[np.ndarray]:
+def _assign_iid(pools: list[np.ndarray], config: PartitionConfig, rng: np.random.Generator) -> list[np.ndarray]:
     """Uniformly random, equal-sized split of all remaining samples."""
     return list(np.array_split(rng.permutation(np.concatenate(pools)), config.num_clients))
 
 
-def _assign_noniid(pools: list[np.ndarray], config: PartitionConfig,
-                   rng: np.random.Generator) -> list[np.ndarray]:
+def _assign_noniid(pools: list[np.ndarray], config: PartitionConfig, rng: np.random.Generator) -> list[np.ndarray]:
     """Each client gets `classes_per_client` distinct classes, drawn among the least-used ones so far.
 
     Class usage counts stay within one of each other (10 clients x 2 classes: every class is held
@@ -150,8 +149,10 @@ def _assign_noniid(pools: list[np.ndarray], config: PartitionConfig,
     available = np.array([c for c, pool in enumerate(pools) if len(pool)], dtype=np.int64)
     k = config.classes_per_client
     if k > len(available):
-        raise PartitionError(f"PartitionConfig.classes_per_client={k} exceeds the {len(available)} classes "
-                             f"that have samples; allowed 1..{len(available)}")
+        raise PartitionError(
+            f"PartitionConfig.classes_per_client={k} exceeds the {len(available)} classes "
+            f"that have samples; allowed 1..{len(available)}"
+        )
     usage = np.zeros(len(available), dtype=np.int64)
     holders: list[list[int]] = [[] for _ in pools]
     for client in range(config.num_clients):
@@ -167,9 +168,13 @@ def _assign_noniid(pools: list[np.ndarray], config: PartitionConfig,
     return [np.concatenate(p) for p in parts]
 
 
-def _assign_dirichlet(pools: list[np.ndarray], config: PartitionConfig, rng: np.random.Generator,
-                      min_samples: int = DIRICHLET_MIN_CLIENT_SAMPLES,
-                      max_draws: int = DIRICHLET_MAX_DRAWS) -> list[np.ndarray]:
+def _assign_dirichlet(
+    pools: list[np.ndarray],
+    config: PartitionConfig,
+    rng: np.random.Generator,
+    min_samples: int = DIRICHLET_MIN_CLIENT_SAMPLES,
+    max_draws: int = DIRICHLET_MAX_DRAWS,
+) -> list[np.ndarray]:
     """Per class, proportions over clients ~ Dir(alpha) (Hsu et al. 2019).
 
     Redraws the whole split (up to `max_draws` times) while any client has fewer than
@@ -179,8 +184,10 @@ def _assign_dirichlet(pools: list[np.ndarray], config: PartitionConfig, rng: np.
     n = config.num_clients
     total = sum(len(p) for p in pools)
     if total < n * min_samples:
-        raise PartitionError(f"dirichlet: {total} samples cannot give each of PartitionConfig.num_clients"
-                             f"={n} clients {min_samples}; use fewer clients")
+        raise PartitionError(
+            f"dirichlet: {total} samples cannot give each of PartitionConfig.num_clients"
+            f"={n} clients {min_samples}; use fewer clients"
+        )
     for _ in range(max_draws):
         parts: list[list[np.ndarray]] = [[] for _ in range(n)]
         for pool in pools:
@@ -189,9 +196,11 @@ def _assign_dirichlet(pools: list[np.ndarray], config: PartitionConfig, rng: np.
                 parts[client].append(chunk)
         if min(sum(len(c) for c in p) for p in parts) >= min_samples:
             return [np.concatenate(p) for p in parts]
-    raise PartitionError(f"dirichlet: after {max_draws} draws some client still had fewer than "
-                         f"{min_samples} samples; use a larger PartitionConfig.alpha (got {config.alpha}) "
-                         "or fewer num_clients")
+    raise PartitionError(
+        f"dirichlet: after {max_draws} draws some client still had fewer than "
+        f"{min_samples} samples; use a larger PartitionConfig.alpha (got {config.alpha}) "
+        "or fewer num_clients"
+    )
 
 
 _ASSIGNERS: dict[str, Assigner] = {
@@ -256,12 +265,15 @@ def make_partition(y: np.ndarray, num_classes: int, config: PartitionConfig) -> 
             pool = _cap(pool, y, config.max_samples_per_client)
         train, test = _split_train_test(pool, y, config.test_fraction)
         if len(train) == 0:
-            raise PartitionError(f"client {client_id} gets no training data from {len(y)} samples with "
-                                 f"scheme {config.scheme!r}; use fewer PartitionConfig.num_clients "
-                                 f"(got {config.num_clients}) or more data")
+            raise PartitionError(
+                f"client {client_id} gets no training data from {len(y)} samples with "
+                f"scheme {config.scheme!r}; use fewer PartitionConfig.num_clients "
+                f"(got {config.num_clients}) or more data"
+            )
         shards.append(ClientShard(client_id, train, test))
-    logger.debug("partition %s: public %d, clients %s", config, len(public),
-                 [(len(s.train), len(s.test)) for s in shards])
+    logger.debug(
+        "partition %s: public %d, clients %s", config, len(public), [(len(s.train), len(s.test)) for s in shards]
+    )
     return Partition(public, tuple(shards))
 
 
@@ -270,8 +282,11 @@ def client_shard(y: np.ndarray, num_classes: int, config: PartitionConfig, clien
 
     A client_id outside [0, config.num_clients) raises PartitionError; otherwise as make_partition.
     """
-    if isinstance(client_id, bool) or not isinstance(client_id, (int, np.integer)) \
-            or not 0 <= client_id < config.num_clients:
+    if (
+        isinstance(client_id, bool)
+        or not isinstance(client_id, (int, np.integer))
+        or not 0 <= client_id < config.num_clients
+    ):
         raise PartitionError(f"client_id must be an integer in [0, {config.num_clients}), got {client_id!r}")
     return make_partition(y, num_classes, config).clients[int(client_id)]
 
@@ -289,8 +304,14 @@ def describe(partition: Partition, y: np.ndarray) -> list[dict[str, Any]]:
         train_counts = dict(zip(*(v.tolist() for v in np.unique(y[shard.train], return_counts=True))))
         test_counts = dict(zip(*(v.tolist() for v in np.unique(y[shard.test], return_counts=True))))
         labels = sorted(train_counts | test_counts)
-        rows.append({"client": shard.client_id, "n_train": int(len(shard.train)),
-                     "n_test": int(len(shard.test)),
-                     "classes": {c: train_counts.get(c, 0) + test_counts.get(c, 0) for c in labels},
-                     "train_counts": train_counts, "test_counts": test_counts})
+        rows.append(
+            {
+                "client": shard.client_id,
+                "n_train": int(len(shard.train)),
+                "n_test": int(len(shard.test)),
+                "classes": {c: train_counts.get(c, 0) + test_counts.get(c, 0) for c in labels},
+                "train_counts": train_counts,
+                "test_counts": test_counts,
+            }
+        )
     return rows

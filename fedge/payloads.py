@@ -16,8 +16,15 @@ from fedge.messages import ClientInfo, Result
 from fedge.spec import ModelSpec, tensor_shapes
 from fedge.weights import WeightsError, check_state
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "int64": torch.int64,
-          "int32": torch.int32, "uint8": torch.uint8, "bool": torch.bool}
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
 
 
 @dataclass(frozen=True)
@@ -54,8 +61,10 @@ class Expected:
         """The largest reply payload this allows: the tensor bytes of every declared model (for any architecture,
         ANY_MODEL_BYTES_PER_PARAM bytes per parameter the profile allows) and tensor, plus REPLY_SLACK_BYTES for
         headers, specs and records."""
-        models = sum(C.ANY_MODEL_BYTES_PER_PARAM * profile.max_params if spec is None else model_bytes(spec)
-                     for spec in self.models.values())
+        models = sum(
+            C.ANY_MODEL_BYTES_PER_PARAM * profile.max_params if spec is None else model_bytes(spec)
+            for spec in self.models.values()
+        )
         return models + sum(slot.nbytes for slot in self.tensors.values()) + C.REPLY_SLACK_BYTES
 
 
@@ -73,16 +82,20 @@ def _missing_or_extra(kind: str, have: set[str], declared: set[str], optional: f
     return None
 
 
-def payload_rejection(res: Result, expected: Expected, client: ClientInfo,
-                      profile: DeviceProfile) -> tuple[str, str] | None:
+def payload_rejection(
+    res: Result, expected: Expected, client: ClientInfo, profile: DeviceProfile
+) -> tuple[str, str] | None:
     """(reason code, message) when a reply's models, tensors or records differ from `expected`, else None.
 
     Codes: "payload" (a name not declared, or a declared one missing), "architecture" (a model of another
     architecture than declared, or one that does not fit the client's data or device profile), "weights" (tensors
     that do not match their model's spec, or non-finite), "tensors" (a named tensor of another shape or dtype, or
     with non-finite values), "records" (a record that is not finite JSON)."""
-    for kind, have, declared in (("models", res.models, expected.models), ("tensors", res.tensors, expected.tensors),
-                                 ("records", res.records, expected.records)):
+    for kind, have, declared in (
+        ("models", res.models, expected.models),
+        ("tensors", res.tensors, expected.tensors),
+        ("records", res.records, expected.records),
+    ):
         problem = _missing_or_extra(kind, set(have), set(declared), expected.optional)
         if problem:
             return "payload", problem
@@ -96,8 +109,11 @@ def payload_rejection(res: Result, expected: Expected, client: ClientInfo,
             return "weights", f"model {role!r}: {e}"
     for name, tensor in res.tensors.items():
         slot = expected.tensors[name]
-        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != slot.shape \
-                or tensor.dtype != DTYPES[slot.dtype]:
+        if (
+            not isinstance(tensor, torch.Tensor)
+            or tuple(tensor.shape) != slot.shape
+            or tensor.dtype != DTYPES[slot.dtype]
+        ):
             got = (tuple(tensor.shape), str(tensor.dtype)) if isinstance(tensor, torch.Tensor) else type(tensor)
             return "tensors", f"tensor {name!r} is {got}, expected {slot.shape} of {slot.dtype}"
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
@@ -108,15 +124,18 @@ def payload_rejection(res: Result, expected: Expected, client: ClientInfo,
     return None
 
 
-def _architecture_problem(spec: ModelSpec, declared: ModelSpec | None, client: ClientInfo,
-                          profile: DeviceProfile) -> str | None:
+def _architecture_problem(
+    spec: ModelSpec, declared: ModelSpec | None, client: ClientInfo, profile: DeviceProfile
+) -> str | None:
     if declared is not None:
         if spec.with_origin(None) != declared.with_origin(None):
             return f"{spec.name!r} is not the architecture the task expects ({declared.name!r})"
         return None
     if spec.input_shape != client.spec.input_shape or spec.num_classes != client.spec.num_classes:
-        return (f"{spec.name!r} takes {list(spec.input_shape)} and gives {spec.num_classes} classes; client "
-                f"{client.client_id}'s data need {list(client.spec.input_shape)} and {client.spec.num_classes}")
+        return (
+            f"{spec.name!r} takes {list(spec.input_shape)} and gives {spec.num_classes} classes; client "
+            f"{client.client_id}'s data need {list(client.spec.input_shape)} and {client.spec.num_classes}"
+        )
     verdict = fits(spec, profile)
     if not verdict.ok:
         return f"{spec.name!r} does not fit device profile {profile.name}: {'; '.join(verdict.failures)}"

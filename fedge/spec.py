@@ -92,26 +92,34 @@ class ModelSpec:
         """Forward multiply-accumulates per sample (conv and linear layers), from the spec alone."""
         return sum(b.macs for b in self.blocks)
 
-    def with_origin(self, client: str | None) -> "ModelSpec":
+    def with_origin(self, client: str | None) -> ModelSpec:
         """The same spec with every block's origin naming `client` (what a client does at registration)."""
         blocks = tuple(replace(b, origin=replace(b.origin, client=client)) for b in self.blocks)
         return replace(self, blocks=blocks)
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "schema": SPEC_SCHEMA_VERSION, "name": self.name, "input_shape": list(self.input_shape),
+            "schema": SPEC_SCHEMA_VERSION,
+            "name": self.name,
+            "input_shape": list(self.input_shape),
             "num_classes": self.num_classes,
-            "blocks": [{"name": b.name, "layers": [ly.to_dict() for ly in b.layers],
-                        "in_shape": list(b.in_shape), "out_shape": list(b.out_shape),
-                        "origin": {"model": b.origin.model, "client": b.origin.client, "block": b.origin.block}}
-                       for b in self.blocks],
+            "blocks": [
+                {
+                    "name": b.name,
+                    "layers": [ly.to_dict() for ly in b.layers],
+                    "in_shape": list(b.in_shape),
+                    "out_shape": list(b.out_shape),
+                    "origin": {"model": b.origin.model, "client": b.origin.client, "block": b.origin.block},
+                }
+                for b in self.blocks
+            ],
         }
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelSpec":
+    def from_dict(cls, d: dict[str, Any]) -> ModelSpec:
         """Parse and validate; anything malformed raises SpecError saying which field or block."""
         if not isinstance(d, dict):
             raise SpecError(f"a model spec must be a JSON object, got {type(d).__name__}")
@@ -119,11 +127,15 @@ class ModelSpec:
             raise SpecError(f"unsupported spec schema {d.get('schema')!r}; this fedge reads {SPEC_SCHEMA_VERSION}")
         try:
             blocks = tuple(
-                BlockSpec(str(b["name"]), tuple(LayerSpec(str(ly["type"]), dict(ly.get("args", {})))
-                                                for ly in b["layers"]),
-                          tuple(int(v) for v in b["in_shape"]), tuple(int(v) for v in b["out_shape"]),
-                          Origin(str(b["origin"]["model"]), b["origin"]["client"], int(b["origin"]["block"])))
-                for b in d["blocks"])
+                BlockSpec(
+                    str(b["name"]),
+                    tuple(LayerSpec(str(ly["type"]), dict(ly.get("args", {}))) for ly in b["layers"]),
+                    tuple(int(v) for v in b["in_shape"]),
+                    tuple(int(v) for v in b["out_shape"]),
+                    Origin(str(b["origin"]["model"]), b["origin"]["client"], int(b["origin"]["block"])),
+                )
+                for b in d["blocks"]
+            )
             return cls(str(d["name"]), tuple(int(v) for v in d["input_shape"]), int(d["num_classes"]), blocks)
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, SpecError):
@@ -131,7 +143,7 @@ class ModelSpec:
             raise SpecError(f"malformed model spec: missing or invalid field {e}") from None
 
     @classmethod
-    def from_json(cls, text: str) -> "ModelSpec":
+    def from_json(cls, text: str) -> ModelSpec:
         try:
             return cls.from_dict(json.loads(text))
         except json.JSONDecodeError as e:
@@ -149,7 +161,9 @@ def validate(spec: ModelSpec) -> None:
     for i, b in enumerate(spec.blocks):
         where = f"model {spec.name!r}, block {i} ({b.name!r})"
         if tuple(b.in_shape) != shape:
-            raise SpecError(f"{where}: declared input shape {list(b.in_shape)} but the previous block gives {list(shape)}")
+            raise SpecError(
+                f"{where}: declared input shape {list(b.in_shape)} but the previous block gives {list(shape)}"
+            )
         try:
             shape = _layers_out(b.layers, shape)
         except (SpecError, KeyError, TypeError) as e:
@@ -160,8 +174,9 @@ def validate(spec: ModelSpec) -> None:
         raise SpecError(f"model {spec.name!r}: final output shape {list(shape)} != ({spec.num_classes},) classes")
 
 
-def make_spec(name: str, input_shape: Shape, num_classes: int,
-              blocks: Sequence[tuple[str, Sequence[LayerSpec]]]) -> ModelSpec:
+def make_spec(
+    name: str, input_shape: Shape, num_classes: int, blocks: Sequence[tuple[str, Sequence[LayerSpec]]]
+) -> ModelSpec:
     """Chain named layer lists into a ModelSpec, computing every block's shapes; origins name `name`."""
     built, shape = [], tuple(input_shape)
     for i, (bname, layers) in enumerate(blocks):

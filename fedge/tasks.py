@@ -33,10 +33,16 @@ class TrainTask:
     temperature: float = C.KD_TEMPERATURE
 
     def __post_init__(self) -> None:
-        if self.epochs < 1 or self.batch_size < 1 or not self.lr > 0 or not self.sgd_lr > 0 \
-                or not 0 <= self.sgd_momentum < 1:
-            raise TaskConfigError(f"epochs, batch_size, lr and sgd_lr must be positive and sgd_momentum in [0, 1), "
-                                  f"got {self}")
+        if (
+            self.epochs < 1
+            or self.batch_size < 1
+            or not self.lr > 0
+            or not self.sgd_lr > 0
+            or not 0 <= self.sgd_momentum < 1
+        ):
+            raise TaskConfigError(
+                f"epochs, batch_size, lr and sgd_lr must be positive and sgd_momentum in [0, 1), got {self}"
+            )
 
     def to_config(self) -> dict[str, Any]:
         """The JSON config a Task carries."""

@@ -12,9 +12,18 @@ import torch
 from fedge.constants import MAX_HEADER_BYTES
 
 _LEN_BYTES = 8
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "BOOL": torch.bool}
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 _ENTRY_FIELDS = {"dtype", "shape", "data_offsets"}
 Buffer = bytes | bytearray | memoryview
 
@@ -31,7 +40,7 @@ def _header(view: memoryview) -> dict[str, Any]:
         raise BlobError(f"safetensors header length {n} exceeds the blob ({len(view)} bytes)")
     if n > MAX_HEADER_BYTES:
         raise BlobError(f"safetensors header of {n} bytes exceeds {MAX_HEADER_BYTES}")
-    raw = bytes(view[_LEN_BYTES:_LEN_BYTES + n])
+    raw = bytes(view[_LEN_BYTES : _LEN_BYTES + n])
     try:
         header = json.loads(raw.decode("utf-8")) if raw.startswith(b"{") else None
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
@@ -60,8 +69,12 @@ def _entry(name: str, info: Any) -> tuple[int, int, str, torch.dtype, tuple[int,
         raise BlobError(f"tensor {name!r}: dtype {dtype!r} is not one of {sorted(DTYPES)}")
     if not isinstance(shape, list) or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in shape):
         raise BlobError(f"tensor {name!r}: shape must be a list of integers >= 0, got {shape!r}")
-    if (not isinstance(offsets, list) or len(offsets) != 2
-            or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in offsets) or offsets[0] > offsets[1]):
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in offsets)
+        or offsets[0] > offsets[1]
+    ):
         raise BlobError(f"tensor {name!r}: data_offsets must be [start, end] with 0 <= start <= end")
     return offsets[0], offsets[1], name, DTYPES[dtype], tuple(shape)
 
@@ -86,20 +99,23 @@ def parse(data: Buffer) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     end = 0
     for start, stop, name, dtype, shape in entries:
         if start != end:
-            raise BlobError(f"invalid offset for tensor `{name}`: it starts at byte {start}, the previous ends at "
-                            f"{end}")
+            raise BlobError(
+                f"invalid offset for tensor `{name}`: it starts at byte {start}, the previous ends at {end}"
+            )
         nbytes = math.prod(shape) * dtype.itemsize
         if stop - start != nbytes:
-            raise BlobError(f"tensor `{name}`: shape {list(shape)} of {dtype} needs {nbytes} bytes, its offsets give "
-                            f"{stop - start}")
+            raise BlobError(
+                f"tensor `{name}`: shape {list(shape)} of {dtype} needs {nbytes} bytes, its offsets give {stop - start}"
+            )
         end = stop
     if base + end != len(view):
-        raise BlobError(f"incomplete metadata, file not fully covered: tensors cover {end} of "
-                        f"{len(view) - base} data bytes")
+        raise BlobError(
+            f"incomplete metadata, file not fully covered: tensors cover {end} of {len(view) - base} data bytes"
+        )
     raw = torch.frombuffer(view, dtype=torch.uint8) if len(view) else torch.empty(0, dtype=torch.uint8)
     tensors = {}
     for start, stop, name, dtype, shape in entries:
-        if dtype == torch.bool and bool((raw[base + start:base + stop] > 1).any()):
+        if dtype == torch.bool and bool((raw[base + start : base + stop] > 1).any()):
             raise BlobError(f"tensor `{name}` of dtype BOOL holds bytes other than 0 and 1")
         tensors[name] = _tensor(raw, base + start, stop - start, dtype, shape)
     return meta, {name: tensors[name] for name in header if name != "__metadata__"}
@@ -109,7 +125,7 @@ def _tensor(raw: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, sha
     """The bytes raw[offset:offset + nbytes] as a `dtype` tensor of `shape`: a view when aligned, else a copy."""
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    part = raw[offset:offset + nbytes]
+    part = raw[offset : offset + nbytes]
     if part.data_ptr() % dtype.itemsize:
         part = part.clone()  # fresh memory is aligned
     return part.view(dtype).view(shape)

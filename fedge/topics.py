@@ -52,7 +52,12 @@ def parse(topic: str) -> tuple[str, str, str | None]:
     parts = topic.split("/")
     if len(parts) == 3 and parts[0] == TOPIC_ROOT and parts[2] == SERVER and ID_PATTERN.fullmatch(parts[1]):
         return parts[1], SERVER, None
-    if (len(parts) != 4 or parts[0] != TOPIC_ROOT or parts[2] not in (*UPLINK, DOWNLINK)
-            or not ID_PATTERN.fullmatch(parts[1]) or not ID_PATTERN.fullmatch(parts[3])):
+    if (
+        len(parts) != 4
+        or parts[0] != TOPIC_ROOT
+        or parts[2] not in (*UPLINK, DOWNLINK)
+        or not ID_PATTERN.fullmatch(parts[1])
+        or not ID_PATTERN.fullmatch(parts[3])
+    ):
         raise TopicError(f"topic {topic!r} is not a fedge topic")
     return parts[1], parts[2], parts[3]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -11,9 +10,9 @@ from safetensors.torch import save as st_save
 
 from fedge import tensorblob
 from fedge.constants import SPEC_METADATA_KEY
-from fedge.spec import Device, ModelSpec, SpecError, SpecModel, build, tensor_shapes
 from fedge.errors import UserError
 from fedge.files import atomic_write
+from fedge.spec import Device, ModelSpec, SpecError, SpecModel, build, tensor_shapes
 
 State = dict[str, torch.Tensor]
 _NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
@@ -100,7 +99,7 @@ def load_model(path: str | os.PathLike[str]) -> tuple[ModelSpec, State]:
     try:
         with open(path, "rb") as f:  # into writable memory, which the tensors then use as it is
             data = bytearray(os.fstat(f.fileno()).st_size)
-            del data[f.readinto(data):]
+            del data[f.readinto(data) :]
     except OSError as e:
         raise WeightsError(f"cannot read weights file {path}: {e.strerror}") from None
     try:

@@ -18,10 +18,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from fedge.errors import UserError
 from fedge.layers import LayerSpec as L
 from fedge.registry import Registry
 from fedge.spec import ModelSpec, make_spec
-from fedge.errors import UserError
 
 Factory = Callable[[int, int, int], ModelSpec]
 
@@ -59,57 +59,77 @@ def _fc(out: int, relu: bool = True, dropout: float | None = None, flatten: bool
 @register_model("cnn1")
 def cnn1(in_channels: int, image_size: int, num_classes: int) -> ModelSpec:
     """pFedClub App. B CNN1: Cov1, Cov2 {Conv5-ReLU-Pool}, FC1 {Linear-ReLU}, Dropout, FC2."""
-    return make_spec("cnn1", (in_channels, image_size, image_size), num_classes, [
-        ("cov1", [_conv(16, 5), RELU, POOL]),
-        ("cov2", [_conv(32, 5), RELU, POOL]),
-        ("fc1", _fc(128, dropout=0.5, flatten=True)),
-        ("fc2", _fc(num_classes, relu=False)),
-    ])
+    return make_spec(
+        "cnn1",
+        (in_channels, image_size, image_size),
+        num_classes,
+        [
+            ("cov1", [_conv(16, 5), RELU, POOL]),
+            ("cov2", [_conv(32, 5), RELU, POOL]),
+            ("fc1", _fc(128, dropout=0.5, flatten=True)),
+            ("fc2", _fc(num_classes, relu=False)),
+        ],
+    )
 
 
 @register_model("cnn2")
 def cnn2(in_channels: int, image_size: int, num_classes: int) -> ModelSpec:
     """pFedClub App. B CNN2: CNN1 plus Cov3 {Conv5-ReLU} before FC1."""
-    return make_spec("cnn2", (in_channels, image_size, image_size), num_classes, [
-        ("cov1", [_conv(16, 5), RELU, POOL]),
-        ("cov2", [_conv(32, 5), RELU, POOL]),
-        ("cov3", [_conv(64, 5), RELU]),
-        ("fc1", _fc(128, dropout=0.5, flatten=True)),
-        ("fc2", _fc(num_classes, relu=False)),
-    ])
+    return make_spec(
+        "cnn2",
+        (in_channels, image_size, image_size),
+        num_classes,
+        [
+            ("cov1", [_conv(16, 5), RELU, POOL]),
+            ("cov2", [_conv(32, 5), RELU, POOL]),
+            ("cov3", [_conv(64, 5), RELU]),
+            ("fc1", _fc(128, dropout=0.5, flatten=True)),
+            ("fc2", _fc(num_classes, relu=False)),
+        ],
+    )
 
 
 @register_model("cnn3")
 def cnn3(in_channels: int, image_size: int, num_classes: int) -> ModelSpec:
     """pFedClub App. B CNN3: five Conv5 blocks (pools after 1, 2, 4) and FC1 (dropout) .. FC4."""
-    return make_spec("cnn3", (in_channels, image_size, image_size), num_classes, [
-        ("cov1", [_conv(16, 5), RELU, POOL]),
-        ("cov2", [_conv(32, 5), RELU, POOL]),
-        ("cov3", [_conv(64, 5), RELU]),
-        ("cov4", [_conv(64, 5), RELU, POOL]),
-        ("cov5", [_conv(128, 5), RELU]),
-        ("fc1", _fc(256, dropout=0.5, flatten=True)),
-        ("fc2", _fc(128)),
-        ("fc3", _fc(64)),
-        ("fc4", _fc(num_classes, relu=False)),
-    ])
+    return make_spec(
+        "cnn3",
+        (in_channels, image_size, image_size),
+        num_classes,
+        [
+            ("cov1", [_conv(16, 5), RELU, POOL]),
+            ("cov2", [_conv(32, 5), RELU, POOL]),
+            ("cov3", [_conv(64, 5), RELU]),
+            ("cov4", [_conv(64, 5), RELU, POOL]),
+            ("cov5", [_conv(128, 5), RELU]),
+            ("fc1", _fc(256, dropout=0.5, flatten=True)),
+            ("fc2", _fc(128)),
+            ("fc3", _fc(64)),
+            ("fc4", _fc(num_classes, relu=False)),
+        ],
+    )
 
 
 @register_model("cnn4")
 def cnn4(in_channels: int, image_size: int, num_classes: int) -> ModelSpec:
     """pFedClub App. B CNN4: six conv blocks (BN in 1, 3, 5; pools in 2, 4, 6) and FC1 .. FC4."""
-    return make_spec("cnn4", (in_channels, image_size, image_size), num_classes, [
-        ("cov1", [_conv(32, 5), BN, RELU]),
-        ("cov2", [_conv(32, 3), RELU, POOL]),
-        ("cov3", [_conv(64, 3), BN, RELU]),
-        ("cov4", [_conv(64, 5), RELU, POOL, L("dropout", {"p": 0.05})]),
-        ("cov5", [_conv(128, 3), BN, RELU]),
-        ("cov6", [_conv(128, 3), RELU, POOL]),
-        ("fc1", _fc(256, dropout=0.1, flatten=True)),
-        ("fc2", _fc(128)),
-        ("fc3", _fc(64)),
-        ("fc4", _fc(num_classes, relu=False)),
-    ])
+    return make_spec(
+        "cnn4",
+        (in_channels, image_size, image_size),
+        num_classes,
+        [
+            ("cov1", [_conv(32, 5), BN, RELU]),
+            ("cov2", [_conv(32, 3), RELU, POOL]),
+            ("cov3", [_conv(64, 3), BN, RELU]),
+            ("cov4", [_conv(64, 5), RELU, POOL, L("dropout", {"p": 0.05})]),
+            ("cov5", [_conv(128, 3), BN, RELU]),
+            ("cov6", [_conv(128, 3), RELU, POOL]),
+            ("fc1", _fc(256, dropout=0.1, flatten=True)),
+            ("fc2", _fc(128)),
+            ("fc3", _fc(64)),
+            ("fc4", _fc(num_classes, relu=False)),
+        ],
+    )
 
 
 def _stem(out: int, act: str) -> list[L]:
@@ -121,8 +141,9 @@ def mobilenet_v1(in_channels: int, image_size: int, num_classes: int) -> ModelSp
     """MobileNetV1 (Howard et al. 2017), width 0.5, stride-1 stem, 8 depthwise-separable units."""
     units = [(32, 1), (64, 2), (64, 1), (128, 2), (128, 1), (256, 2), (256, 1), (256, 1)]
     blocks = [("stem", _stem(16, "relu"))]
-    blocks += [(f"dws{i + 1}", [L("depthwise_separable", {"out_channels": c, "stride": s})])
-               for i, (c, s) in enumerate(units)]
+    blocks += [
+        (f"dws{i + 1}", [L("depthwise_separable", {"out_channels": c, "stride": s})]) for i, (c, s) in enumerate(units)
+    ]
     blocks += [("classifier", [L("adaptive_avgpool"), FLAT, L("linear", {"out_features": num_classes})])]
     return make_spec("mobilenet_v1", (in_channels, image_size, image_size), num_classes, blocks)
 
@@ -144,8 +165,10 @@ def mobilenet_v2(in_channels: int, image_size: int, num_classes: int) -> ModelSp
             args = {"out_channels": c, "hidden_channels": cin * t, "stride": s if r == 0 else 1}
             blocks.append((f"ir{len(blocks)}", [L("inverted_residual", args)]))
             cin = c
-    blocks += [("head", [_conv(640, 1, bias=False), BN, L("relu6"), L("adaptive_avgpool"), FLAT]),
-               ("classifier", [L("dropout", {"p": 0.2}), L("linear", {"out_features": num_classes})])]
+    blocks += [
+        ("head", [_conv(640, 1, bias=False), BN, L("relu6"), L("adaptive_avgpool"), FLAT]),
+        ("classifier", [L("dropout", {"p": 0.2}), L("linear", {"out_features": num_classes})]),
+    ]
     return make_spec("mobilenet_v2", (in_channels, image_size, image_size), num_classes, blocks)
 
 
@@ -153,19 +176,46 @@ def mobilenet_v2(in_channels: int, image_size: int, num_classes: int) -> ModelSp
 def mobilenet_v3(in_channels: int, image_size: int, num_classes: int) -> ModelSpec:
     """MobileNetV3-Small (Howard et al. 2019), width 1.0; stem and first unit at stride 1."""
     # (kernel, expansion channels, out channels, squeeze-excite, activation, stride)
-    cfg = [(3, 16, 16, True, "relu", 1), (3, 72, 24, False, "relu", 2), (3, 88, 24, False, "relu", 1),
-           (5, 96, 40, True, "hardswish", 2), (5, 240, 40, True, "hardswish", 1),
-           (5, 240, 40, True, "hardswish", 1), (5, 120, 48, True, "hardswish", 1),
-           (5, 144, 48, True, "hardswish", 1), (5, 288, 96, True, "hardswish", 2),
-           (5, 576, 96, True, "hardswish", 1), (5, 576, 96, True, "hardswish", 1)]
+    cfg = [
+        (3, 16, 16, True, "relu", 1),
+        (3, 72, 24, False, "relu", 2),
+        (3, 88, 24, False, "relu", 1),
+        (5, 96, 40, True, "hardswish", 2),
+        (5, 240, 40, True, "hardswish", 1),
+        (5, 240, 40, True, "hardswish", 1),
+        (5, 120, 48, True, "hardswish", 1),
+        (5, 144, 48, True, "hardswish", 1),
+        (5, 288, 96, True, "hardswish", 2),
+        (5, 576, 96, True, "hardswish", 1),
+        (5, 576, 96, True, "hardswish", 1),
+    ]
     blocks = [("stem", _stem(16, "hardswish"))]
     for i, (k, exp, out, se, act, s) in enumerate(cfg):
-        args = {"out_channels": out, "hidden_channels": exp, "kernel_size": k, "stride": s,
-                "activation": act, "se_channels": _make_divisible(exp / 4) if se else 0}
+        args = {
+            "out_channels": out,
+            "hidden_channels": exp,
+            "kernel_size": k,
+            "stride": s,
+            "activation": act,
+            "se_channels": _make_divisible(exp / 4) if se else 0,
+        }
         blocks.append((f"bneck{i + 1}", [L("inverted_residual", args)]))
-    blocks += [("head", [_conv(576, 1, bias=False), BN, L("hardswish"), L("adaptive_avgpool"), FLAT,
-                         L("linear", {"out_features": 1024}), L("hardswish"), L("dropout", {"p": 0.2})]),
-               ("classifier", [L("linear", {"out_features": num_classes})])]
+    blocks += [
+        (
+            "head",
+            [
+                _conv(576, 1, bias=False),
+                BN,
+                L("hardswish"),
+                L("adaptive_avgpool"),
+                FLAT,
+                L("linear", {"out_features": 1024}),
+                L("hardswish"),
+                L("dropout", {"p": 0.2}),
+            ],
+        ),
+        ("classifier", [L("linear", {"out_features": num_classes})]),
+    ]
     return make_spec("mobilenet_v3", (in_channels, image_size, image_size), num_classes, blocks)
 
 
@@ -190,8 +240,10 @@ def assign_models(zoo: str, num_clients: int, seed: int) -> list[str]:
     if all(n in MODELS for n in names):
         return [names[i % len(names)] for i in range(num_clients)]
     if zoo not in ZOOS:
-        raise ZooError(f"unknown zoo {zoo!r}; use one of {', '.join(ZOOS)}, a model name, or comma-separated model "
-                       f"names ({', '.join(MODELS)})")
+        raise ZooError(
+            f"unknown zoo {zoo!r}; use one of {', '.join(ZOOS)}, a model name, or comma-separated model "
+            f"names ({', '.join(MODELS)})"
+        )
     weights = ZOOS[zoo]
     total = sum(weights.values())
     exact = {m: num_clients * w / total for m, w in weights.items()}

@@ -68,8 +68,16 @@ def cmd_zoo(args: argparse.Namespace) -> None:
             executorch = "yes"
         except ExportError as e:
             executorch = "no (BatchNorm)" if "BatchNorm" in str(e) else "no"
-        rows.append({"name": name, "blocks": len(spec.blocks), "params": spec.params, "macs": spec.macs,
-                     "executorch_training": executorch, "block_names": [b.name for b in spec.blocks]})
+        rows.append(
+            {
+                "name": name,
+                "blocks": len(spec.blocks),
+                "params": spec.params,
+                "macs": spec.macs,
+                "executorch_training": executorch,
+                "block_names": [b.name for b in spec.blocks],
+            }
+        )
     _emit(args, rows, ["name", "blocks", "params", "macs", "executorch_training"])
     if not args.json:
         print("\nzoo presets (models: clients out of 50, pFedClub §4.1):")
@@ -99,22 +107,60 @@ def cmd_data(args: argparse.Namespace) -> None:
         _emit(args, [{"name": n} for n in list_datasets()], ["name"])
         return
     ds = load_dataset(args.dataset, args.data)
-    part = make_partition(ds.y, ds.num_classes, PartitionConfig(
-        scheme=args.partition, num_clients=args.clients, classes_per_client=args.classes_per_client,
-        alpha=args.alpha, seed=args.seed))
+    part = make_partition(
+        ds.y,
+        ds.num_classes,
+        PartitionConfig(
+            scheme=args.partition,
+            num_clients=args.clients,
+            classes_per_client=args.classes_per_client,
+            alpha=args.alpha,
+            seed=args.seed,
+        ),
+    )
     rows = describe(part, ds.y)
     if args.json:
-        print(json.dumps({"dataset": ds.name, "samples": len(ds.y), "input_shape": list(ds.input_shape),
-                          "classes": list(ds.classes), "public": len(part.public), "clients": rows}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "dataset": ds.name,
+                    "samples": len(ds.y),
+                    "input_shape": list(ds.input_shape),
+                    "classes": list(ds.classes),
+                    "public": len(part.public),
+                    "clients": rows,
+                },
+                indent=2,
+            )
+        )
         return
-    print(f"{ds.name}: {len(ds.y):,} samples, input {'x'.join(map(str, ds.input_shape))}, "
-          f"{ds.num_classes} classes; public set {len(part.public):,}")
-    print(_table([r | {"classes": " ".join(f"{k}:{v}" for k, v in r["classes"].items())} for r in rows],
-                 ["client", "n_train", "n_test", "classes"]))
+    print(
+        f"{ds.name}: {len(ds.y):,} samples, input {'x'.join(map(str, ds.input_shape))}, "
+        f"{ds.num_classes} classes; public set {len(part.public):,}"
+    )
+    print(
+        _table(
+            [r | {"classes": " ".join(f"{k}:{v}" for k, v in r["classes"].items())} for r in rows],
+            ["client", "n_train", "n_test", "classes"],
+        )
+    )
 
 
-RUN_FLAGS = ("strategy", "dataset", "data", "zoo", "clients", "active", "rounds", "local_epochs", "batch_size",
-             "lr", "seed", "partition", "out")
+RUN_FLAGS = (
+    "strategy",
+    "dataset",
+    "data",
+    "zoo",
+    "clients",
+    "active",
+    "rounds",
+    "local_epochs",
+    "batch_size",
+    "lr",
+    "seed",
+    "partition",
+    "out",
+)
 
 
 def run_config(args: argparse.Namespace, flags: Sequence[str] = RUN_FLAGS) -> Any:
@@ -145,18 +191,29 @@ def cmd_strategies(args: argparse.Namespace) -> None:
     from server.strategy import STRATEGIES
 
     if args.json:
-        print(json.dumps([{"name": name, "options": [{"name": o, "type": kind, "default": default, "help": text}
-                                                     for o, kind, default, text in
-                                                     STRATEGIES.get(name).options_type.describe()]}
-                          for name in STRATEGIES], indent=2))
+        print(
+            json.dumps(
+                [
+                    {
+                        "name": name,
+                        "options": [
+                            {"name": o, "type": kind, "default": default, "help": text}
+                            for o, kind, default, text in STRATEGIES.get(name).options_type.describe()
+                        ],
+                    }
+                    for name in STRATEGIES
+                ],
+                indent=2,
+            )
+        )
         return
     print(strategies_text())
 
 
 def broker_settings(args: argparse.Namespace, username: str | None) -> Any:
     """A Broker from --broker, --username/--password-file and the TLS flags."""
-    from launch.client import password_for
     from fedge.mqtt import parse_broker
+    from launch.client import password_for
 
     password = password_for(args.password_file, username) if args.password_file and username else None
     return parse_broker(args.broker, username, password, args.cafile, args.certfile, args.keyfile)
@@ -164,9 +221,17 @@ def broker_settings(args: argparse.Namespace, username: str | None) -> Any:
 
 def print_summary(summary: dict[str, Any]) -> None:
     final, phi, teacher = summary["final_accuracy"], summary.get("phi", {}), summary.get("teacher_params", {})
-    rows = [{"client": cid, "model": summary["models"][cid], "runtime": summary["runtimes"][cid],
-             "accuracy": f"{acc:.4f}", "mean teacher params": f"{teacher[cid]:,.0f}" if cid in teacher else "-",
-             "phi": f"{phi[cid]:+.3f}" if cid in phi else "-"} for cid, acc in final["per_client"].items()]
+    rows = [
+        {
+            "client": cid,
+            "model": summary["models"][cid],
+            "runtime": summary["runtimes"][cid],
+            "accuracy": f"{acc:.4f}",
+            "mean teacher params": f"{teacher[cid]:,.0f}" if cid in teacher else "-",
+            "phi": f"{phi[cid]:+.3f}" if cid in phi else "-",
+        }
+        for cid, acc in final["per_client"].items()
+    ]
     print(_table(rows, ["client", "model", "runtime", "accuracy"] + (["mean teacher params", "phi"] if phi else [])))
     mean = "n/a (no client was evaluated)" if final["mean"] is None else f"{final['mean']:.4f}"
     rejected = summary.get("rejected_messages") or {}
@@ -189,8 +254,10 @@ def cmd_run(args: argparse.Namespace) -> None:
     if cfg.transport == "inproc":
         summary = run_simulation(cfg, progress=args.progress)
     else:
-        print(f"embedded MQTT broker, {cfg.clients} clients in separate processes (logs in {cfg.out}/clients-*.log)",
-              file=sys.stderr)
+        print(
+            f"embedded MQTT broker, {cfg.clients} clients in separate processes (logs in {cfg.out}/clients-*.log)",
+            file=sys.stderr,
+        )
         summary = run_federation(cfg, progress=args.progress, processes=args.processes)
     print_summary(summary)
 
@@ -238,8 +305,16 @@ def cmd_broker(args: argparse.Namespace) -> None:
         write_secrets(out / "users", users)
     if bool(args.certfile) != bool(args.keyfile):
         raise ConfigError("TLS needs both --certfile and --keyfile")
-    tls = TlsFiles(Path(args.certfile), Path(args.keyfile), Path(args.cafile) if args.cafile else None,
-                   args.require_certificate) if args.certfile else None
+    tls = (
+        TlsFiles(
+            Path(args.certfile),
+            Path(args.keyfile),
+            Path(args.cafile) if args.cafile else None,
+            args.require_certificate,
+        )
+        if args.certfile
+        else None
+    )
     conf = write_mosquitto_config(out, users, port=args.port, host=args.host, tls=tls, run_as=args.run_as)
     print(f"wrote {conf} for {len(users) - 1} clients; start it with: mosquitto -c {conf}")
     if not args.users:
@@ -258,8 +333,10 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="fedge", description="Personalized federated learning for heterogeneous edge fleets "
-                    "(pFedClub, pFedHR, ...).")
+    parser = Parser(
+        prog="fedge",
+        description="Personalized federated learning for heterogeneous edge fleets (pFedClub, pFedHR, ...).",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -299,18 +376,25 @@ def add_run_parser(sub: Any) -> None:
     which the help lists from the strategy registry."""
     from fedge.config import run_keys
 
-    p = sub.add_parser("run", help="run a whole federation (server + simulated edge clients)",
-                       description="Run a federation. With no options: the embedded default "
-                       f"({C.DEFAULT_DATASET}, zoo {C.DEFAULT_ZOO}, {C.DEFAULT_CLIENTS} clients). Run-level keys "
-                       f"for --set or a TOML file: {', '.join(run_keys())}.")
+    p = sub.add_parser(
+        "run",
+        help="run a whole federation (server + simulated edge clients)",
+        description="Run a federation. With no options: the embedded default "
+        f"({C.DEFAULT_DATASET}, zoo {C.DEFAULT_ZOO}, {C.DEFAULT_CLIENTS} clients). Run-level keys "
+        f"for --set or a TOML file: {', '.join(run_keys())}.",
+    )
     p.footer = strategies_text
-    p.add_argument("--config", help="TOML file of run settings (keys as in --set; strategy options also in an "
-                   "[options] table)")
+    p.add_argument(
+        "--config", help="TOML file of run settings (keys as in --set; strategy options also in an [options] table)"
+    )
     p.add_argument("--strategy", help=f"a strategy listed below (default {C.DEFAULT_STRATEGY})")
     p.add_argument("--dataset", help=f"dataset name (default {C.DEFAULT_DATASET})")
     p.add_argument("--data", help="path to dataset files, e.g. ../shared/data/mnist.npz")
-    p.add_argument("--zoo", help="I, II, III, one model name (a homogeneous fleet), or model names "
-                   "separated by commas, given to clients in turn (e.g. cnn4,cnn2 with profiles rpi-4,android-mid-range)")
+    p.add_argument(
+        "--zoo",
+        help="I, II, III, one model name (a homogeneous fleet), or model names "
+        "separated by commas, given to clients in turn (e.g. cnn4,cnn2 with profiles rpi-4,android-mid-range)",
+    )
     p.add_argument("--clients", type=int, help="number of clients N")
     p.add_argument("--active", type=int, help="clients per round M")
     p.add_argument("--rounds", type=int, help="communication rounds T")
@@ -320,11 +404,18 @@ def add_run_parser(sub: Any) -> None:
     p.add_argument("--seed", type=int, help="run seed")
     p.add_argument("--partition", choices=SCHEMES, help="how data is split")
     p.add_argument("--out", help="run folder (default runs/<time>-<strategy>-<dataset>)")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="set a run-level key or an option of the "
-                   "strategy (repeatable)")
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="set a run-level key or an option of the strategy (repeatable)",
+    )
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="show a progress bar")
-    p.add_argument("--transport", choices=["mqtt", "inproc"],
-                   help="mqtt (default): embedded broker, clients as OS processes; inproc: one process, no broker")
+    p.add_argument(
+        "--transport",
+        choices=["mqtt", "inproc"],
+        help="mqtt (default): embedded broker, clients as OS processes; inproc: one process, no broker",
+    )
     p.add_argument("--processes", type=int, help="client processes for --transport mqtt (default: min(cores, 4))")
     p.set_defaults(func=cmd_run)
 
@@ -332,8 +423,11 @@ def add_run_parser(sub: Any) -> None:
 def _connection_flags(p: argparse.ArgumentParser, username_help: str) -> None:
     p.add_argument("--broker", required=True, help="mqtt://host:1883 or mqtts://host:8883 (TLS)")
     p.add_argument("--username", help=username_help)
-    p.add_argument("--password-file", help="file with the password, or username:password lines (never on the "
-                   "command line, so it stays out of process lists and logs)")
+    p.add_argument(
+        "--password-file",
+        help="file with the password, or username:password lines (never on the "
+        "command line, so it stays out of process lists and logs)",
+    )
     p.add_argument("--cafile", help="CA certificate to verify the broker (TLS)")
     p.add_argument("--certfile", help="client certificate (TLS)")
     p.add_argument("--keyfile", help="client key (TLS)")
@@ -343,21 +437,31 @@ def _connection_flags(p: argparse.ArgumentParser, username_help: str) -> None:
 
 def add_deploy_parsers(sub: Any) -> None:
     """`fedge server`, `fedge client` and `fedge broker`: the pieces of a deployed federation."""
-    p = sub.add_parser("server", help="run the federation's server against an MQTT broker",
-                       description="Wait for the fleet to register, run the rounds, write the run folder; "
-                       "checkpoints after every round (continue with --resume RUN_DIR).")
+    p = sub.add_parser(
+        "server",
+        help="run the federation's server against an MQTT broker",
+        description="Wait for the fleet to register, run the rounds, write the run folder; "
+        "checkpoints after every round (continue with --resume RUN_DIR).",
+    )
     _connection_flags(p, "MQTT username (default: server)")
     p.add_argument("--out", help="run folder (default runs/<time>-<strategy>-<dataset>)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="show a progress bar")
     p.set_defaults(func=cmd_server, username="server")
 
-    p = sub.add_parser("client", help="run edge clients (what a device runs) against an MQTT broker",
-                       description="Register with the server, execute its tasks, upload results; reconnects "
-                       "by itself and keeps its model per round in --state-dir.")
+    p = sub.add_parser(
+        "client",
+        help="run edge clients (what a device runs) against an MQTT broker",
+        description="Register with the server, execute its tasks, upload results; reconnects "
+        "by itself and keeps its model per round in --state-dir.",
+    )
     _connection_flags(p, "MQTT username (default: the client id)")
-    p.add_argument("--id", required=True, help="client id = shard number of the run's partition; several "
-                   "comma-separated ids run as virtual clients, each with its own connection")
+    p.add_argument(
+        "--id",
+        required=True,
+        help="client id = shard number of the run's partition; several "
+        "comma-separated ids run as virtual clients, each with its own connection",
+    )
     p.add_argument("--profile", help="device profile (default: the one the run assigns to this id)")
     p.add_argument("--model", help="zoo model (default: the one the run's zoo assigns to this id)")
     p.add_argument("--dataset", help="dataset name (default: the run config's)")
@@ -366,9 +470,12 @@ def add_deploy_parsers(sub: Any) -> None:
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.set_defaults(func=cmd_client)
 
-    p = sub.add_parser("broker", help="run the embedded MQTT broker, or write a Mosquitto configuration",
-                       description="Without --write-mosquitto-config: serve the embedded broker until Ctrl-C. "
-                       "With it: write mosquitto.conf, a hashed password file and per-client ACLs to DIR.")
+    p = sub.add_parser(
+        "broker",
+        help="run the embedded MQTT broker, or write a Mosquitto configuration",
+        description="Without --write-mosquitto-config: serve the embedded broker until Ctrl-C. "
+        "With it: write mosquitto.conf, a hashed password file and per-client ACLs to DIR.",
+    )
     p.add_argument("--port", type=int, default=1883, help="listening port (default 1883)")
     p.add_argument("--host", default="127.0.0.1", help="listening address (default 127.0.0.1)")
     p.add_argument("--users", help="username:password lines (one per client, plus `server`)")
@@ -378,16 +485,20 @@ def add_deploy_parsers(sub: Any) -> None:
     p.add_argument("--certfile", help="TLS: broker certificate")
     p.add_argument("--keyfile", help="TLS: broker key")
     p.add_argument("--require-certificate", action="store_true", help="TLS: demand client certificates")
-    p.add_argument("--run-as", help="the user Mosquitto started as root switches to (default: `mosquitto`, as "
-                   "Mosquitto does); written as root, passwd, acl and the conf then belong to it, mode 600")
+    p.add_argument(
+        "--run-as",
+        help="the user Mosquitto started as root switches to (default: `mosquitto`, as "
+        "Mosquitto does); written as root, passwd, acl and the conf then belong to it, mode 600",
+    )
     p.set_defaults(func=cmd_broker)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; user errors print one line `fedge: error: ...` and return 2."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     func: Callable[[argparse.Namespace], int | None] = args.func
     try:
         return func(args) or 0

@@ -28,8 +28,9 @@ from launch.runs import load_partitioned
 log = logging.getLogger(__name__)
 
 
-def make_agent(cfg: RunConfig, ds: Dataset, shard: ClientShard, model: str, profile_name: str,
-               state_dir: Path | None = None) -> ClientAgent:
+def make_agent(
+    cfg: RunConfig, ds: Dataset, shard: ClientShard, model: str, profile_name: str, state_dir: Path | None = None
+) -> ClientAgent:
     """One simulated client; its model must fit its device profile (ConfigError says which limit fails) and, on
     an `executorch` profile, pass the ExecuTorch gradient-parity gate (it then trains through ExecuTorch).
     With `state_dir` it keeps its model snapshots there and continues from them when started again."""
@@ -37,8 +38,10 @@ def make_agent(cfg: RunConfig, ds: Dataset, shard: ClientShard, model: str, prof
     profile = get_profile(profile_name)
     verdict = fits(spec, profile)
     if not verdict.ok:
-        raise ConfigError(f"client {shard.client_id}: model {model} does not fit device profile {profile_name}: "
-                          f"{'; '.join(verdict.failures)}. Choose other --set profiles=... or another zoo")
+        raise ConfigError(
+            f"client {shard.client_id}: model {model} does not fit device profile {profile_name}: "
+            f"{'; '.join(verdict.failures)}. Choose other --set profiles=... or another zoo"
+        )
     trainer = None
     if profile.runtime == "executorch":  # export and executorch load only for the devices that train through them
         from edge_client.executorch_trainer import ExecuTorchTrainer, TrainingSession
@@ -48,21 +51,34 @@ def make_agent(cfg: RunConfig, ds: Dataset, shard: ClientShard, model: str, prof
         from fedge.executorch_program import ProgramError
 
         try:
-            trainer = ExecuTorchTrainer(spec, min(cfg.batch_size, len(shard.train)),
-                                        lambda batch: TrainingSession(gated_training_program(spec, batch)),
-                                        teacher_logits_pte)
+            trainer = ExecuTorchTrainer(
+                spec,
+                min(cfg.batch_size, len(shard.train)),
+                lambda batch: TrainingSession(gated_training_program(spec, batch)),
+                teacher_logits_pte,
+            )
         except (ExportError, ProgramError) as e:
-            raise ConfigError(f"client {shard.client_id}: model {model} cannot train on device profile {profile_name} "
-                              f"(runtime executorch): {e}. Choose a BatchNorm-free model (cnn1-cnn3) for "
-                              "executorch profiles, or a torch profile") from None
+            raise ConfigError(
+                f"client {shard.client_id}: model {model} cannot train on device profile {profile_name} "
+                f"(runtime executorch): {e}. Choose a BatchNorm-free model (cnn1-cnn3) for "
+                "executorch profiles, or a torch profile"
+            ) from None
     x_train, y_train = ds.tensors(shard.train)
     x_test, y_test = ds.tensors(shard.test)
-    return ClientAgent(str(shard.client_id), spec, ClientData(x_train, y_train, x_test, y_test), profile_name, cfg.seed,
-                       state_dir, trainer)
+    return ClientAgent(
+        str(shard.client_id),
+        spec,
+        ClientData(x_train, y_train, x_test, y_test),
+        profile_name,
+        cfg.seed,
+        state_dir,
+        trainer,
+    )
 
 
-def client_agents(cfg: RunConfig, ids: list[str], model: str | None = None, profile: str | None = None,
-                  state_dir: Path | None = None) -> list[ClientAgent]:
+def client_agents(
+    cfg: RunConfig, ids: list[str], model: str | None = None, profile: str | None = None, state_dir: Path | None = None
+) -> list[ClientAgent]:
     """The clients `ids` of the run's fleet: each id is a shard number of the run's partition; model and
     profile default to the ones the run assigns to that shard."""
     ds, partition = load_partitioned(cfg)
@@ -73,19 +89,39 @@ def client_agents(cfg: RunConfig, ids: list[str], model: str | None = None, prof
         if not cid.isdigit() or int(cid) >= cfg.clients:
             raise ConfigError(f"client id {cid!r} must be a shard number 0..{cfg.clients - 1} of the run's partition")
         i = int(cid)
-        agents.append(make_agent(cfg, ds, partition.clients[i], model or models[i],
-                                 profile or cfg.profiles[i % len(cfg.profiles)],
-                                 None if state_dir is None else Path(state_dir) / cid))
+        agents.append(
+            make_agent(
+                cfg,
+                ds,
+                partition.clients[i],
+                model or models[i],
+                profile or cfg.profiles[i % len(cfg.profiles)],
+                None if state_dir is None else Path(state_dir) / cid,
+            )
+        )
     return agents
 
-def run_clients(agents: list[ClientAgent], broker_for: Callable[[str], Broker], cfg: RunConfig,
-                connect_timeout: float = C.CONNECT_TIMEOUT_S) -> int:
+
+def run_clients(
+    agents: list[ClientAgent],
+    broker_for: Callable[[str], Broker],
+    cfg: RunConfig,
+    connect_timeout: float = C.CONNECT_TIMEOUT_S,
+) -> int:
     """`fedge client`: serve each agent over its own MQTT connection (one thread each, one trains at a
     time) until the server ends the run; returns the exit code (2 if the server refused a client)."""
     compute = threading.Lock()
-    clients = [EdgeClient(a, connector(broker_for(a.client_id), cfg.keepalive_s), cfg.run_id, cfg.heartbeat_s,
-                          cfg.chunk_size, compute=compute)
-               for a in agents]
+    clients = [
+        EdgeClient(
+            a,
+            connector(broker_for(a.client_id), cfg.keepalive_s),
+            cfg.run_id,
+            cfg.heartbeat_s,
+            cfg.chunk_size,
+            compute=compute,
+        )
+        for a in agents
+    ]
     codes: dict[str, int] = {}
     finished = threading.Semaphore(0)
 
@@ -114,6 +150,7 @@ def run_clients(agents: list[ClientAgent], broker_for: Callable[[str], Broker], 
         t.join()
     return max(codes.values(), default=0)
 
+
 def password_for(path: str | Path, username: str) -> str:
     """The password of `username` from a file of username:password lines, or the file's only line."""
     lines = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
@@ -123,6 +160,7 @@ def password_for(path: str | Path, username: str) -> str:
     if username not in users:
         raise ConfigError(f"password file {path} has no line for user {username!r}")
     return users[username]
+
 
 def set_threads(threads: int | None) -> None:
     """Torch intra-op threads of a client process (several processes share the machine's cores)."""

@@ -13,9 +13,9 @@ from fedge.config import ConfigError, load_config
 
 def cmd_predict(args: argparse.Namespace) -> None:
     """Accuracy of an ONNX model through onnxruntime on a dataset, or on one client's test shard of a run."""
-    from export import ExportError
     import numpy as np
 
+    from export import ExportError
     from export.onnx import predict_onnx
     from fedge.data import load_dataset
 
@@ -35,15 +35,17 @@ def cmd_predict(args: argparse.Namespace) -> None:
             raise ConfigError(f"the run has no client {args.client!r}; its clients are 0..{len(shards) - 1}")
         idx, where = shards[args.client].test, f"client {args.client}'s test shard"
     if args.limit is not None:
-        idx = idx[:max(args.limit, 0)]
+        idx = idx[: max(args.limit, 0)]
     x, y = ds.tensors(idx)
     logits = predict_onnx(args.model, x)
     if logits.shape[1:] != (ds.num_classes,):
-        raise ExportError(f"{args.model} gives {logits.shape[1:]} outputs per sample, {ds.name} has "
-                          f"{ds.num_classes} classes")
+        raise ExportError(
+            f"{args.model} gives {logits.shape[1:]} outputs per sample, {ds.name} has {ds.num_classes} classes"
+        )
     correct = int((logits.argmax(1) == y.numpy()).sum())
     acc = correct / len(y) if len(y) else float("nan")
     print(f"accuracy {acc:.4f} ({correct}/{len(y)}) on {where} of {ds.name}, onnxruntime, {args.model}")
+
 
 def cmd_export(args: argparse.Namespace) -> None:
     """Export a run's final teacher or a client's newest student to a deployable format."""
@@ -65,15 +67,18 @@ def cmd_export(args: argparse.Namespace) -> None:
         args.batch = cfg.get("batch_size", C.DEFAULT_BATCH_SIZE) if args.format == "pte-train" else 1
     suffix = {"onnx": ".onnx", "pte": ".pte", "pte-train": "-train.pte"}[args.format]
     out = Path(args.out) / f"client{args.client}-{args.what}{suffix}"
-    exporters[args.format](weights, out, parity_sample(ds), model_metadata(ds, args.client, args.what, rnd),
-                           args, cfg)
+    exporters[args.format](weights, out, parity_sample(ds), model_metadata(ds, args.client, args.what, rnd), args, cfg)
+
 
 def _export_onnx(weights: Any, out: Path, sample: Any, metadata: dict[str, str], args: Any, cfg: dict) -> None:
     from export.onnx import export_onnx
 
     r = export_onnx(weights.spec, weights.state, out, sample, metadata)
-    print(f"wrote {r.path} (opset {r.opset}, {r.exporter} exporter; onnxruntime vs PyTorch on {r.samples} real "
-          f"inputs: max abs logit difference {r.max_abs_diff:.2g}, argmax identical)")
+    print(
+        f"wrote {r.path} (opset {r.opset}, {r.exporter} exporter; onnxruntime vs PyTorch on {r.samples} real "
+        f"inputs: max abs logit difference {r.max_abs_diff:.2g}, argmax identical)"
+    )
+
 
 def _manifest(out: Path, weights: Any, metadata: dict[str, str], fields: dict[str, Any]) -> Path:
     """<out>.json beside an ExecuTorch file: what an app needs to feed it (see docs/android.md)."""
@@ -85,9 +90,11 @@ def _manifest(out: Path, weights: Any, metadata: dict[str, str], fields: dict[st
     atomic_write(path, (json.dumps(doc, indent=2) + "\n").encode())
     return path
 
+
 def _batch_of(sample: Any, b: int) -> Any:
     """`b` real inputs for a program's fixed batch: the first b of `sample`, or its first one repeated."""
     return sample[:b] if len(sample) >= b else sample[:1].expand(b, *sample.shape[1:])
+
 
 def _export_pte(weights: Any, out: Path, sample: Any, metadata: dict[str, str], args: Any, cfg: dict) -> None:
     """An XNNPACK inference program for batches of --batch, checked against eager on real inputs."""
@@ -95,20 +102,31 @@ def _export_pte(weights: Any, out: Path, sample: Any, metadata: dict[str, str], 
 
     spec, b = weights.spec, args.batch
     r = export_pte(spec, weights.state, out, _batch_of(sample, b))
-    manifest = _manifest(out, weights, metadata, {
-        "program": out.name, "method": "forward",
-        "inputs": [{"name": "input", "dtype": "float32", "shape": [b, *spec.input_shape]}],
-        "outputs": [{"name": "logits", "dtype": "float32", "shape": [b, spec.num_classes]}],
-        "xnnpack_delegate_calls": r.delegated_calls, "portable_ops": list(r.non_delegated_ops)})
-    print(f"wrote {out} and {manifest.name} (batch {b}; ExecuTorch vs PyTorch max abs logit difference "
-          f"{r.max_abs_diff:.2g}; {r.delegated_calls} XNNPACK delegate call(s), portable ops: "
-          f"{', '.join(r.non_delegated_ops) or 'none'})")
+    manifest = _manifest(
+        out,
+        weights,
+        metadata,
+        {
+            "program": out.name,
+            "method": "forward",
+            "inputs": [{"name": "input", "dtype": "float32", "shape": [b, *spec.input_shape]}],
+            "outputs": [{"name": "logits", "dtype": "float32", "shape": [b, spec.num_classes]}],
+            "xnnpack_delegate_calls": r.delegated_calls,
+            "portable_ops": list(r.non_delegated_ops),
+        },
+    )
+    print(
+        f"wrote {out} and {manifest.name} (batch {b}; ExecuTorch vs PyTorch max abs logit difference "
+        f"{r.max_abs_diff:.2g}; {r.delegated_calls} XNNPACK delegate call(s), portable ops: "
+        f"{', '.join(r.non_delegated_ops) or 'none'})"
+    )
+
 
 def _export_pte_train(weights: Any, out: Path, sample: Any, metadata: dict[str, str], args: Any, cfg: dict) -> None:
     """The student's training program (.pte) and weights (.ptd), gated by gradient parity on real inputs."""
-    from export import ExportError
     import torch
 
+    from export import ExportError
     from export.parity import gradient_parity
     from export.training_program import export_training
     from fedge.executorch_program import TRAIN_INPUTS, TRAIN_OUTPUTS
@@ -121,38 +139,70 @@ def _export_pte_train(weights: Any, out: Path, sample: Any, metadata: dict[str, 
     lam, temperature = cfg.get("options", {}).get("kd_lambda", C.KD_LAMBDA), C.KD_TEMPERATURE
     report = gradient_parity(spec, weights.state, x, y, teacher, lam, temperature, program)
     if not report.passed:
-        raise ExportError(f"{spec.name!r}: the training program fails gradient parity on real inputs (worst relative "
-                          f"gradient error {report.worst:.2g}); it is not written")
+        raise ExportError(
+            f"{spec.name!r}: the training program fails gradient parity on real inputs (worst relative "
+            f"gradient error {report.worst:.2g}); it is not written"
+        )
     pte, ptd = program.write(out)
     shapes = [[b, *spec.input_shape], [b], [b, spec.num_classes], [], []]
     dtypes = ["float32", "int64", "float32", "float32", "float32"]
-    manifest = _manifest(out, weights, metadata, {
-        "program": pte.name, "weights": ptd.name, "method": "forward", "batch_size": b,
-        "inputs": [{"name": n, "dtype": d, "shape": sh} for n, d, sh in zip(TRAIN_INPUTS, dtypes, shapes)],
-        "outputs": [{"name": n, "dtype": "float32", "shape": [b, spec.num_classes] if n == "logits" else []}
-                    for n in TRAIN_OUTPUTS],
-        "parameters": {f"student.{k}": list(v.shape) for k, v in weights.state.items()},
-        "kd_lambda": lam, "temperature": temperature, "optimizer": "SGD",
-        "sgd_lr": cfg.get("sgd_lr", C.SGD_LR), "sgd_momentum": cfg.get("sgd_momentum", C.SGD_MOMENTUM),
-        "gradient_parity": {"loss_pte": report.loss_pte, "loss_eager": report.loss_eager,
-                            "worst_relative_gradient_error": report.worst}})
-    print(f"wrote {pte}, {ptd.name} and {manifest.name} (batch {b}; one step matches PyTorch: loss "
-          f"{report.loss_pte:.6g} vs {report.loss_eager:.6g}, worst relative gradient error {report.worst:.2g})")
+    manifest = _manifest(
+        out,
+        weights,
+        metadata,
+        {
+            "program": pte.name,
+            "weights": ptd.name,
+            "method": "forward",
+            "batch_size": b,
+            "inputs": [{"name": n, "dtype": d, "shape": sh} for n, d, sh in zip(TRAIN_INPUTS, dtypes, shapes)],
+            "outputs": [
+                {"name": n, "dtype": "float32", "shape": [b, spec.num_classes] if n == "logits" else []}
+                for n in TRAIN_OUTPUTS
+            ],
+            "parameters": {f"student.{k}": list(v.shape) for k, v in weights.state.items()},
+            "kd_lambda": lam,
+            "temperature": temperature,
+            "optimizer": "SGD",
+            "sgd_lr": cfg.get("sgd_lr", C.SGD_LR),
+            "sgd_momentum": cfg.get("sgd_momentum", C.SGD_MOMENTUM),
+            "gradient_parity": {
+                "loss_pte": report.loss_pte,
+                "loss_eager": report.loss_eager,
+                "worst_relative_gradient_error": report.worst,
+            },
+        },
+    )
+    print(
+        f"wrote {pte}, {ptd.name} and {manifest.name} (batch {b}; one step matches PyTorch: loss "
+        f"{report.loss_pte:.6g} vs {report.loss_eager:.6g}, worst relative gradient error {report.worst:.2g})"
+    )
+
 
 def add_export_parsers(sub: Any) -> None:
     """`fedge export` and `fedge predict`: deployable files of a run's models, and checking them."""
-    p = sub.add_parser("export", help="export a client's final teacher or student of a run (ONNX, ExecuTorch)",
-                       description="Export a client's final teacher or newest student: onnx (dynamic batch), pte "
-                       "(ExecuTorch XNNPACK inference program) or pte-train (the student's ExecuTorch training "
-                       "program, .pte + weights .ptd). Each file is loaded back and checked against PyTorch; a "
-                       ".json manifest beside a .pte gives its inputs and outputs (docs/android.md).")
+    p = sub.add_parser(
+        "export",
+        help="export a client's final teacher or student of a run (ONNX, ExecuTorch)",
+        description="Export a client's final teacher or newest student: onnx (dynamic batch), pte "
+        "(ExecuTorch XNNPACK inference program) or pte-train (the student's ExecuTorch training "
+        "program, .pte + weights .ptd). Each file is loaded back and checked against PyTorch; a "
+        ".json manifest beside a .pte gives its inputs and outputs (docs/android.md).",
+    )
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (a `fedge run` --out)")
     p.add_argument("--client", required=True, help="client id")
-    p.add_argument("--what", default="teacher", help="teacher (the server's final teacher) or student "
-                   "(the client's newest model snapshot); default teacher")
+    p.add_argument(
+        "--what",
+        default="teacher",
+        help="teacher (the server's final teacher) or student (the client's newest model snapshot); default teacher",
+    )
     p.add_argument("--format", default="onnx", help="onnx, pte or pte-train (default onnx)")
-    p.add_argument("--batch", type=int, help="fixed batch size of a pte program (default 1) or pte-train program "
-                   "(default: the run's batch_size); ONNX files take any batch")
+    p.add_argument(
+        "--batch",
+        type=int,
+        help="fixed batch size of a pte program (default 1) or pte-train program "
+        "(default: the run's batch_size); ONNX files take any batch",
+    )
     p.add_argument("--out", required=True, help="output folder")
     p.set_defaults(func=cmd_export)
 

@@ -30,12 +30,30 @@ def write_secrets(path: Path, users: dict[str, str]) -> None:
     """A username:password file readable only by its owner."""
     atomic_write(path, "".join(f"{u}:{p}\n" for u, p in users.items()).encode(), mode=0o600)
 
-def client_command(broker_url: str, config: Path, ids: list[str], secrets: Path, state_dir: Path,
-                   threads: int) -> list[str]:
+
+def client_command(
+    broker_url: str, config: Path, ids: list[str], secrets: Path, state_dir: Path, threads: int
+) -> list[str]:
     """The `fedge client` command line of one client process of `fedge run`."""
-    return [sys.executable, "-m", "launch.cli", "client", "--broker", broker_url, "--config", str(config),
-            "--id", ",".join(ids), "--password-file", str(secrets), "--state-dir", str(state_dir),
-            "--threads", str(threads)]
+    return [
+        sys.executable,
+        "-m",
+        "launch.cli",
+        "client",
+        "--broker",
+        broker_url,
+        "--config",
+        str(config),
+        "--id",
+        ",".join(ids),
+        "--password-file",
+        str(secrets),
+        "--state-dir",
+        str(state_dir),
+        "--threads",
+        str(threads),
+    ]
+
 
 def run_federation(cfg: RunConfig, progress: bool = True, processes: int | None = None) -> dict[str, Any]:
     """`fedge run` over MQTT: the embedded broker with a password per client and topic ACLs, the server
@@ -56,9 +74,13 @@ def run_federation(cfg: RunConfig, progress: bool = True, processes: int | None 
         procs = []
         for k in range(processes):
             log_file = (out / f"clients-{k}.log").open("w")
-            procs.append(subprocess.Popen(client_command(broker.url, config, ids[k::processes], secrets,
-                                                         out / C.CLIENT_STATE_DIR, threads),
-                                          stdout=log_file, stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(
+                    client_command(broker.url, config, ids[k::processes], secrets, out / C.CLIENT_STATE_DIR, threads),
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                )
+            )
             log_file.close()
         try:
             server = Broker("127.0.0.1", broker.port, username="server", password=users["server"])
@@ -66,11 +88,13 @@ def run_federation(cfg: RunConfig, progress: bool = True, processes: int | None 
         finally:
             stop_processes(procs)
 
+
 def preflight(cfg: RunConfig, ids: list[str]) -> None:
     """Fail in a second, before any broker or process starts, on what would fail later: the dataset, the zoo,
     a model that does not fit its profile, a strategy that cannot run on this fleet."""
     agents = client_agents(cfg, ids)
     make_strategy(cfg, *load_partitioned(cfg)).setup({a.client_id: a.info() for a in agents})
+
 
 def stop_processes(procs: list[subprocess.Popen[bytes]]) -> None:
     """Give client processes time to exit after the server's stop, then terminate, then kill."""

@@ -21,21 +21,31 @@ def resolve_device(device: str) -> str:
         raise ConfigError("device=cuda was requested but no CUDA device is available; use --set device=cpu")
     return device
 
+
 def partition_config(cfg: RunConfig) -> PartitionConfig:
     """The data split a run's config asks for (the server and every client derive the same one)."""
-    return PartitionConfig(scheme=cfg.partition, num_clients=cfg.clients, classes_per_client=cfg.classes_per_client,
-                           alpha=cfg.alpha, seed=cfg.seed, max_samples_per_client=cfg.max_samples_per_client,
-                           max_public_samples=cfg.max_public_samples)
+    return PartitionConfig(
+        scheme=cfg.partition,
+        num_clients=cfg.clients,
+        classes_per_client=cfg.classes_per_client,
+        alpha=cfg.alpha,
+        seed=cfg.seed,
+        max_samples_per_client=cfg.max_samples_per_client,
+        max_public_samples=cfg.max_public_samples,
+    )
+
 
 def default_out(cfg: RunConfig) -> Path:
     """runs/<time>-<strategy>-<dataset> when no --out is given."""
     return Path(C.DEFAULT_RUNS_DIR) / f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.strategy}-{cfg.dataset}"
+
 
 def run_folder(cfg: RunConfig, resume: bool) -> Path:
     """cfg.out, else a new default folder; resuming without cfg.out raises ConfigError."""
     if resume and not cfg.out:
         raise ConfigError("resuming needs the run folder: set out to the folder of the run to continue")
     return Path(cfg.out) if cfg.out else default_out(cfg)
+
 
 def load_partitioned(cfg: RunConfig) -> tuple[Dataset, Partition]:
     """The run's dataset and its split (the server and every client derive the same one)."""

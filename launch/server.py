@@ -43,8 +43,15 @@ RUNTIME_CHECKS = {"executorch": _executorch_trainable}
 
 def strategy_config(cfg: RunConfig) -> StrategyConfig:
     """The run-level settings every strategy gets out of a run's config."""
-    return StrategyConfig(local_epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr, seed=cfg.seed,
-                          device=resolve_device(cfg.device), sgd_lr=cfg.sgd_lr, sgd_momentum=cfg.sgd_momentum)
+    return StrategyConfig(
+        local_epochs=cfg.local_epochs,
+        batch_size=cfg.batch_size,
+        lr=cfg.lr,
+        seed=cfg.seed,
+        device=resolve_device(cfg.device),
+        sgd_lr=cfg.sgd_lr,
+        sgd_momentum=cfg.sgd_momentum,
+    )
 
 
 def resolve_options(cfg: RunConfig) -> RunConfig:
@@ -57,12 +64,19 @@ def resolve_options(cfg: RunConfig) -> RunConfig:
 def make_strategy(cfg: RunConfig, ds: Dataset, partition: Partition) -> Strategy:
     """The server's strategy with its options and the public data (with labels; a strategy may drop them)."""
     x_public, y_public = ds.tensors(partition.public)
-    return create_strategy(cfg.strategy, strategy_config(cfg), PublicData(x_public, y_public),
-                           parse_options(cfg.strategy, cfg.options))
+    return create_strategy(
+        cfg.strategy, strategy_config(cfg), PublicData(x_public, y_public), parse_options(cfg.strategy, cfg.options)
+    )
 
-def run_federation_rounds(cfg: RunConfig, strategy: Strategy, transport: Transport,
-                          clients: Mapping[str, ClientInfo], progress: bool = True,
-                          resume: bool = False) -> dict[str, Any]:
+
+def run_federation_rounds(
+    cfg: RunConfig,
+    strategy: Strategy,
+    transport: Transport,
+    clients: Mapping[str, ClientInfo],
+    progress: bool = True,
+    resume: bool = False,
+) -> dict[str, Any]:
     """Run the rounds over any transport, write the run folder (metrics, checkpoint, summary, plots), return
     the summary. With `resume`, continue the run in cfg.out from its checkpoint.
     A round that misses its quorum on every try writes the summary so far and raises RoundFailed."""
@@ -84,9 +98,9 @@ def run_federation_rounds(cfg: RunConfig, strategy: Strategy, transport: Transpo
     if finals:
         from export.run_models import write_final_models  # ONNX export loads only when there is something to export
 
-        write_final_models(out, finals, load_dataset(cfg.dataset, cfg.data), cfg.rounds - 1, cfg.export_onnx,
-                           progress)
+        write_final_models(out, finals, load_dataset(cfg.dataset, cfg.data), cfg.rounds - 1, cfg.export_onnx, progress)
     return summary
+
 
 def write_plots(rows: list[dict[str, Any]], summary: dict[str, Any], out: Path, title: str) -> None:
     """accuracy.png always; phi.png and server_time.png when the strategy built teachers."""
@@ -96,24 +110,44 @@ def write_plots(rows: list[dict[str, Any]], summary: dict[str, Any], out: Path, 
         plot_server_time(rows, STAGES, out / "server_time.png", f"server time by stage: {title}")
 
 
-def serve(cfg: RunConfig, broker: Broker, progress: bool = True, resume: bool = False,
-          connect_timeout: float = C.CONNECT_TIMEOUT_S,
-          broker_report: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
+def serve(
+    cfg: RunConfig,
+    broker: Broker,
+    progress: bool = True,
+    resume: bool = False,
+    connect_timeout: float = C.CONNECT_TIMEOUT_S,
+    broker_report: Callable[[], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """`fedge server`: wait for `cfg.clients` registrations, run the rounds over MQTT, write the run folder
     (with `broker_report`'s fields, for a broker in this process, in summary.json)."""
     cfg = resolve_options(cfg)  # a bad option is reported now, not after the whole fleet has registered
     if resume:  # a corrupt or foreign checkpoint is reported now, not after the whole fleet has registered
         out = run_folder(cfg, resume)
-        check_resumable(load_tree(out / CHECKPOINT_FILE),
-                        run_identity(cfg.strategy, [str(i) for i in range(cfg.clients)], cfg.seed, cfg.active), out)
+        check_resumable(
+            load_tree(out / CHECKPOINT_FILE),
+            run_identity(cfg.strategy, [str(i) for i in range(cfg.clients)], cfg.seed, cfg.active),
+            out,
+        )
     ds, partition = load_partitioned(cfg)
     sizes = {str(s.client_id): (len(s.train), len(s.test)) for s in partition.clients}
-    fleet = Fleet(connector(broker, cfg.keepalive_s), cfg.run_id, registration_check(sizes, RUNTIME_CHECKS),
-                  cfg.round_deadline_s, cfg.heartbeat_s, cfg.chunk_size, broker_report)
+    fleet = Fleet(
+        connector(broker, cfg.keepalive_s),
+        cfg.run_id,
+        registration_check(sizes, RUNTIME_CHECKS),
+        cfg.round_deadline_s,
+        cfg.heartbeat_s,
+        cfg.chunk_size,
+        broker_report,
+    )
     fleet.start(connect_timeout)
     try:
-        log.info("server: waiting up to %.0f s for %d clients on %s (run %s)", cfg.register_timeout_s, cfg.clients,
-                 broker, cfg.run_id)
+        log.info(
+            "server: waiting up to %.0f s for %d clients on %s (run %s)",
+            cfg.register_timeout_s,
+            cfg.clients,
+            broker,
+            cfg.run_id,
+        )
         clients = fleet.wait_for_clients(cfg.clients, cfg.register_timeout_s)
         strategy = make_strategy(cfg, ds, partition)
         return run_federation_rounds(cfg, strategy, fleet, clients, progress, resume)

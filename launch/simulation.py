@@ -22,9 +22,23 @@ def run_simulation(cfg: RunConfig, progress: bool = True, resume: bool = False) 
     ds, partition = load_partitioned(cfg)
     strategy = make_strategy(cfg, ds, partition)
     models = assign_models(cfg.zoo, cfg.clients, cfg.seed)
-    agents = [make_agent(cfg, ds, shard, models[i], cfg.profiles[i % len(cfg.profiles)],
-                         out / C.CLIENT_STATE_DIR / str(shard.client_id))
-              for i, shard in enumerate(partition.clients)]
+    agents = [
+        make_agent(
+            cfg,
+            ds,
+            shard,
+            models[i],
+            cfg.profiles[i % len(cfg.profiles)],
+            out / C.CLIENT_STATE_DIR / str(shard.client_id),
+        )
+        for i, shard in enumerate(partition.clients)
+    ]
     transport = InProcTransport({a.client_id: a.handle for a in agents})
-    return run_federation_rounds(dataclasses.replace(cfg, out=str(out)), strategy, transport,
-                                 {a.client_id: a.info() for a in agents}, progress, resume)
+    return run_federation_rounds(
+        dataclasses.replace(cfg, out=str(out)),
+        strategy,
+        transport,
+        {a.client_id: a.info() for a in agents},
+        progress,
+        resume,
+    )

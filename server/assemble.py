@@ -43,8 +43,9 @@ def stitch_block(number: int, in_shape: Shape, out_shape: Shape, logits: bool = 
     return make_block(f"stitch{number}", layers, tuple(in_shape), Origin(STITCH_MODEL, None, -1))
 
 
-def candidate_spec(name: str, blocks: Sequence[Part], input_shape: Shape,
-                   num_classes: int) -> tuple[ModelSpec, tuple[int, ...]]:
+def candidate_spec(
+    name: str, blocks: Sequence[Part], input_shape: Shape, num_classes: int
+) -> tuple[ModelSpec, tuple[int, ...]]:
     """The stitched spec of `blocks` in order, and the positions of its stitch blocks; no tensors.
 
     A stitch goes wherever consecutive shapes differ: model input vs the first block's in_shape,
@@ -94,8 +95,9 @@ def init_stitch(block: BlockSpec, rng: np.random.Generator) -> State:
     return state
 
 
-def assemble(name: str, blocks: Sequence[PoolBlock], input_shape: Shape, num_classes: int,
-             rng: np.random.Generator) -> tuple[Weights, tuple[int, ...]]:
+def assemble(
+    name: str, blocks: Sequence[PoolBlock], input_shape: Shape, num_classes: int, rng: np.random.Generator
+) -> tuple[Weights, tuple[int, ...]]:
     """A candidate model (spec + tensors) from pool blocks, and the positions of its stitch blocks.
 
     Blocks are placed in order with stitches where shapes differ (`candidate_spec`); stitch
@@ -112,20 +114,22 @@ def assemble(name: str, blocks: Sequence[PoolBlock], input_shape: Shape, num_cla
     return weights, stitches
 
 
-def _size_problems(spec: ModelSpec, client_params: int, eta: float | None,
-                   profile: DeviceProfile | None) -> list[str]:
+def _size_problems(spec: ModelSpec, client_params: int, eta: float | None, profile: DeviceProfile | None) -> list[str]:
     problems = []
     if eta is not None and not within_size_bound(spec.params, client_params, eta):
-        problems.append(f"params {spec.params:,} > (1+η)|w| = {(1 + eta) * client_params:,.1f} "
-                        f"(η={eta}, |w|={client_params:,}; pFedClub+ §4.4)")
+        problems.append(
+            f"params {spec.params:,} > (1+η)|w| = {(1 + eta) * client_params:,.1f} "
+            f"(η={eta}, |w|={client_params:,}; pFedClub+ §4.4)"
+        )
     if profile is not None:
         verdict = fits(spec, profile)
         problems += [f"does not fit profile {profile.name!r}: {f}" for f in verdict.failures]
     return problems
 
 
-def filter_by_size(candidates: Sequence[C], client_spec: ModelSpec, eta: float | None,
-                   profile: DeviceProfile | None = None) -> tuple[list[C], list[tuple[C, str]]]:
+def filter_by_size(
+    candidates: Sequence[C], client_spec: ModelSpec, eta: float | None, profile: DeviceProfile | None = None
+) -> tuple[list[C], list[tuple[C, str]]]:
     """Split candidates into those within |w*| ≤ (1+η)|w| and the device profile, and the rest with reasons.
 
     pFedClub+ (§4.4): |w*| is the stitched candidate's parameter count (stitches included, from

@@ -32,7 +32,7 @@ def split_blocks(client: str, weights: Weights) -> list[PoolBlock]:
     blocks = []
     for i, spec in enumerate(weights.spec.blocks):
         prefix = f"blocks.{i}."
-        state = {k[len(prefix):]: v for k, v in weights.state.items() if k.startswith(prefix)}
+        state = {k[len(prefix) :]: v for k, v in weights.state.items() if k.startswith(prefix)}
         blocks.append(PoolBlock(client, i, spec, state))
     return blocks
 
@@ -42,8 +42,9 @@ def join_state(blocks: list[tuple[BlockSpec, State]]) -> State:
     return {f"blocks.{i}.{k}": v for i, (_, state) in enumerate(blocks) for k, v in state.items()}
 
 
-def model_of(name: str, input_shape: tuple[int, ...], num_classes: int,
-             blocks: list[tuple[BlockSpec, State]]) -> Weights:
+def model_of(
+    name: str, input_shape: tuple[int, ...], num_classes: int, blocks: list[tuple[BlockSpec, State]]
+) -> Weights:
     """A whole model from consecutive blocks whose shapes already chain (ModelSpec validates that)."""
     spec = ModelSpec(name, tuple(input_shape), num_classes, tuple(b for b, _ in blocks))
     return Weights(spec, {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in join_state(blocks).items()})

@@ -10,11 +10,9 @@ from torch import Tensor
 
 from fedge.constants import CKA_MEMORY_LIMIT_BYTES, DEGENERATE_RTOL, GRAM_CHUNK_ELEMENTS
 from fedge.spec import Device
-
 from server.features import BlockFeatures
 
 log = logging.getLogger(__name__)
-
 
 
 def _check_2d(features: Sequence[Tensor], min_rows: int) -> int:
@@ -22,8 +20,10 @@ def _check_2d(features: Sequence[Tensor], min_rows: int) -> int:
     n = None
     for i, x in enumerate(features):
         if not isinstance(x, Tensor) or x.dim() != 2:
-            raise ValueError(f"features {i}: expected a 2-D (N, D) tensor, got shape "
-                             f"{list(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
+            raise ValueError(
+                f"features {i}: expected a 2-D (N, D) tensor, got shape "
+                f"{list(x.shape) if isinstance(x, Tensor) else type(x).__name__}"
+            )
         if n is None:
             n = x.shape[0]
         elif x.shape[0] != n:
@@ -84,11 +84,11 @@ def _hsic_gram(xs: list[Tensor], limit: int) -> Tensor:
     h = torch.zeros(b, b, dtype=torch.float64, device=xs[0].device)
     for r0 in range(0, n, rows):
         r = min(rows, n - r0)
-        a = buf[:, :r * n]
+        a = buf[:, : r * n]
         for i, x in enumerate(xs):
-            torch.matmul(x[r0:r0 + r], x.T, out=a[i].view(r, n))
+            torch.matmul(x[r0 : r0 + r], x.T, out=a[i].view(r, n))
         for c0 in range(0, r * n, GRAM_CHUNK_ELEMENTS):
-            c = a[:, c0:c0 + GRAM_CHUNK_ELEMENTS]
+            c = a[:, c0 : c0 + GRAM_CHUNK_ELEMENTS]
             h += (c @ c.T).to(torch.float64)
     return h
 
@@ -102,12 +102,14 @@ def _hsic_feature(xs: list[Tensor], limit: int) -> Tensor:
     h = torch.zeros(b, b, dtype=torch.float64, device=z.device)
     n = z.shape[0]
     for c0 in range(0, p, cols):
-        c = sum((z[r0:r0 + GRAM_CHUNK_ELEMENTS, c0:c0 + cols].T @ z[r0:r0 + GRAM_CHUNK_ELEMENTS]).to(torch.float64)
-                for r0 in range(0, n, GRAM_CHUNK_ELEMENTS))
-        sq = c ** 2  # (cols, P)
+        c = sum(
+            (z[r0 : r0 + GRAM_CHUNK_ELEMENTS, c0 : c0 + cols].T @ z[r0 : r0 + GRAM_CHUNK_ELEMENTS]).to(torch.float64)
+            for r0 in range(0, n, GRAM_CHUNK_ELEMENTS)
+        )
+        sq = c**2  # (cols, P)
         per_block = torch.zeros(sq.shape[0], b, dtype=torch.float64, device=z.device)
         per_block.index_add_(1, seg, sq)
-        h.index_add_(0, seg[c0:c0 + cols], per_block)
+        h.index_add_(0, seg[c0 : c0 + cols], per_block)
     return h
 
 
@@ -130,8 +132,14 @@ def _normalise(h: Tensor) -> Tensor:
     return torch.where(denom > 0, h / torch.where(denom > 0, denom, torch.ones_like(denom)), torch.zeros_like(h))
 
 
-def cka_matrix(features: Sequence[Tensor], *, method: str = "auto", device: Device = "cpu",
-               dtype: torch.dtype = torch.float32, memory_limit_bytes: int = CKA_MEMORY_LIMIT_BYTES) -> Tensor:
+def cka_matrix(
+    features: Sequence[Tensor],
+    *,
+    method: str = "auto",
+    device: Device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    memory_limit_bytes: int = CKA_MEMORY_LIMIT_BYTES,
+) -> Tensor:
     """Linear CKA of every pair of B feature matrices X_i (N, D_i), all at once: (B, B) float32 on CPU.
 
     Each X_i is centred once (Kornblith et al. 2019, biased HSIC); HSIC for all pairs comes from one product
@@ -171,8 +179,9 @@ def unbiased_gram(x: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     return gram.reshape(-1)
 
 
-def minibatch_cka_matrix(feature_batches: Iterable[Sequence[Tensor]], *, device: Device = "cpu",
-                         dtype: torch.dtype = torch.float32) -> Tensor:
+def minibatch_cka_matrix(
+    feature_batches: Iterable[Sequence[Tensor]], *, device: Device = "cpu", dtype: torch.dtype = torch.float32
+) -> Tensor:
     """Minibatch linear CKA (Nguyen, Raghu & Kornblith 2021) of B blocks: (B, B) float32 on CPU.
 
     Each item of `feature_batches` holds the B blocks' features on one minibatch (n_b, D_i). Unbiased
@@ -198,8 +207,13 @@ def minibatch_cka_matrix(feature_batches: Iterable[Sequence[Tensor]], *, device:
     return _normalise(h).clamp(-1.0, 1.0).to(torch.float32).cpu()
 
 
-def block_similarity(features: Sequence[BlockFeatures], *, device: Device = "cpu",
-                     method: str = "auto", memory_limit_bytes: int = CKA_MEMORY_LIMIT_BYTES) -> Tensor:
+def block_similarity(
+    features: Sequence[BlockFeatures],
+    *,
+    device: Device = "cpu",
+    method: str = "auto",
+    memory_limit_bytes: int = CKA_MEMORY_LIMIT_BYTES,
+) -> Tensor:
     """sim(B_i, B_j) = CKA(x_i, x_j) + CKA(B_i(x_i), B_j(x_j)) for all block pairs: (B, B) float32 in [0, 2].
 
     pFedClub Eq. (1) / pFedHR Eq. (3) (whose distance is the reciprocal of this). Feature tensors shared

@@ -112,8 +112,14 @@ def group_members(groups: Mapping[Key, int], position: Mapping[Key, Position]) -
     return members
 
 
-def select_anchor(first: Key, group: Sequence[Key], position: Mapping[Key, Position], rng: np.random.Generator,
-                  anchor: str = "random", similarity: Callable[[Key, Key], float] | None = None) -> Key:
+def select_anchor(
+    first: Key,
+    group: Sequence[Key],
+    position: Mapping[Key, Position],
+    rng: np.random.Generator,
+    anchor: str = "random",
+    similarity: Callable[[Key, Key], float] | None = None,
+) -> Key:
     """Step 1 (pFedClub Alg. 1 lines 3-7): the substitute of B_m,1 = `first`, from its group `group`.
 
     "random": uniform over the group, B_m,1 included (chosen with probability 1/|G_k|, §3.2.2).
@@ -141,9 +147,15 @@ def select_anchor(first: Key, group: Sequence[Key], position: Mapping[Key, Posit
     return others[int(np.argmax(scores))]
 
 
-def search_steps(own: Sequence[Key], anchor: Key, groups: Mapping[Key, int], members: Mapping[int, Sequence[Key]],
-                 position: Mapping[Key, Position], order_constraint: bool = True,
-                 allow: Allow | None = None) -> list[tuple[Key, ...]]:
+def search_steps(
+    own: Sequence[Key],
+    anchor: Key,
+    groups: Mapping[Key, int],
+    members: Mapping[int, Sequence[Key]],
+    position: Mapping[Key, Position],
+    order_constraint: bool = True,
+    allow: Allow | None = None,
+) -> list[tuple[Key, ...]]:
     """Step 2 (pFedClub Alg. 1 lines 8-18): C_m[1] = (anchor,), then C_m[r] for r = 2.. while non-empty.
 
     C_m[r] holds the blocks u of B_m,r's group with position(u) > q (line 13), and q ← min over
@@ -156,8 +168,9 @@ def search_steps(own: Sequence[Key], anchor: Key, groups: Mapping[Key, int], mem
     q = position[anchor]
     for key in own[1:]:
         group = members[groups[key]]
-        allowed = tuple(k for k in group if (not order_constraint or position[k] > q)
-                        and (allow is None or allow(key, k)))
+        allowed = tuple(
+            k for k in group if (not order_constraint or position[k] > q) and (allow is None or allow(key, k))
+        )
         if not allowed:
             break
         steps.append(allowed)
@@ -238,10 +251,16 @@ def sample_ranks(total: int, k: int, rng: np.random.Generator) -> list[int]:
     return sorted(chosen)
 
 
-def cmsr_candidates(client: str, num_blocks: int, groups: Mapping[Key, int], rng: np.random.Generator,
-                    options: CmsrOptions = CmsrOptions(),
-                    similarity: Callable[[Key, Key], float] | None = None,
-                    max_candidates: int | None = None, allow: Allow | None = None) -> list[Candidate]:
+def cmsr_candidates(
+    client: str,
+    num_blocks: int,
+    groups: Mapping[Key, int],
+    rng: np.random.Generator,
+    options: CmsrOptions = CmsrOptions(),
+    similarity: Callable[[Key, Key], float] | None = None,
+    max_candidates: int | None = None,
+    allow: Allow | None = None,
+) -> list[Candidate]:
     """Client m's CMSR candidates (pFedClub Alg. 1): block-key sequences, deduplicated, in rank order.
 
     Step 1 picks one anchor (lines 3-7) shared by all candidates; Step 2 builds C_m[2..] (lines
@@ -270,6 +289,6 @@ def cmsr_candidates(client: str, num_blocks: int, groups: Mapping[Key, int], rng
     for rank in ranks:
         path = paths.unrank(rank)
         if options.completion:
-            path = path + tuple(own[len(path):])
+            path = path + tuple(own[len(path) :])
         out[path] = None
     return list(out)

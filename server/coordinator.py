@@ -62,8 +62,9 @@ def sample_clients(client_ids: Sequence[str], active: int, seed: int, rnd: int) 
     return [ids[i] for i in sorted(picked)]
 
 
-def rejection(res: Result, task: Task | None, info: ClientInfo, expected: Expected,
-              profile: DeviceProfile) -> tuple[str, str] | None:
+def rejection(
+    res: Result, task: Task | None, info: ClientInfo, expected: Expected, profile: DeviceProfile
+) -> tuple[str, str] | None:
     """(reason code, message) when a reply cannot be used, else None: it must answer the open task, report a
     sane example count and finite metrics, and carry what the strategy declared it expects for that task (models of
     the declared architectures with weights matching their spec, named tensors, records: payload_rejection)."""
@@ -72,8 +73,11 @@ def rejection(res: Result, task: Task | None, info: ClientInfo, expected: Expect
     if res.error is not None:
         return "client_failed", f"the client could not execute {task.type} of round {task.round}: {res.error}"
     limit = info.num_test if task.type == "evaluate" else info.num_train
-    if isinstance(res.num_examples, bool) or not isinstance(res.num_examples, int) \
-            or not 1 <= res.num_examples <= limit:
+    if (
+        isinstance(res.num_examples, bool)
+        or not isinstance(res.num_examples, int)
+        or not 1 <= res.num_examples <= limit
+    ):
         return "num_examples", f"num_examples {res.num_examples!r} is not an integer in 1..{limit}"
     bad = [k for k, v in res.metrics.items() if not isinstance(v, (int, float)) or not math.isfinite(v)]
     if bad:
@@ -121,8 +125,11 @@ def norm_outliers(results: Mapping[str, Result]) -> dict[str, str]:
         median = statistics.median(norms.values())
         for cid, norm in norms.items():
             if norm > C.NORM_OUTLIER_FACTOR * median:
-                out.setdefault(cid, f"model {role!r} has norm {norm:.4g}, over {C.NORM_OUTLIER_FACTOR:g} x "
-                                    f"the round's median {median:.4g}")
+                out.setdefault(
+                    cid,
+                    f"model {role!r} has norm {norm:.4g}, over {C.NORM_OUTLIER_FACTOR:g} x "
+                    f"the round's median {median:.4g}",
+                )
     return out
 
 
@@ -136,21 +143,31 @@ def check_resumable(tree: Tree, identity: Mapping[str, Any], out: Path) -> Tree:
     CheckpointError naming the first field that differs."""
     for key, mine in identity.items():
         if tree.get(key) != mine:
-            raise CheckpointError(f"the checkpoint in {out} was written with {key}={tree.get(key)!r}, this run has "
-                                  f"{mine!r}; resume with the run's own configuration")
+            raise CheckpointError(
+                f"the checkpoint in {out} was written with {key}={tree.get(key)!r}, this run has "
+                f"{mine!r}; resume with the run's own configuration"
+            )
     return tree
 
 
 class Coordinator:
     """Drives a strategy over a transport for a number of rounds, records the run, checkpoints every round."""
 
-    def __init__(self, strategy: Strategy, transport: Transport, clients: Mapping[str, ClientInfo],
-                 loop: LoopConfig, runlog: RunLog) -> None:
+    def __init__(
+        self,
+        strategy: Strategy,
+        transport: Transport,
+        clients: Mapping[str, ClientInfo],
+        loop: LoopConfig,
+        runlog: RunLog,
+    ) -> None:
         if not clients:
             raise StrategyError("no clients registered: a federation needs at least one client")
         if loop.min_replies > min(loop.active, len(clients)):
-            raise StrategyError(f"min_replies={loop.min_replies} can never be met with {min(loop.active, len(clients))}"
-                                f" clients per round; lower min_replies or raise active")
+            raise StrategyError(
+                f"min_replies={loop.min_replies} can never be met with {min(loop.active, len(clients))}"
+                f" clients per round; lower min_replies or raise active"
+            )
         self.strategy, self.transport, self.loop, self.runlog = strategy, transport, loop, runlog
         self.clients = dict(clients)
         self.profiles = {cid: get_profile(info.profile) for cid, info in clients.items()}
@@ -181,8 +198,9 @@ class Coordinator:
                 reasons[cid] = reason
         norms = {(cid, role): upload_norm(w) for cid, res in keep.items() for role, w in res.models.items()}
         reasons |= {cid: ("norm_bound", message) for cid, message in self.beyond_bound(keep, tasks, norms).items()}
-        reasons |= {cid: ("norm_outlier", message) for cid, message in norm_outliers(keep).items()
-                    if cid not in reasons}
+        reasons |= {
+            cid: ("norm_outlier", message) for cid, message in norm_outliers(keep).items() if cid not in reasons
+        }
         for cid, (code, message) in reasons.items():
             log.warning("rejected reply from client %s: %s", cid, message)
             self.rejected[code] += 1
@@ -191,8 +209,9 @@ class Coordinator:
             self.upload_norms.update({f"{cid}/{role}": norms[cid, role] for role in res.models})
         return keep
 
-    def beyond_bound(self, results: Mapping[str, Result], tasks: Mapping[str, Task],
-                     norms: Mapping[tuple[str, str], float]) -> dict[str, str]:
+    def beyond_bound(
+        self, results: Mapping[str, Result], tasks: Mapping[str, Task], norms: Mapping[tuple[str, str], float]
+    ) -> dict[str, str]:
         """Client → message for each reply with an upload whose norm (`norms`, by client and role) exceeds
         UPLOAD_NORM_FACTOR times its reference (see reference_norm): a bound that holds for a round of one or
         two uploads, where the median of norm_outliers does not exist."""
@@ -202,15 +221,20 @@ class Coordinator:
                 ref, what = reference_norm(weights, tasks[cid], self.upload_norms.get(f"{cid}/{role}"))
                 norm = norms[cid, role]
                 if norm > C.UPLOAD_NORM_FACTOR * ref:
-                    out.setdefault(cid, f"model {role!r} has norm {norm:.4g}, over {C.UPLOAD_NORM_FACTOR:g} x the "
-                                        f"{ref:.4g} of {what}")
+                    out.setdefault(
+                        cid,
+                        f"model {role!r} has norm {norm:.4g}, over {C.UPLOAD_NORM_FACTOR:g} x the {ref:.4g} of {what}",
+                    )
         return out
 
     def exchange(self, tasks: Mapping[str, Task]) -> dict[str, Result]:
         """The transport's replies, each at most as large as what the strategy expects for its task; a transport
         that raises is logged and counts as no replies."""
-        limits = {cid: self.strategy.expects(task, self.clients[cid]).reply_bytes(self.profiles[cid])
-                  for cid, task in tasks.items() if cid in self.clients}
+        limits = {
+            cid: self.strategy.expects(task, self.clients[cid]).reply_bytes(self.profiles[cid])
+            for cid, task in tasks.items()
+            if cid in self.clients
+        }
         try:
             return self.transport.exchange(tasks, limits)
         except Exception:  # a broker or network failure must not end the run: the round fails and is retried
@@ -225,8 +249,15 @@ class Coordinator:
         """
         self.strategy.setup(self.clients)
         first = self.restore() if resume else 0
-        with tqdm(range(first, self.loop.rounds), desc=self.strategy.name, unit="round", initial=first,
-                  total=self.loop.rounds, disable=not self.loop.progress, dynamic_ncols=True) as self.bar:
+        with tqdm(
+            range(first, self.loop.rounds),
+            desc=self.strategy.name,
+            unit="round",
+            initial=first,
+            total=self.loop.rounds,
+            disable=not self.loop.progress,
+            dynamic_ncols=True,
+        ) as self.bar:
             for rnd in self.bar:
                 self.run_round(rnd)
                 self.runlog.write_checkpoint(self.checkpoint(rnd + 1))
@@ -240,11 +271,17 @@ class Coordinator:
     def checkpoint(self, next_round: int) -> Tree:
         """The checkpoint after a completed round: the next round, this loop's counters, the strategy's state."""
         return self.identity() | {
-            "next_round": next_round, "participated": sorted(self.participated, key=client_order),
-            "server_seconds": list(self.server_seconds), "final": dict(self.final), "last_mean": self.last_mean,
-            "rejected": dict(self.rejected), "failed_rounds": list(self.failed),
-            "upload_norms": dict(self.upload_norms), "discarded_aggregates": list(self.discarded),
-            "strategy_state": self.strategy.state()}
+            "next_round": next_round,
+            "participated": sorted(self.participated, key=client_order),
+            "server_seconds": list(self.server_seconds),
+            "final": dict(self.final),
+            "last_mean": self.last_mean,
+            "rejected": dict(self.rejected),
+            "failed_rounds": list(self.failed),
+            "upload_norms": dict(self.upload_norms),
+            "discarded_aggregates": list(self.discarded),
+            "strategy_state": self.strategy.state(),
+        }
 
     def restore(self) -> int:
         """Load the run folder's checkpoint into this loop and the strategy; returns the round to run next."""
@@ -282,17 +319,27 @@ class Coordinator:
             results = self.accepted(self.exchange(tasks), tasks)
             if len(results) >= self.loop.min_replies:
                 return self.close_round(rnd, active, tasks, results, server)
-            log.warning("round %d failed (try %d of %d): %d of %d clients replied, min_replies is %d; "
-                        "nothing aggregated", rnd, attempt, tries, len(results), len(tasks), self.loop.min_replies)
+            log.warning(
+                "round %d failed (try %d of %d): %d of %d clients replied, min_replies is %d; nothing aggregated",
+                rnd,
+                attempt,
+                tries,
+                len(results),
+                len(tasks),
+                self.loop.min_replies,
+            )
             self.failed.append({"round": rnd, "try": attempt, "replies": len(results)})
-        raise RoundFailed(f"round {rnd} failed {tries} times: fewer than min_replies={self.loop.min_replies} "
-                          f"clients replied. Check that the clients are running, or lower min_replies; the run "
-                          f"folder {self.runlog.out} keeps the checkpoint of the last completed round, if any, "
-                          f"to resume from",
-                          self.summary() | {"stopped_at_round": rnd})
+        raise RoundFailed(
+            f"round {rnd} failed {tries} times: fewer than min_replies={self.loop.min_replies} "
+            f"clients replied. Check that the clients are running, or lower min_replies; the run "
+            f"folder {self.runlog.out} keeps the checkpoint of the last completed round, if any, "
+            f"to resume from",
+            self.summary() | {"stopped_at_round": rnd},
+        )
 
-    def close_round(self, rnd: int, active: Sequence[str], tasks: Mapping[str, Task], results: Mapping[str, Result],
-                    server: float) -> float:
+    def close_round(
+        self, rnd: int, active: Sequence[str], tasks: Mapping[str, Task], results: Mapping[str, Result], server: float
+    ) -> float:
         """Aggregate a round that met its quorum, evaluate, and record; returns the mean accuracy evaluated."""
         self.participated |= set(results)
         if len(results) < len(tasks):
@@ -307,8 +354,12 @@ class Coordinator:
         self.show(f"{len(eval_tasks)} clients evaluating")
         evals = self.accepted(self.exchange(eval_tasks), eval_tasks)
         self.server_seconds.append(server)
-        self.runlog.append_rows([self.row(rnd, cid, results.get(cid), evals.get(cid))
-                                 for cid in sorted(set(tasks) | set(eval_tasks), key=client_order)])
+        self.runlog.append_rows(
+            [
+                self.row(rnd, cid, results.get(cid), evals.get(cid))
+                for cid in sorted(set(tasks) | set(eval_tasks), key=client_order)
+            ]
+        )
         if last:
             self.final = {cid: r.metrics["accuracy"] for cid, r in evals.items()}
         accs = [r.metrics["accuracy"] for r in evals.values()]
@@ -322,22 +373,36 @@ class Coordinator:
         self.strategy.aggregate(rnd, results)
         bad = nonfinite(self.strategy.state())
         if bad:
-            log.error("round %d: the aggregate holds non-finite values (%s); it is discarded and the server keeps "
-                      "its state from before the round", rnd, ", ".join(bad[:3]))
+            log.error(
+                "round %d: the aggregate holds non-finite values (%s); it is discarded and the server keeps "
+                "its state from before the round",
+                rnd,
+                ", ".join(bad[:3]),
+            )
             self.strategy.load_state(before)
             self.discarded.append(rnd)
 
     def row(self, rnd: int, cid: str, trained: Result | None, evaluated: Result | None) -> dict[str, Any]:
         """One metrics.jsonl line: the client, its training reply, its evaluation, the strategy's fields."""
         info = self.clients[cid]
-        row: dict[str, Any] = {"round": rnd, "client": cid, "model": info.spec.name, "profile": info.profile,
-                               "runtime": self.profiles[cid].runtime, "params": info.spec.params, "macs": info.spec.macs,
-                               "trained": trained is not None}
+        row: dict[str, Any] = {
+            "round": rnd,
+            "client": cid,
+            "model": info.spec.name,
+            "profile": info.profile,
+            "runtime": self.profiles[cid].runtime,
+            "params": info.spec.params,
+            "macs": info.spec.macs,
+            "trained": trained is not None,
+        }
         if trained is not None:
             row = trained.metrics | row  # a client's metric never overwrites a server field
-            row.update(num_examples=trained.num_examples,
-                       sim_train_seconds=train_seconds(info.spec.macs, trained.num_examples, self.loop.local_epochs,
-                                                       self.profiles[cid]))
+            row.update(
+                num_examples=trained.num_examples,
+                sim_train_seconds=train_seconds(
+                    info.spec.macs, trained.num_examples, self.loop.local_epochs, self.profiles[cid]
+                ),
+            )
         if evaluated is not None:
             row.update(accuracy=evaluated.metrics["accuracy"], loss=evaluated.metrics["loss"])
         return row | self.strategy.record(rnd, cid)
@@ -350,8 +415,10 @@ class Coordinator:
             "rounds": self.loop.rounds,
             "clients": len(self.clients),
             "active": self.loop.active,
-            "final_accuracy": {"mean": statistics.fmean(per_client.values()) if per_client else None,
-                               "per_client": per_client},
+            "final_accuracy": {
+                "mean": statistics.fmean(per_client.values()) if per_client else None,
+                "per_client": per_client,
+            },
             "server_seconds": self.server_seconds,
             "never_trained": sorted(set(self.clients) - self.participated, key=client_order),
             "rejected_replies": dict(self.rejected),

@@ -56,8 +56,13 @@ def _vector_dim(shape: tuple[int, ...], conv_features: str) -> int:
     return math.prod(shape)
 
 
-def block_features(weights: Weights, x_public: Tensor, batch_size: int = FEATURE_BATCH_SIZE,
-                   device: torch.device | str = "cpu", conv_features: str = CONV_FEATURES) -> list[BlockFeatures]:
+def block_features(
+    weights: Weights,
+    x_public: Tensor,
+    batch_size: int = FEATURE_BATCH_SIZE,
+    device: torch.device | str = "cpu",
+    conv_features: str = CONV_FEATURES,
+) -> list[BlockFeatures]:
     """Run `weights`' model block by block over x_public (N, *input_shape) and keep every block's in/out.
 
     Eval mode, no grad, batches of `batch_size` on `device`; results are float32 on CPU (see to_vectors for
@@ -67,8 +72,10 @@ def block_features(weights: Weights, x_public: Tensor, batch_size: int = FEATURE
     """
     spec = weights.spec
     if x_public.dim() < 1 or tuple(x_public.shape[1:]) != tuple(spec.input_shape) or x_public.shape[0] == 0:
-        raise ValueError(f"public data of shape {list(x_public.shape)} does not fit model {spec.name!r}: "
-                         f"need (N ≥ 1, {', '.join(map(str, spec.input_shape))})")
+        raise ValueError(
+            f"public data of shape {list(x_public.shape)} does not fit model {spec.name!r}: "
+            f"need (N ≥ 1, {', '.join(map(str, spec.input_shape))})"
+        )
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     if conv_features not in CONV_FEATURE_MODES:
@@ -79,11 +86,16 @@ def block_features(weights: Weights, x_public: Tensor, batch_size: int = FEATURE
     bounds = [torch.empty(n, _vector_dim(tuple(s), conv_features), dtype=torch.float32) for s in shapes]
     with torch.no_grad():
         for s in range(0, n, batch_size):
-            x = x_public[s:s + batch_size].to(device=device, dtype=torch.float32)
-            bounds[0][s:s + x.shape[0]] = to_vectors(x, conv_features).cpu()
+            x = x_public[s : s + batch_size].to(device=device, dtype=torch.float32)
+            bounds[0][s : s + x.shape[0]] = to_vectors(x, conv_features).cpu()
             for i in range(len(spec.blocks)):
                 x = model.run_block(i, x)
-                bounds[i + 1][s:s + x.shape[0]] = to_vectors(x, conv_features).float().cpu()
-    log.debug("block_features %s: %d blocks, N=%d, %.1f MB", spec.name, len(spec.blocks), n,
-              sum(b.numel() for b in bounds) * 4 / 2**20)
+                bounds[i + 1][s : s + x.shape[0]] = to_vectors(x, conv_features).float().cpu()
+    log.debug(
+        "block_features %s: %d blocks, N=%d, %.1f MB",
+        spec.name,
+        len(spec.blocks),
+        n,
+        sum(b.numel() for b in bounds) * 4 / 2**20,
+    )
     return [BlockFeatures(bounds[i], bounds[i + 1]) for i in range(len(spec.blocks))]

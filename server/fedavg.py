@@ -63,13 +63,16 @@ def weighted_average(states: Sequence[State], weights: Sequence[float]) -> State
 class FedAvgOptions(StrategyOptions):
     """FedAvg's one option: how much of a round's average one client may get (its example count is its word)."""
 
-    max_client_share: float = option(C.MAX_CLIENT_SHARE, "largest share of a round's average one client may get, "
-                                     "in (0, 1]; 1 gives McMahan's plain example weights")
+    max_client_share: float = option(
+        C.MAX_CLIENT_SHARE,
+        "largest share of a round's average one client may get, in (0, 1]; 1 gives McMahan's plain example weights",
+    )
 
     def __post_init__(self) -> None:
         if not 0 < self.max_client_share <= 1:
-            raise ConfigError(f"max_client_share must be in (0, 1] (1: FedAvg's plain example weights), got "
-                              f"{self.max_client_share}")
+            raise ConfigError(
+                f"max_client_share must be in (0, 1] (1: FedAvg's plain example weights), got {self.max_client_share}"
+            )
 
 
 @register_strategy("fedavg", FedAvgOptions)
@@ -83,8 +86,10 @@ class FedAvg(Strategy):
         archs = [info.spec.with_origin(None) for info in clients.values()]
         if any(a != archs[0] for a in archs):
             names = sorted({info.spec.name for info in clients.values()})
-            raise StrategyError(f"fedavg needs every client on the same model, but this fleet has {names}; "
-                                f"use a single-model zoo (e.g. --zoo cnn1) or a heterogeneous strategy")
+            raise StrategyError(
+                f"fedavg needs every client on the same model, but this fleet has {names}; "
+                f"use a single-model zoo (e.g. --zoo cnn1) or a heterogeneous strategy"
+            )
         spec = archs[0]
         self.shares: dict[str, float] = {}  # the last aggregation's share per client
         torch.manual_seed(derive_seed(self.config.seed, "fedavg-init"))
@@ -107,10 +112,15 @@ class FedAvg(Strategy):
         shares = capped_shares(counts, self.options.max_client_share)
         self.shares = {r.client_id: share for r, share in zip(replies, shares)}
         if any(abs(share - count / sum(counts)) > 1e-12 for share, count in zip(shares, counts)):
-            log.info("round %d: aggregation shares capped at max_client_share=%g: %s", rnd,
-                     self.options.max_client_share, {cid: round(x, 4) for cid, x in self.shares.items()})
-        self.global_model = Weights(self.global_model.spec, weighted_average([r.models["local"].state for r in replies],
-                                                                             shares))
+            log.info(
+                "round %d: aggregation shares capped at max_client_share=%g: %s",
+                rnd,
+                self.options.max_client_share,
+                {cid: round(x, 4) for cid, x in self.shares.items()},
+            )
+        self.global_model = Weights(
+            self.global_model.spec, weighted_average([r.models["local"].state for r in replies], shares)
+        )
 
     def record(self, rnd: int, client: str) -> dict[str, float]:
         """The client's share of this round's average (its example count's, capped at max_client_share)."""
@@ -127,6 +137,7 @@ class FedAvg(Strategy):
         """Take the checkpoint's global model; one of another architecture raises StrategyError."""
         model = state["global"]
         if model.spec != self.global_model.spec:
-            raise StrategyError(f"checkpoint holds a global {model.spec.name!r}, this fleet trains "
-                                f"{self.global_model.spec.name!r}")
+            raise StrategyError(
+                f"checkpoint holds a global {model.spec.name!r}, this fleet trains {self.global_model.spec.name!r}"
+            )
         self.global_model = model

@@ -19,7 +19,6 @@ from fedge.weights import load_module
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class FinetuneConfig:
     """Stitch fine-tuning settings.
@@ -84,8 +83,12 @@ def augment(x: torch.Tensor, gen: torch.Generator, pad: int, noise_std: float) -
         padded = F.pad(x, (pad, pad, pad, pad), mode="replicate")
         rows = (oy[:, None] + torch.arange(h, device=dev))[:, None, :, None]
         cols = (ox[:, None] + torch.arange(w, device=dev))[:, None, None, :]
-        out = padded[torch.arange(n, device=dev)[:, None, None, None],
-                     torch.arange(c, device=dev)[None, :, None, None], rows, cols]
+        out = padded[
+            torch.arange(n, device=dev)[:, None, None, None],
+            torch.arange(c, device=dev)[None, :, None, None],
+            rows,
+            cols,
+        ]
     if noise_std > 0:
         out = out + noise_std * torch.randn(x.shape, generator=gen).to(x.device)
     return out
@@ -97,6 +100,7 @@ def stitch_blocks(spec: ModelSpec) -> tuple[int, ...]:
 
 
 # --- shared frozen prefixes -------------------------------------------------------------------
+
 
 def _prefix_key(weights: Weights, n: int) -> tuple[tuple[str, str | None, int], ...]:
     return tuple((b.origin.model, b.origin.client, b.origin.block) for b in weights.spec.blocks[:n])
@@ -138,6 +142,7 @@ def _prefix_outputs(module: SpecModel, n: int, x: torch.Tensor) -> torch.Tensor:
 
 # --- fine-tuning (Eq. 2 / Eq. 3) --------------------------------------------------------------
 
+
 def _frozen_module(weights: Weights, trainable: Sequence[int], device: Device) -> SpecModel:
     """The candidate on `device`: every block outside `trainable` frozen (no grad) and in eval mode."""
     module = load_module(weights.spec, weights.state, device).eval()
@@ -151,8 +156,10 @@ def _frozen_module(weights: Weights, trainable: Sequence[int], device: Device) -
 def _check_trainable(weights: Weights, trainable: Sequence[int]) -> tuple[int, ...]:
     blocks = tuple(sorted(set(trainable)))
     if any(not 0 <= i < len(weights.spec.blocks) for i in blocks):
-        raise ValueError(f"candidate {weights.spec.name!r} has {len(weights.spec.blocks)} blocks; "
-                         f"trainable block indices {list(trainable)} are out of range")
+        raise ValueError(
+            f"candidate {weights.spec.name!r} has {len(weights.spec.blocks)} blocks; "
+            f"trainable block indices {list(trainable)} are out of range"
+        )
     return blocks
 
 
@@ -161,14 +168,17 @@ def _check_public(spec: ModelSpec, x: torch.Tensor, y: torch.Tensor | None, cfg:
         raise ValueError(f"public data must be (N >= 1, *{list(spec.input_shape)}), got {list(x.shape)}")
     if cfg.labeled:
         if y is None or y.shape != (len(x),):
-            raise ValueError("labeled fine-tuning (Eq. 2) needs y_public of shape (N,); pass labeled=False "
-                             "for unlabeled public data (Eq. 3)")
+            raise ValueError(
+                "labeled fine-tuning (Eq. 2) needs y_public of shape (N,); pass labeled=False "
+                "for unlabeled public data (Eq. 3)"
+            )
         if int(y.min()) < 0 or int(y.max()) >= spec.num_classes:
             raise ValueError(f"public labels must lie in [0, {spec.num_classes}), got [{int(y.min())}, {int(y.max())}]")
 
 
-def _train_group(modules: list[SpecModel], start: int, x: torch.Tensor, y: torch.Tensor | None,
-                 cfg: FinetuneConfig) -> None:
+def _train_group(
+    modules: list[SpecModel], start: int, x: torch.Tensor, y: torch.Tensor | None, cfg: FinetuneConfig
+) -> None:
     """Train the stitches of candidates sharing frozen blocks 0..start-1, in lockstep on the same batches.
 
     Labeled (Eq. 2): the shared prefix runs once over the whole public set and its outputs are cached for
@@ -199,9 +209,13 @@ def _train_group(modules: list[SpecModel], start: int, x: torch.Tensor, y: torch
                 opt.step()
 
 
-def finetune_candidates(candidates: Sequence[tuple[Weights, tuple[int, ...]]], x_public: torch.Tensor,
-                        y_public: torch.Tensor | None, cfg: FinetuneConfig = FinetuneConfig(),
-                        device: Device = "cpu") -> list[Weights]:
+def finetune_candidates(
+    candidates: Sequence[tuple[Weights, tuple[int, ...]]],
+    x_public: torch.Tensor,
+    y_public: torch.Tensor | None,
+    cfg: FinetuneConfig = FinetuneConfig(),
+    device: Device = "cpu",
+) -> list[Weights]:
     """Fine-tune the stitch blocks of many candidates (pFedClub Eq. (2) labeled / Eq. (3) unlabeled).
 
     Each item is (candidate, its trainable stitch block indices); every other block stays frozen and
@@ -227,14 +241,23 @@ def finetune_candidates(candidates: Sequence[tuple[Weights, tuple[int, ...]]], x
         for i, module in zip(members, modules):
             state = {k: v.detach().to("cpu").clone() for k, v in module.state_dict().items()}
             out[i] = Weights(candidates[i][0].spec, state)
-        log.debug("fine-tuned %d candidates sharing %d prefix blocks in %.3fs",
-                  len(members), trainable[members[0]][0], time.perf_counter() - t0)
+        log.debug(
+            "fine-tuned %d candidates sharing %d prefix blocks in %.3fs",
+            len(members),
+            trainable[members[0]][0],
+            time.perf_counter() - t0,
+        )
     return [w for w in out if w is not None]
 
 
-def finetune_stitches(candidate: Weights, trainable_blocks: Sequence[int], x_public: torch.Tensor,
-                      y_public: torch.Tensor | None, cfg: FinetuneConfig = FinetuneConfig(),
-                      device: Device = "cpu") -> Weights:
+def finetune_stitches(
+    candidate: Weights,
+    trainable_blocks: Sequence[int],
+    x_public: torch.Tensor,
+    y_public: torch.Tensor | None,
+    cfg: FinetuneConfig = FinetuneConfig(),
+    device: Device = "cpu",
+) -> Weights:
     """Fine-tune one candidate's stitches with all block weights frozen (pFedClub Eq. (2) / Eq. (3)).
 
     Labeled: CE on (x_public, y_public). Unlabeled (cfg.labeled False; y_public is never read): NT-Xent
@@ -246,14 +269,17 @@ def finetune_stitches(candidate: Weights, trainable_blocks: Sequence[int], x_pub
 
 # --- matching (Eq. 4) -------------------------------------------------------------------------
 
+
 def match_score(client_logits: torch.Tensor, candidate_logits: torch.Tensor) -> float:
     """pFedClub Eq. (4): the mean over public samples of cos(client logits, candidate logits).
 
     Both must be (N, classes) with N ≥ 1 and equal shapes (never broadcast), else ValueError.
     """
     if client_logits.shape != candidate_logits.shape or client_logits.dim() != 2 or len(client_logits) == 0:
-        raise ValueError(f"logits must be two equal (N >= 1, classes) tensors, got "
-                         f"{list(client_logits.shape)} and {list(candidate_logits.shape)}")
+        raise ValueError(
+            f"logits must be two equal (N >= 1, classes) tensors, got "
+            f"{list(client_logits.shape)} and {list(candidate_logits.shape)}"
+        )
     return float(F.cosine_similarity(client_logits, candidate_logits, dim=1).mean())
 
 
@@ -278,8 +304,9 @@ def public_logits(models: Sequence[Weights], x_public: torch.Tensor, device: Dev
     return [t for t in out if t is not None]
 
 
-def select_teacher(client: Weights, candidates: Sequence[Weights], x_public: torch.Tensor,
-                   device: Device = "cpu") -> tuple[int, list[float]]:
+def select_teacher(
+    client: Weights, candidates: Sequence[Weights], x_public: torch.Tensor, device: Device = "cpu"
+) -> tuple[int, list[float]]:
     """The candidate whose logits on x_public are most like the client model's (pFedClub Eq. (4)).
 
     The client model is used as uploaded (pFedClub; pFedHR's code also fine-tuned it first). Returns

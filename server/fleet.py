@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from fedge import topics
+from fedge.codec import decode_info, decode_result, decode_status, encode_ack, encode_status, encode_task
 from fedge.constants import (
     CHUNK_SIZE,
     HEARTBEAT_S,
@@ -27,13 +28,12 @@ from fedge.constants import (
     REPLY_SLACK_BYTES,
     ROUND_DEADLINE_S,
 )
+from fedge.envelope import Envelope, WireError
+from fedge.errors import UserError
 from fedge.link import Connect
 from fedge.messages import ClientInfo, Result, Task, client_order
 from fedge.mqtt import Delivery, Inbox, will_frame
 from fedge.payloads import model_bytes
-from fedge.codec import decode_info, decode_result, decode_status, encode_ack, encode_status, encode_task
-from fedge.envelope import Envelope, WireError
-from fedge.errors import UserError
 
 log = logging.getLogger(__name__)
 DEAD_AFTER_HEARTBEATS = 3  # silence for this many heartbeat periods counts as dead
@@ -65,10 +65,16 @@ class Fleet:
     """Implements `fedge.transport.Transport` over MQTT for the server process, on the link `connect` makes
     (in production `fedge.mqtt.connector(broker, keepalive)`)."""
 
-    def __init__(self, connect: Connect, run: str, check_info: Callable[[ClientInfo], str | None],
-                 deadline_s: float = ROUND_DEADLINE_S, heartbeat_s: float = HEARTBEAT_S,
-                 chunk_size: int = CHUNK_SIZE,
-                 broker_report: Callable[[], dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        connect: Connect,
+        run: str,
+        check_info: Callable[[ClientInfo], str | None],
+        deadline_s: float = ROUND_DEADLINE_S,
+        heartbeat_s: float = HEARTBEAT_S,
+        chunk_size: int = CHUNK_SIZE,
+        broker_report: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
         self.run, self.check_info, self.broker_report = run, check_info, broker_report
         self.deadline_s, self.heartbeat_s, self.chunk_size = deadline_s, heartbeat_s, chunk_size
         self.session = uuid.uuid4().hex
@@ -95,14 +101,20 @@ class Fleet:
 
     def _announce(self) -> None:
         """On every (re)connect: tell clients a server is here, so restarted ones register again."""
-        self.link.publish(topics.server_topic(self.run), "status", max(self.round, 0),
-                          encode_status("online", self.session), sender=topics.SERVER_ID)
+        self.link.publish(
+            topics.server_topic(self.run),
+            "status",
+            max(self.round, 0),
+            encode_status("online", self.session),
+            sender=topics.SERVER_ID,
+        )
         with self.cond:
             pending = list(self.open.values())
         for o in pending:  # a broker without persistence forgot what was in flight
             if o.client not in self.results:
-                self.link.send(topics.client_topic(self.run, topics.DOWNLINK, o.client), o.envelope, o.payload,
-                               self.chunk_size)
+                self.link.send(
+                    topics.client_topic(self.run, topics.DOWNLINK, o.client), o.envelope, o.payload, self.chunk_size
+                )
 
     def start(self, timeout: float) -> None:
         """Connect to the broker (MqttError if it refuses us or cannot be reached within `timeout`)."""
@@ -115,9 +127,11 @@ class Fleet:
             while len(self.clients) < expected:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise FleetError(f"only {len(self.clients)} of {expected} clients registered within "
-                                     f"{timeout:.0f} s ({', '.join(sorted(self.clients, key=client_order)) or 'none'}); "
-                                     "start the missing `fedge client` processes or lower --set clients")
+                    raise FleetError(
+                        f"only {len(self.clients)} of {expected} clients registered within "
+                        f"{timeout:.0f} s ({', '.join(sorted(self.clients, key=client_order)) or 'none'}); "
+                        "start the missing `fedge client` processes or lower --set clients"
+                    )
                 self.cond.wait(min(left, 0.5))
             self.frozen = True
             return dict(self.clients)
@@ -125,10 +139,20 @@ class Fleet:
     def close(self) -> None:
         """Tell every client the run is over, announce going offline, and disconnect."""
         for cid in sorted(self.clients, key=client_order):
-            self.link.publish(topics.client_topic(self.run, topics.DOWNLINK, cid), "task", max(self.round, 0),
-                              encode_task(Task("stop", max(self.round, 0))), sender=topics.SERVER_ID)
-        self.link.publish(topics.server_topic(self.run), "status", max(self.round, 0),
-                          encode_status("offline", self.session), sender=topics.SERVER_ID)
+            self.link.publish(
+                topics.client_topic(self.run, topics.DOWNLINK, cid),
+                "task",
+                max(self.round, 0),
+                encode_task(Task("stop", max(self.round, 0))),
+                sender=topics.SERVER_ID,
+            )
+        self.link.publish(
+            topics.server_topic(self.run),
+            "status",
+            max(self.round, 0),
+            encode_status("offline", self.session),
+            sender=topics.SERVER_ID,
+        )
         self.link.stop()
 
     # ------------------------------------------------------------------------------------------ the transport
@@ -161,8 +185,13 @@ class Fleet:
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    log.warning("round %d: deadline of %.0f s passed; %d client(s) did not reply: %s", self.round,
-                                self.deadline_s, len(waiting), ", ".join(sorted(waiting, key=client_order)))
+                    log.warning(
+                        "round %d: deadline of %.0f s passed; %d client(s) did not reply: %s",
+                        self.round,
+                        self.deadline_s,
+                        len(waiting),
+                        ", ".join(sorted(waiting, key=client_order)),
+                    )
                     self.counts["deadline_missed"] += len(waiting)
                     break
                 self.cond.wait(min(left, 0.2))
@@ -174,16 +203,22 @@ class Fleet:
         reason, the partial messages evicted from the reassembly budget by sender, and, when the broker runs in
         this process, what it refused (`broker_report`)."""
         broker = {} if self.broker_report is None else {"broker": self.broker_report()}
-        return {"transport": {"kind": "mqtt", "broker": str(self.link.broker), "run_id": self.run}
-                | dict(self.counts) | {"takeovers": dict(self.takeovers)},
-                "rejected_messages": dict(self.inbox.rejected),
-                "evicted_messages": dict(self.inbox.joiner.evicted)} | broker
+        return {
+            "transport": {"kind": "mqtt", "broker": str(self.link.broker), "run_id": self.run}
+            | dict(self.counts)
+            | {"takeovers": dict(self.takeovers)},
+            "rejected_messages": dict(self.inbox.rejected),
+            "evicted_messages": dict(self.inbox.joiner.evicted),
+        } | broker
 
     def alive(self, cid: str) -> bool:
         """Not announced offline (will or clean exit) and heard from within a few heartbeats."""
         last = self.seen.get(cid)
-        return (cid not in self.offline and last is not None
-                and time.monotonic() - last < DEAD_AFTER_HEARTBEATS * self.heartbeat_s)
+        return (
+            cid not in self.offline
+            and last is not None
+            and time.monotonic() - last < DEAD_AFTER_HEARTBEATS * self.heartbeat_s
+        )
 
     def _gone(self, cid: str) -> bool:
         """Not worth waiting for any more: silent for a few heartbeats, or announced offline (will or clean exit)
@@ -229,8 +264,14 @@ class Fleet:
                 self._ack(cid, delivery.envelope, str(e))
 
     def _ack(self, cid: str, env: Envelope, error: str | None) -> None:
-        self.link.publish(topics.client_topic(self.run, topics.DOWNLINK, cid), "ack", env.round,
-                          encode_ack(error), reply_to=env.msg_id, sender=topics.SERVER_ID)
+        self.link.publish(
+            topics.client_topic(self.run, topics.DOWNLINK, cid),
+            "ack",
+            env.round,
+            encode_ack(error),
+            reply_to=env.msg_id,
+            sender=topics.SERVER_ID,
+        )
 
     def _register(self, d: Delivery) -> None:
         info = decode_info(d.payload)
@@ -248,8 +289,13 @@ class Fleet:
             raise WireError("bad_spec", problem)
         with self.cond:
             if cid not in self.clients:
-                log.info("client %s registered: %s on %s, %d training examples", cid, info.spec.name, info.profile,
-                         info.num_train)
+                log.info(
+                    "client %s registered: %s on %s, %d training examples",
+                    cid,
+                    info.spec.name,
+                    info.profile,
+                    info.num_train,
+                )
             self.clients[cid], self.limits[cid] = info, reply_limit(info)
             self.offline.discard(cid)
             self.offline_since.pop(cid, None)
@@ -257,15 +303,17 @@ class Fleet:
             self.cond.notify_all()
         self._ack(cid, d.envelope, None)
         for o in resend:  # a restarted client lost the instruction it was working on
-            self.link.send(topics.client_topic(self.run, topics.DOWNLINK, cid), o.envelope, o.payload,
-                           self.chunk_size)
+            self.link.send(topics.client_topic(self.run, topics.DOWNLINK, cid), o.envelope, o.payload, self.chunk_size)
 
     def _result(self, d: Delivery) -> None:
         result = decode_result(d.payload)
         cid = d.client
         if result.client_id != cid or result.round != d.envelope.round:
-            raise WireError("spoof", f"result names client {result.client_id!r}, round {result.round} on {cid!r}'s "
-                            f"topic for round {d.envelope.round}")
+            raise WireError(
+                "spoof",
+                f"result names client {result.client_id!r}, round {result.round} on {cid!r}'s "
+                f"topic for round {d.envelope.round}",
+            )
         with self.cond:
             o = self.open.get(d.envelope.reply_to or "")
             if o is None or cid in self.results:  # closed or answered while the chunks arrived
@@ -300,10 +348,18 @@ class Fleet:
 
     def _stop_session(self, cid: str, session: str) -> None:
         """A `stop` task addressed to one connection of `cid`: the other connection ignores it."""
-        stop = Task("stop", max(self.round, 0), {"session": session,
-                                                 "reason": f"taken over by a newer connection with client id {cid}"})
-        self.link.publish(topics.client_topic(self.run, topics.DOWNLINK, cid), "task", stop.round,
-                          encode_task(stop), sender=topics.SERVER_ID)
+        stop = Task(
+            "stop",
+            max(self.round, 0),
+            {"session": session, "reason": f"taken over by a newer connection with client id {cid}"},
+        )
+        self.link.publish(
+            topics.client_topic(self.run, topics.DOWNLINK, cid),
+            "task",
+            stop.round,
+            encode_task(stop),
+            sender=topics.SERVER_ID,
+        )
 
     def _track_session(self, cid: str, session: str, state: str) -> bool:
         """Note which connection (session) of `cid` spoke. A new session replaces the current one (a restart, or
@@ -317,9 +373,15 @@ class Fleet:
             if state != "offline" and not replaced[session]:
                 replaced[session] = True
                 self.takeovers[cid] += 1
-                log.warning("client %s: its connection %s, replaced by connection %s, is back: two processes use "
-                            "client id %s; telling the older one to stop (takeover %d)", cid, session[:8],
-                            (current or "?")[:8], cid, self.takeovers[cid])
+                log.warning(
+                    "client %s: its connection %s, replaced by connection %s, is back: two processes use "
+                    "client id %s; telling the older one to stop (takeover %d)",
+                    cid,
+                    session[:8],
+                    (current or "?")[:8],
+                    cid,
+                    self.takeovers[cid],
+                )
             return True
         if session != current:
             if current is not None:

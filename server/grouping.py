@@ -101,8 +101,13 @@ def _run(s: Tensor, diag: Tensor, k: int, iterations: int, gen: torch.Generator)
     return labels, float(d2.gather(1, labels[:, None]).sum())
 
 
-def group_blocks(similarity: Tensor, k: int = CLUSTERS, seed: int = 0,
-                 iterations: int = GROUPING_ITERATIONS, restarts: int = GROUPING_RESTARTS) -> Tensor:
+def group_blocks(
+    similarity: Tensor,
+    k: int = CLUSTERS,
+    seed: int = 0,
+    iterations: int = GROUPING_ITERATIONS,
+    restarts: int = GROUPING_RESTARTS,
+) -> Tensor:
     """Group B blocks into min(k, B) functionality groups from their (B, B) similarity (pFedClub Eq. (1)).
 
     Kernel k-means (see the module comments for why and how it departs from the papers), k-means++ seeded

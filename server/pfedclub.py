@@ -35,23 +35,30 @@ class PFedClubOptions(ReassemblyOptions):
     """pFedClub's options: the shared ones, plus the Table 3 ablations and how CMSR compares block positions."""
 
     ablation: str = option("none", f"pFedClub Table 3 ablation: {', '.join(C.ABLATIONS)}")
-    cmsr_index: str = option(C.CMSR_INDEX, "CMSR's order constraint on raw block indices (raw, Alg. 1) or on "
-                             "index/depth (relative, for zoos of very different depths)")
+    cmsr_index: str = option(
+        C.CMSR_INDEX,
+        "CMSR's order constraint on raw block indices (raw, Alg. 1) or on "
+        "index/depth (relative, for zoos of very different depths)",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.ablation not in C.ABLATIONS:
             raise ConfigError(f"ablation must be one of {', '.join(C.ABLATIONS)}, got {self.ablation!r}")
         if self.cmsr_index not in ("raw", "relative"):
-            raise ConfigError(f"cmsr_index must be raw (Alg. 1) or relative (position / depth), got {self.cmsr_index!r}")
+            raise ConfigError(
+                f"cmsr_index must be raw (Alg. 1) or relative (position / depth), got {self.cmsr_index!r}"
+            )
 
 
 @dataclass(frozen=True)
 class PFedClubPlusOptions(PFedClubOptions):
     """pFedClub+ adds the size bound η of §4.4."""
 
-    eta: float = option(C.PFEDCLUB_PLUS_ETA, "size bound: a teacher has at most (1+eta)x the client's parameters "
-                        "(§4.4: 0.1; any eta > -1)")
+    eta: float = option(
+        C.PFEDCLUB_PLUS_ETA,
+        "size bound: a teacher has at most (1+eta)x the client's parameters (§4.4: 0.1; any eta > -1)",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -88,9 +95,16 @@ class PFedClub(ReassemblyStrategy):
         own = pool.uploads[cid].spec
         cap = self.options.max_candidates * (C.PLUS_OVERSAMPLE if self.size_bound else 1)
         rng = np.random.default_rng(derive_seed(self.config.seed, "cmsr", rnd, cid))
-        keys = cmsr_candidates(cid, len(own.blocks), pool.kind_groups, rng, self.cmsr,
-                               similarity=pool.sim, max_candidates=cap,
-                               allow=self.block_budget(pool) if self.size_bound else None)
+        keys = cmsr_candidates(
+            cid,
+            len(own.blocks),
+            pool.kind_groups,
+            rng,
+            self.cmsr,
+            similarity=pool.sim,
+            max_candidates=cap,
+            allow=self.block_budget(pool) if self.size_bound else None,
+        )
         if not self.size_bound:
             return keys
         blocks = [[pool.blocks[k] for k in ks] for ks in keys]
@@ -106,8 +120,10 @@ class PFedClub(ReassemblyStrategy):
     def block_budget(self, pool: Pool) -> Callable[[Key, Key], bool]:
         """pFedClub+ inside Step 2: a substitute may have at most (1+η)× the parameters of the block it replaces,
         so most paths can meet the whole-model bound; the exact bound is still checked after stitching."""
+
         def allow(own: Key, sub: Key) -> bool:
             return within_size_bound(pool.blocks[sub].spec.params, pool.blocks[own].spec.params, self.options.eta)
+
         return allow
 
     def teacher_for(self, rnd: int, cid: str, pool: Pool) -> tuple[Weights | None, dict[str, Any]]:
@@ -116,14 +132,25 @@ class PFedClub(ReassemblyStrategy):
         with self.stage("candidates"):
             keys = self.candidate_keys(rnd, cid, pool)
             rng = np.random.default_rng(derive_seed(self.config.seed, "stitch-init", rnd, cid))
-            candidates = [assemble(f"teacher-{cid}-r{rnd}-{i}", [pool.blocks[k] for k in ks], own.spec.input_shape,
-                                   own.spec.num_classes, rng) for i, ks in enumerate(keys)]
+            candidates = [
+                assemble(
+                    f"teacher-{cid}-r{rnd}-{i}",
+                    [pool.blocks[k] for k in ks],
+                    own.spec.input_shape,
+                    own.spec.num_classes,
+                    rng,
+                )
+                for i, ks in enumerate(keys)
+            ]
         if not candidates:
             return self.fallback(rnd, cid, own)
         tuned = self.finetune(rnd, cid, candidates)
         teacher, scores = self.match(own, tuned)
-        return teacher, {"candidates": len(candidates), "match_score": max(s for s in scores if s == s),
-                         "teacher_fallback": False}
+        return teacher, {
+            "candidates": len(candidates),
+            "match_score": max(s for s in scores if s == s),
+            "teacher_fallback": False,
+        }
 
     def fallback(self, rnd: int, cid: str, own: Weights) -> tuple[Weights | None, dict[str, Any]]:
         """No candidate (for pFedClub+: none within its bound and the profile): the client's own model is the
@@ -131,8 +158,14 @@ class PFedClub(ReassemblyStrategy):
         teacher. Never an oversize teacher."""
         eta = self.options.eta if self.size_bound else 0.0  # pFedClub has no bound: its own model always meets it
         ok = within_size_bound(own.spec.params, own.spec.params, eta) and fits(own.spec, self.profiles[cid]).ok
-        log.warning("round %d client %s: no candidate within |w*| <= (1+%g)|w| and profile %s; %s", rnd, cid,
-                    eta, self.profiles[cid].name, "its own model is the teacher" if ok else "no teacher")
+        log.warning(
+            "round %d client %s: no candidate within |w*| <= (1+%g)|w| and profile %s; %s",
+            rnd,
+            cid,
+            eta,
+            self.profiles[cid].name,
+            "its own model is the teacher" if ok else "no teacher",
+        )
         return (own if ok else None), {"candidates": 0, "teacher_fallback": True}
 
 

@@ -28,11 +28,19 @@ class PFedHR(ReassemblyStrategy):
         with self.stage("candidates"):
             rng = np.random.default_rng(derive_seed(self.config.seed, "pfedhr", rnd))
             blocks = list(pool.blocks.values())
-            keys = pfedhr_candidates(pool.groups, block_operations(blocks), rng,
-                                     PFedHROptions(num_candidates=self.options.max_candidates),
-                                     classifier_keys(blocks))
-            candidates = [assemble(f"pfedhr-r{rnd}-{i}", [pool.blocks[k] for k in ks], any_spec.input_shape,
-                                   any_spec.num_classes, rng) for i, ks in enumerate(keys)]
+            keys = pfedhr_candidates(
+                pool.groups,
+                block_operations(blocks),
+                rng,
+                PFedHROptions(num_candidates=self.options.max_candidates),
+                classifier_keys(blocks),
+            )
+            candidates = [
+                assemble(
+                    f"pfedhr-r{rnd}-{i}", [pool.blocks[k] for k in ks], any_spec.input_shape, any_spec.num_classes, rng
+                )
+                for i, ks in enumerate(keys)
+            ]
         if not candidates:
             log.warning("round %d: pFedHR found no candidate passing R1-R4; clients keep training without one", rnd)
             return {cid: (None, {"candidates": 0}) for cid in pool.uploads}

@@ -80,9 +80,13 @@ def classifier_keys(blocks: Iterable[PoolBlock]) -> frozenset[Key]:
     return frozenset(last.items())
 
 
-def rule_violation(candidate: Sequence[Key], groups: Mapping[Key, int], operations: Mapping[Key, str],
-                   options: PFedHROptions = PFedHROptions(),
-                   classifiers: Collection[Key] | None = None) -> str | None:
+def rule_violation(
+    candidate: Sequence[Key],
+    groups: Mapping[Key, int],
+    operations: Mapping[Key, str],
+    options: PFedHROptions = PFedHROptions(),
+    classifiers: Collection[Key] | None = None,
+) -> str | None:
     """The first rule `candidate` breaks ("R1".."R4", "length", "classifier"), or None if it passes all.
 
     R1 (Alg. 1 line 10): strictly increasing block indices; R2 (line 11): operation types in
@@ -115,8 +119,14 @@ def _check(groups: Mapping[Key, int], operations: Mapping[Key, str]) -> None:
         raise ValueError(f"unknown operation types {unknown}; pFedHR rule R2 orders {OPERATION_ORDER}")
 
 
-def _walk(start: Key, keys: Sequence[Key], rank: Mapping[Key, int], length: int, rng: np.random.Generator,
-          classifiers: Collection[Key] | None) -> Candidate:
+def _walk(
+    start: Key,
+    keys: Sequence[Key],
+    rank: Mapping[Key, int],
+    length: int,
+    rng: np.random.Generator,
+    classifiers: Collection[Key] | None,
+) -> Candidate:
     """Extend `start` (Alg. 1 lines 8-14) by uniform draws among blocks passing R1 and R2.
 
     With `classifiers`, the block at position `length` must be one, and a classifier ends the walk.
@@ -133,9 +143,13 @@ def _walk(start: Key, keys: Sequence[Key], rank: Mapping[Key, int], length: int,
     return tuple(path)
 
 
-def pfedhr_candidates(groups: Mapping[Key, int], operations: Mapping[Key, str], rng: np.random.Generator,
-                      options: PFedHROptions = PFedHROptions(),
-                      classifiers: Collection[Key] | None = None) -> list[Candidate]:
+def pfedhr_candidates(
+    groups: Mapping[Key, int],
+    operations: Mapping[Key, str],
+    rng: np.random.Generator,
+    options: PFedHROptions = PFedHROptions(),
+    classifiers: Collection[Key] | None = None,
+) -> list[Candidate]:
     """Up to M distinct candidates passing R1-R4 (pFedHR Alg. 1), shared by all clients of the round.
 
     Starts are the pool blocks whose operation type comes first in the pool's order (no other

@@ -26,8 +26,13 @@ def plot_accuracy(rows: Sequence[dict[str, Any]], path: Path, title: str) -> Non
         xs, ys = zip(*points)
         ax.plot([x + 1 for x in xs], ys, marker=".", linewidth=0.8, alpha=0.5, label=f"client {cid}")
     rounds = sorted(per_round)
-    ax.plot([r + 1 for r in rounds], [sum(per_round[r]) / len(per_round[r]) for r in rounds],
-            color="black", linewidth=2.5, label="mean")
+    ax.plot(
+        [r + 1 for r in rounds],
+        [sum(per_round[r]) / len(per_round[r]) for r in rounds],
+        color="black",
+        linewidth=2.5,
+        label="mean",
+    )
     ax.set(xlabel="round", ylabel="test accuracy (client's own test set)", title=title, ylim=(0, 1))
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)

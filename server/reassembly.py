@@ -64,8 +64,10 @@ class Pool:
 
 def origins(spec_blocks: Sequence[Any]) -> list[str]:
     """Readable block origins of a teacher: "cnn1@3:2" = block 2 of client 3's cnn1; stitches as "stitch"."""
-    return [STITCH_MODEL if b.origin.model == STITCH_MODEL else f"{b.origin.model}@{b.origin.client}:{b.origin.block}"
-            for b in spec_blocks]
+    return [
+        STITCH_MODEL if b.origin.model == STITCH_MODEL else f"{b.origin.model}@{b.origin.client}:{b.origin.block}"
+        for b in spec_blocks
+    ]
 
 
 @dataclass(frozen=True)
@@ -73,12 +75,16 @@ class ReassemblyOptions(StrategyOptions):
     """What pFedClub and pFedHR share: functional groups, the public data's use, distillation and fine-tuning."""
 
     clusters: int = option(C.CLUSTERS, "functional groups K of the uploaded blocks (pFedClub §4.1: 4)")
-    public: str = option("labeled", "the server's public data: labeled (stitches tuned by CE, Eq. (2)) or "
-                         "unlabeled (NT-Xent on two augmented views, Eq. (3))")
+    public: str = option(
+        "labeled",
+        "the server's public data: labeled (stitches tuned by CE, Eq. (2)) or "
+        "unlabeled (NT-Xent on two augmented views, Eq. (3))",
+    )
     kd_lambda: float = option(C.KD_LAMBDA, "λ of the clients' CE + λ·KL distillation (Eq. (5); paper: 0.2)")
     finetune_epochs: int = option(C.FINETUNE_EPOCHS, "epochs of stitch fine-tuning on the public data (paper: 3)")
-    max_candidates: int = option(C.MAX_CANDIDATES, "candidate teachers built per client (pFedClub) or in the "
-                                 "shared pool (pFedHR)")
+    max_candidates: int = option(
+        C.MAX_CANDIDATES, "candidate teachers built per client (pFedClub) or in the shared pool (pFedHR)"
+    )
 
     def __post_init__(self) -> None:
         for name in ("clusters", "finetune_epochs", "max_candidates"):
@@ -99,8 +105,10 @@ class ReassemblyStrategy(Strategy):
             self.public = PublicData(self.public.x, None)
         if self.public is None or len(self.public.x) < C.MIN_PUBLIC_SAMPLES:
             have = 0 if self.public is None else len(self.public.x)
-            raise StrategyError(f"{self.name} needs at least {C.MIN_PUBLIC_SAMPLES} public samples on the server, "
-                                f"got {have}; raise max_public_samples or use a larger dataset")
+            raise StrategyError(
+                f"{self.name} needs at least {C.MIN_PUBLIC_SAMPLES} public samples on the server, "
+                f"got {have}; raise max_public_samples or use a larger dataset"
+            )
         self.teachers: dict[str, Weights] = {}
         self.sent: set[str] = set()
         self.profiles = {cid: get_profile(info.profile) for cid, info in clients.items()}
@@ -121,8 +129,10 @@ class ReassemblyStrategy(Strategy):
         """kd_train for every active client, with the teacher kept from its last selection (pFedClub §3.3)."""
         config = self.train_task(upload=True, kd_lambda=self.options.kd_lambda).to_config()
         self.sent = set(active)
-        return {cid: Task("kd_train", rnd, config, {"teacher": self.teachers[cid]} if cid in self.teachers else {})
-                for cid in active}
+        return {
+            cid: Task("kd_train", rnd, config, {"teacher": self.teachers[cid]} if cid in self.teachers else {})
+            for cid in active
+        }
 
     def expects(self, task: Task, client: ClientInfo) -> Expected:
         """A kd_train reply carries the client's own model (its registered architecture); an evaluation metrics."""
@@ -157,8 +167,10 @@ class ReassemblyStrategy(Strategy):
                 similarity = block_similarity(feats, device=device)
             else:  # too many public samples to keep every block's features: unbiased minibatch CKA
                 parts = -(-len(x) // C.CKA_MINIBATCH_SIZE)  # equal parts: no tiny tail batch
-                batches = ([f for w in uploads.values() for f in block_features(w, xb, device=device)]
-                           for xb in torch.tensor_split(x, parts))
+                batches = (
+                    [f for w in uploads.values() for f in block_features(w, xb, device=device)]
+                    for xb in torch.tensor_split(x, parts)
+                )
                 similarity = minibatch_block_similarity(batches, device=device)
         with self.stage("grouping"):
             labels = group_blocks(similarity, self.options.clusters, seed=derive_seed(self.config.seed, "group", rnd))
@@ -170,9 +182,13 @@ class ReassemblyStrategy(Strategy):
 
     def finetune(self, rnd: int, tag: str, candidates: Sequence[tuple[Weights, tuple[int, ...]]]) -> list[Weights]:
         """Train only the stitches on public data: CE if labeled (Eq. (2)), NT-Xent otherwise (Eq. (3))."""
-        cfg = FinetuneConfig(epochs=self.options.finetune_epochs, lr=C.DEFAULT_LR, tau=C.NT_XENT_TAU,
-                             labeled=self.public.y is not None,
-                             seed=derive_seed(self.config.seed, "finetune", rnd, tag) % 2**31)
+        cfg = FinetuneConfig(
+            epochs=self.options.finetune_epochs,
+            lr=C.DEFAULT_LR,
+            tau=C.NT_XENT_TAU,
+            labeled=self.public.y is not None,
+            seed=derive_seed(self.config.seed, "finetune", rnd, tag) % 2**31,
+        )
         with self.stage("finetune"):
             return finetune_candidates(candidates, self.public.x, self.public.y, cfg, self.config.device)
 
@@ -191,9 +207,13 @@ class ReassemblyStrategy(Strategy):
         else:
             self.teachers[cid] = teacher
             spec = teacher.spec
-            row |= {"teacher_params": spec.params, "teacher_macs": spec.macs, "teacher_origins": origins(spec.blocks),
-                    "teacher_fits_profile": fits(spec, self.profiles[cid]).ok,
-                    "phi": (spec.params - own.spec.params) / own.spec.params}
+            row |= {
+                "teacher_params": spec.params,
+                "teacher_macs": spec.macs,
+                "teacher_origins": origins(spec.blocks),
+                "teacher_fits_profile": fits(spec, self.profiles[cid]).ok,
+                "phi": (spec.params - own.spec.params) / own.spec.params,
+            }
             self.history[cid].append(dict(row))  # a copy: the row gets this round's stage times, history does not
         self.rows[(rnd, cid)] = row
 
@@ -203,12 +223,16 @@ class ReassemblyStrategy(Strategy):
 
     def summary(self) -> dict[str, Any]:
         """ϕ per client (Eq. (6): mean over the rounds it got a teacher), mean teacher size and candidates."""
+
         def mean(cid: str, key: str) -> float:
             return statistics.fmean(r[key] for r in self.history[cid])
+
         cids = sorted(self.history, key=client_order)
-        return {"phi": {c: mean(c, "phi") for c in cids},
-                "teacher_params": {c: mean(c, "teacher_params") for c in cids},
-                "candidates_per_client": {c: mean(c, "candidates") for c in cids}}
+        return {
+            "phi": {c: mean(c, "phi") for c in cids},
+            "teacher_params": {c: mean(c, "teacher_params") for c in cids},
+            "candidates_per_client": {c: mean(c, "candidates") for c in cids},
+        }
 
     def final_models(self) -> dict[str, dict[str, Weights]]:
         """Each client's kept teacher (the one it would get at its next selection)."""

@@ -8,15 +8,14 @@ from device_profiles import ProfileError, fits, get_profile
 from fedge.messages import ClientInfo
 from fedge.spec import ModelSpec
 
-
 # Why a model cannot train on a device runtime (e.g. export.training_program.check_trainable for "executorch": a layer
 # without an exact ExecuTorch training form), raised as ValueError; the launcher supplies one per runtime.
 RuntimeCheck = Callable[[ModelSpec], None]
 
 
-def registration_check(shard_sizes: Mapping[str, tuple[int, int]] | None = None,
-                       runtime_checks: Mapping[str, RuntimeCheck] | None = None
-                       ) -> Callable[[ClientInfo], str | None]:
+def registration_check(
+    shard_sizes: Mapping[str, tuple[int, int]] | None = None, runtime_checks: Mapping[str, RuntimeCheck] | None = None
+) -> Callable[[ClientInfo], str | None]:
     """What the server requires of a registering client: a known profile its model fits (and passes the check of
     its profile's runtime in `runtime_checks`, if any: for executorch, an ExecuTorch training form; the full
     gradient-parity gate runs on the client), some data, and, where the server made the clients' shards
@@ -36,17 +35,23 @@ def registration_check(shard_sizes: Mapping[str, tuple[int, int]] | None = None,
             try:
                 checks[profile.runtime](info.spec)
             except ValueError as e:
-                return (f"model {info.spec.name} cannot train on device profile {info.profile} "
-                        f"(runtime {profile.runtime}): {e}")
+                return (
+                    f"model {info.spec.name} cannot train on device profile {info.profile} "
+                    f"(runtime {profile.runtime}): {e}"
+                )
         if info.num_train < 1 or info.num_test < 1:
             return f"client {info.client_id} has no training or test data"
         if shard_sizes is not None:
             if info.client_id not in shard_sizes:
-                return (f"client id {info.client_id!r} is not a shard of this run's partition "
-                        f"(0..{len(shard_sizes) - 1})")
+                return (
+                    f"client id {info.client_id!r} is not a shard of this run's partition (0..{len(shard_sizes) - 1})"
+                )
             if (info.num_train, info.num_test) != shard_sizes[info.client_id]:
                 train, test = shard_sizes[info.client_id]
-                return (f"client {info.client_id} claims {info.num_train} training and {info.num_test} test examples;"
-                        f" its shard of the run's partition has {train} and {test}")
+                return (
+                    f"client {info.client_id} claims {info.num_train} training and {info.num_test} test examples;"
+                    f" its shard of the run's partition has {train} and {test}"
+                )
         return None
+
     return check

@@ -43,11 +43,13 @@ class RunLog:
         self.metrics_path = self.out / "metrics.jsonl"
         self.checkpoint_path = self.out / CHECKPOINT_FILE
         if resume and not self.checkpoint_path.exists():
-            raise FileNotFoundError(f"run folder {self.out} has no {CHECKPOINT_FILE} to resume from; "
-                                    f"check --out, or start a new run")
+            raise FileNotFoundError(
+                f"run folder {self.out} has no {CHECKPOINT_FILE} to resume from; check --out, or start a new run"
+            )
         if not resume and self.metrics_path.exists():
-            raise FileExistsError(f"run folder {self.out} already holds a run; choose another --out, delete it, "
-                                  f"or resume it")
+            raise FileExistsError(
+                f"run folder {self.out} already holds a run; choose another --out, delete it, or resume it"
+            )
         self.out.mkdir(parents=True, exist_ok=True)
         self.write_json("config.json", config)
         if not resume:

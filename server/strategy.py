@@ -51,8 +51,10 @@ class StrategyOptions:
     def describe(cls) -> list[tuple[str, str, Any, str]]:
         """(name, type, default, help) of every option, in declaration order."""
         hints = typing.get_type_hints(cls)
-        return [(f.name, getattr(hints[f.name], "__name__", str(hints[f.name])), f.default, f.metadata.get("help", ""))
-                for f in dataclasses.fields(cls)]
+        return [
+            (f.name, getattr(hints[f.name], "__name__", str(hints[f.name])), f.default, f.metadata.get("help", ""))
+            for f in dataclasses.fields(cls)
+        ]
 
 
 @dataclass(frozen=True)
@@ -72,8 +74,9 @@ class Strategy:
     # (a never-selected client has no personalized model); a global-model strategy covers all.
     personalized = True
 
-    def __init__(self, config: StrategyConfig, public: PublicData | None = None,
-                 options: StrategyOptions | None = None) -> None:
+    def __init__(
+        self, config: StrategyConfig, public: PublicData | None = None, options: StrategyOptions | None = None
+    ) -> None:
         self.config = config
         self.public = public
         self.options: Any = self.options_type() if options is None else options
@@ -89,8 +92,16 @@ class Strategy:
         """The settings of a local-training task from the run's keys (epochs, batch, Adam's lr, the executorch
         runtime's SGD lr and momentum, seed), whether to upload the model, and λ/T for a kd_train task."""
         c = self.config
-        return TrainTask(epochs=c.local_epochs, batch_size=c.batch_size, lr=c.lr, seed=c.seed, upload=upload,
-                         sgd_lr=c.sgd_lr, sgd_momentum=c.sgd_momentum, **distillation)
+        return TrainTask(
+            epochs=c.local_epochs,
+            batch_size=c.batch_size,
+            lr=c.lr,
+            seed=c.seed,
+            upload=upload,
+            sgd_lr=c.sgd_lr,
+            sgd_momentum=c.sgd_momentum,
+            **distillation,
+        )
 
     def plan(self, rnd: int, active: Sequence[str]) -> dict[str, Task]:
         """The task for each active client this round. A failed round is planned again, so planning must not
@@ -136,8 +147,9 @@ class Strategy:
 STRATEGIES: Registry[type[Strategy]] = Registry("strategy", StrategyError)
 
 
-def register_strategy(name: str, options: type[StrategyOptions] = StrategyOptions
-                      ) -> Callable[[type[Strategy]], type[Strategy]]:
+def register_strategy(
+    name: str, options: type[StrategyOptions] = StrategyOptions
+) -> Callable[[type[Strategy]], type[Strategy]]:
     """Class decorator adding a strategy under `name` (which becomes its `name` attribute) with its options
     dataclass."""
     if not (dataclasses.is_dataclass(options) and issubclass(options, StrategyOptions)):
@@ -146,6 +158,7 @@ def register_strategy(name: str, options: type[StrategyOptions] = StrategyOption
     def add(cls: type[Strategy]) -> type[Strategy]:
         cls.name, cls.options_type = name, options
         return STRATEGIES.add(name, cls)
+
     return add
 
 
@@ -158,14 +171,20 @@ def parse_options(name: str, values: Mapping[str, Any]) -> StrategyOptions:
     unknown = sorted(set(values) - set(known))
     if unknown:
         listing = ", ".join(known) or "none"
-        raise ConfigError(f"strategy {name!r} has no option(s) {unknown}; its options: {listing} "
-                          f"(`fedge strategies` describes them; run-level keys are listed by `fedge run --help`)")
+        raise ConfigError(
+            f"strategy {name!r} has no option(s) {unknown}; its options: {listing} "
+            f"(`fedge strategies` describes them; run-level keys are listed by `fedge run --help`)"
+        )
     hints = typing.get_type_hints(options_type)
     return options_type(**{k: coerce(k, hints[k], v) for k, v in values.items()})
 
 
-def create_strategy(name: str, config: StrategyConfig, public: PublicData | None = None,
-                    options: StrategyOptions | Mapping[str, Any] | None = None) -> Strategy:
+def create_strategy(
+    name: str,
+    config: StrategyConfig,
+    public: PublicData | None = None,
+    options: StrategyOptions | Mapping[str, Any] | None = None,
+) -> Strategy:
     """Instantiate a registered strategy with its options (a dataclass, or values for parse_options; None: the
     defaults); an unknown name raises StrategyError listing the known ones."""
     if options is None or isinstance(options, Mapping):

@@ -1,4 +1,4 @@
-"""Makes tests/helpers importable as ``helpers`` (the suite runs with --import-mode=importlib) and loads its fixtures."""
+"""Makes tests/helpers importable as ``helpers`` (the suite runs with --import-mode=importlib); loads its fixtures."""
 
 import sys
 from pathlib import Path

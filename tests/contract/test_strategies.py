@@ -10,24 +10,24 @@ import torch
 from device_profiles import get_profile
 from edge_client.agent import TASKS
 from fedge.checkpoint import load_tree, save_tree, tree_digest
+from fedge.codec import encode_result
 from fedge.config import ConfigError
 from fedge.messages import ClientInfo, Result, Weights
 from fedge.payloads import DTYPES, Expected, payload_rejection
 from fedge.spec import build
-from fedge.codec import encode_result
 from fedge.zoo import create
 from server.strategy import STRATEGIES, PublicData, StrategyConfig, create_strategy, parse_options
 
 pytestmark = pytest.mark.timeout(120)
 CONFIG = StrategyConfig(local_epochs=1, batch_size=8, lr=1e-3, seed=0)
 SMALL = {"finetune_epochs": 1, "max_candidates": 2}  # where a strategy has these options: tiny and fast
-PUBLIC = PublicData(torch.randn(24, 1, 8, 8, generator=torch.Generator().manual_seed(0)),
-                    torch.arange(24) % 10)
+PUBLIC = PublicData(torch.randn(24, 1, 8, 8, generator=torch.Generator().manual_seed(0)), torch.arange(24) % 10)
 
 
 def fleet(n=4):
-    return {str(i): ClientInfo(str(i), create("cnn1", (1, 8, 8), 10).with_origin(str(i)), "rpi-4", 20, 5)
-            for i in range(n)}
+    return {
+        str(i): ClientInfo(str(i), create("cnn1", (1, 8, 8), 10).with_origin(str(i)), "rpi-4", 20, 5) for i in range(n)
+    }
 
 
 def make(name):
@@ -42,8 +42,9 @@ def uploads(rnd, cids):
     for cid in cids:
         torch.manual_seed(int(cid))
         spec = create("cnn1", (1, 8, 8), 10).with_origin(cid)
-        out[cid] = Result(cid, rnd, "train", 20, {"train_loss": 1.0},
-                          {"local": Weights(spec, build(spec).state_dict())})
+        out[cid] = Result(
+            cid, rnd, "train", 20, {"train_loss": 1.0}, {"local": Weights(spec, build(spec).state_dict())}
+        )
     return out
 
 
@@ -115,7 +116,7 @@ def test_options_have_defaults_and_help_take_strings_and_refuse_unknown_keys(nam
     options_type = STRATEGIES.get(name).options_type
     defaults = parse_options(name, {})
     assert defaults == options_type()
-    for option, kind, default, text in options_type.describe():
+    for option, _kind, default, text in options_type.describe():
         assert text, f"{name} option {option} has no help text"
         assert parse_options(name, {option: str(default)}) == defaults  # --set gives every value as a string
     with pytest.raises(ConfigError, match=r"has no option\(s\) \['no_such_option'\]"):
@@ -129,8 +130,16 @@ def conforming(task, expected, info):
         spec = (spec or info.spec).with_origin(info.client_id)
         models[role] = Weights(spec, build(spec).state_dict())
     tensors = {n: torch.zeros(slot.shape, dtype=DTYPES[slot.dtype]) for n, slot in expected.tensors.items()}
-    return Result(info.client_id, task.round, task.type, 5, {"accuracy": 0.5, "loss": 1.0}, models,
-                  tensors=tensors, records={n: [1, "a"] for n in expected.records})
+    return Result(
+        info.client_id,
+        task.round,
+        task.type,
+        5,
+        {"accuracy": 0.5, "loss": 1.0},
+        models,
+        tensors=tensors,
+        records={n: [1, "a"] for n in expected.records},
+    )
 
 
 def test_every_task_declares_what_its_reply_carries_and_sizes_it(name):

@@ -78,5 +78,6 @@ def test_save_load_gives_bit_identical_outputs(model, tmp_path):
 def test_every_block_records_its_origin(model):
     spec, _ = model
     tagged = spec.with_origin("7")
-    assert [(b.origin.model, b.origin.client, b.origin.block) for b in tagged.blocks] == \
-        [(spec.name, "7", i) for i in range(len(spec.blocks))]
+    assert [(b.origin.model, b.origin.client, b.origin.block) for b in tagged.blocks] == [
+        (spec.name, "7", i) for i in range(len(spec.blocks))
+    ]

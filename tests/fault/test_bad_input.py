@@ -12,6 +12,19 @@ import os
 import time
 
 import pytest
+
+from fedge.chunks import frames
+from fedge.codec import decode_result
+from fedge.constants import (
+    MAX_CHUNK_BYTES,
+    MAX_HEADER_BYTES,
+    MAX_MESSAGE_BYTES,
+    REPLY_SLACK_BYTES,
+    SUPPORTED_SCHEMA_VERSIONS,
+)
+from fedge.embedded_broker import EmbeddedBroker
+from fedge.envelope import Envelope
+
 from helpers.brokers import MosquittoProcess, subscribe
 from helpers.raw import (  # noqa: F401, F811 (broker, fleet and connect are pytest fixtures)
     GRACE_S,
@@ -32,17 +45,11 @@ from helpers.raw import (  # noqa: F401, F811 (broker, fleet and connect are pyt
     wait_for,
 )
 
-from fedge.embedded_broker import EmbeddedBroker
-from fedge.constants import MAX_MESSAGE_BYTES
-from fedge.constants import MAX_CHUNK_BYTES, MAX_HEADER_BYTES, REPLY_SLACK_BYTES, SUPPORTED_SCHEMA_VERSIONS
-from fedge.chunks import frames
-from fedge.codec import decode_result
-from fedge.envelope import Envelope
-
 pytestmark = pytest.mark.timeout(90)
 
 
 # ------------------------------------------------------------------------------------------------------ 4, 5
+
 
 def test_an_upload_delivered_three_times_is_taken_once(fleet, connect):
     """§10.4: the same envelope (same msg_id) three times → one result, bitwise the single delivery, 2 duplicates."""
@@ -110,6 +117,7 @@ def test_a_result_for_the_previous_round_is_stale(fleet, connect):
 
 # ------------------------------------------------------------------------------------------------------ 23
 
+
 def test_an_upload_announcing_twice_the_expected_size_is_refused_at_its_first_chunk(fleet, connect):
     """§10.23: the envelope announces 2x the client's limit (its model's tensor bytes + slack): the first chunk is
     refused `too_large` and nothing is stored. An upload whose chunks could not add up to its announced size
@@ -164,6 +172,7 @@ def test_a_publish_over_the_brokers_packet_limit_reaches_no_subscriber(broker, f
 
 # ------------------------------------------------------------------------------------------------------ 24
 
+
 def test_a_client_cannot_speak_for_another(broker, fleet, connect):
     """§10.24: a's envelope naming b on a's topic is `spoof`; a's publish into b's result topic is dropped by
     the broker (a's later message is the barrier); a cannot read b's tasks."""
@@ -194,6 +203,7 @@ def test_a_client_cannot_speak_for_another(broker, fleet, connect):
 
 # ------------------------------------------------------------------------------------------------------ 26
 
+
 def test_an_unknown_schema_version_is_refused_and_the_oldest_supported_accepted(fleet, connect):
     """§10.26: envelopes of versions this server does not know are `schema_version`; the oldest supported version
     is accepted."""
@@ -203,8 +213,9 @@ def test_an_unknown_schema_version_is_refused_and_the_oldest_supported_accepted(
     base = Envelope.new(RUN, 1, "result", "a", good, reply_to=envs["a"].msg_id, chunk_size=ONE_FRAME).to_dict()
 
     for version in (max(SUPPORTED_SCHEMA_VERSIONS) + 1, min(SUPPORTED_SCHEMA_VERSIONS) - 1, 10**6):
-        a.publish(a.topic("result"), frame_bytes({**base, "schema_version": version, "msg_id": os.urandom(16).hex()},
-                                                 0, good))
+        a.publish(
+            a.topic("result"), frame_bytes({**base, "schema_version": version, "msg_id": os.urandom(16).hex()}, 0, good)
+        )
     rejected_only(fleet, schema_version=3)
     a.publish(a.topic("result"), frame_bytes({**base, "schema_version": "1", "msg_id": os.urandom(16).hex()}, 0, good))
     rejected_only(fleet, schema_version=3, bad_format=1)

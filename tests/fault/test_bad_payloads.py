@@ -17,6 +17,18 @@ from collections import Counter
 
 import pytest
 import torch
+
+from device_profiles import get_profile
+from fedge.chunks import frames
+from fedge.codec import decode_result
+from fedge.constants import MAX_HEADER_BYTES, REPLY_SLACK_BYTES, SPEC_METADATA_KEY
+from fedge.envelope import Envelope, WireError
+from fedge.messages import Result, Task
+from fedge.mqtt import Inbox
+from fedge.payloads import Expected
+from fedge.weights import check_state
+from server.coordinator import rejection
+
 from helpers.raw import (  # noqa: F401, F811 (broker, fleet and connect are pytest fixtures)
     NUM_TEST,
     NUM_TRAIN,
@@ -44,21 +56,11 @@ from helpers.raw import (  # noqa: F401, F811 (broker, fleet and connect are pyt
     valid_result,
 )
 
-from device_profiles import get_profile
-from fedge.constants import MAX_HEADER_BYTES, REPLY_SLACK_BYTES, SPEC_METADATA_KEY
-from fedge.messages import Result, Task
-from fedge.mqtt import Inbox
-from fedge.payloads import Expected
-from fedge.weights import check_state
-from fedge.chunks import frames
-from fedge.codec import decode_result
-from fedge.envelope import Envelope, WireError
-from server.coordinator import rejection
-
 pytestmark = pytest.mark.timeout(90)
 
 
 # ------------------------------------------------------------------------------------------------------ 15
+
 
 class _Bomb:
     """Unpickling this opens `path` for writing, i.e. creates it: a stand-in for any code an attacker picks."""
@@ -108,6 +110,7 @@ def test_a_pickle_upload_is_refused_and_never_run(fleet, connect, tmp_path):
 
 # ------------------------------------------------------------------------------------------------------ 16
 
+
 def _blob_edited(good: bytes, edit) -> bytes:
     """`good` with its safetensors header changed by `edit(header)` (the data bytes unchanged)."""
     header, body = split_container(good)
@@ -118,8 +121,9 @@ def _blob_edited(good: bytes, edit) -> bytes:
 
 def _overlap(h: dict) -> None:
     """The second tensor's bytes start where the first one's do."""
-    (_, t1), (_, t2) = sorted(((k, v) for k, v in h.items() if k != "__metadata__"),
-                              key=lambda kv: kv[1]["data_offsets"][0])[:2]
+    (_, t1), (_, t2) = sorted(
+        ((k, v) for k, v in h.items() if k != "__metadata__"), key=lambda kv: kv[1]["data_offsets"][0]
+    )[:2]
     t2["data_offsets"] = [t1["data_offsets"][0], t1["data_offsets"][0] + t2["data_offsets"][1] - t2["data_offsets"][0]]
 
 
@@ -137,21 +141,39 @@ def _malformed(good: bytes) -> dict[str, tuple[bytes, str, str]]:
     fields, n = header["fields"], int.from_bytes(good[:8], "little")
     return {
         "truncated length field": (good[:5], "bad_format", "too short for a header"),
-        "truncated header": ((n // 2).to_bytes(8, "little") + good[8:8 + n // 2] + body, "bad_format",
-                             "header is not UTF-8 JSON"),
+        "truncated header": (
+            (n // 2).to_bytes(8, "little") + good[8 : 8 + n // 2] + body,
+            "bad_format",
+            "header is not UTF-8 JSON",
+        ),
         "header length > payload": (len(good).to_bytes(8, "little") + good[8:], "bad_format", "exceeds the payload"),
-        "overlapping spans": (container("result", fields, {"local": body},
-                                        index={"local": [0, len(body)], "teacher": [len(body) - 8, 8]}),
-                              "bad_format", "overlaps the previous model"),
-        "out-of-range span": (container("result", fields, {"local": body}, index={"local": [0, len(body) + 8]}),
-                              "bad_format", "lies outside"),
-        "header above the cap": ((MAX_HEADER_BYTES + 1).to_bytes(8, "little") + b"{" + b" " * MAX_HEADER_BYTES,
-                                 "too_large", f"exceeds {MAX_HEADER_BYTES}"),
-        "safetensors truncated header": (container("result", fields, {"local": body[:6]}), "bad_weights",
-                                         "shorter than a safetensors header"),
+        "overlapping spans": (
+            container(
+                "result", fields, {"local": body}, index={"local": [0, len(body)], "teacher": [len(body) - 8, 8]}
+            ),
+            "bad_format",
+            "overlaps the previous model",
+        ),
+        "out-of-range span": (
+            container("result", fields, {"local": body}, index={"local": [0, len(body) + 8]}),
+            "bad_format",
+            "lies outside",
+        ),
+        "header above the cap": (
+            (MAX_HEADER_BYTES + 1).to_bytes(8, "little") + b"{" + b" " * MAX_HEADER_BYTES,
+            "too_large",
+            f"exceeds {MAX_HEADER_BYTES}",
+        ),
+        "safetensors truncated header": (
+            container("result", fields, {"local": body[:6]}),
+            "bad_weights",
+            "shorter than a safetensors header",
+        ),
         "safetensors header length > blob": (
-            container("result", fields, {"local": len(body).to_bytes(8, "little") + body[8:]}), "bad_weights",
-            "exceeds the blob"),
+            container("result", fields, {"local": len(body).to_bytes(8, "little") + body[8:]}),
+            "bad_weights",
+            "exceeds the blob",
+        ),
         "safetensors overlapping offsets": (_blob_edited(good, _overlap), "bad_weights", "invalid offset for tensor"),
         "safetensors out-of-range offsets": (_blob_edited(good, _beyond), "bad_weights", "file not fully covered"),
     }
@@ -186,8 +208,31 @@ def test_a_header_over_the_cap_is_refused_before_parsing():
     assert e.value.reason == "too_large"
 
 
-JUNK = [None, True, False, -1, 0, 1, 3.7, 2**31, 2**64, -(2**63), 1e308, "", "x", "F64", "BOOL", [], {}, [1, 2],
-        [-1, 10**12], {"a": 1}, ["x"], "[" * 50, json.loads("[" * 200 + "]" * 200)]
+JUNK = [
+    None,
+    True,
+    False,
+    -1,
+    0,
+    1,
+    3.7,
+    2**31,
+    2**64,
+    -(2**63),
+    1e308,
+    "",
+    "x",
+    "F64",
+    "BOOL",
+    [],
+    {},
+    [1, 2],
+    [-1, 10**12],
+    {"a": 1},
+    ["x"],
+    "[" * 50,
+    json.loads("[" * 200 + "]" * 200),
+]
 
 
 def _leaves(x, path=()):
@@ -221,8 +266,20 @@ def _mutate(rng: random.Random, good: bytes) -> tuple[str, bytes]:
     header, body = split_container(good)
     blob_header, data = split_blob(body)
     front = len(good) - len(data)  # container header + safetensors header: where parsing happens
-    kind = rng.choice(["flip", "overwrite", "truncate", "insert", "delete", "length", "blob_length",
-                       "container_json", "safetensors_json", "spec_json"])
+    kind = rng.choice(
+        [
+            "flip",
+            "overwrite",
+            "truncate",
+            "insert",
+            "delete",
+            "length",
+            "blob_length",
+            "container_json",
+            "safetensors_json",
+            "spec_json",
+        ]
+    )
     b = bytearray(good)
     if kind == "flip":
         for _ in range(rng.randint(1, 8)):
@@ -230,22 +287,23 @@ def _mutate(rng: random.Random, good: bytes) -> tuple[str, bytes]:
             b[i] ^= 1 << rng.randrange(8)
     elif kind == "overwrite":
         i = rng.randrange(front)
-        b[i:i + rng.randint(1, 16)] = rng.randbytes(rng.randint(1, 16))
+        b[i : i + rng.randint(1, 16)] = rng.randbytes(rng.randint(1, 16))
     elif kind == "truncate":
-        del b[rng.randrange(len(b)):]
+        del b[rng.randrange(len(b)) :]
     elif kind == "insert":
         i = rng.randrange(front)
         b[i:i] = rng.randbytes(rng.randint(1, 64))
     elif kind == "delete":
         i = rng.randrange(front)
-        del b[i:i + rng.randint(1, 64)]
+        del b[i : i + rng.randint(1, 64)]
     elif kind == "length":
         n = int.from_bytes(good[:8], "little")
         b[:8] = rng.choice([n + rng.randint(-64, 64), rng.randrange(2**64)]).to_bytes(8, "little")
     elif kind == "blob_length":
         at = len(good) - len(body)
-        b[at:at + 8] = rng.choice([rng.randrange(2**64), int.from_bytes(body[:8], "little") + rng.randint(-64, 64)
-                                   ]).to_bytes(8, "little")
+        b[at : at + 8] = rng.choice(
+            [rng.randrange(2**64), int.from_bytes(body[:8], "little") + rng.randint(-64, 64)]
+        ).to_bytes(8, "little")
     elif kind == "container_json":
         h = _edit(rng, header)
         return kind, container("result", None, {"local": body}, header=json.dumps(h).encode())
@@ -258,8 +316,9 @@ def _mutate(rng: random.Random, good: bytes) -> tuple[str, bytes]:
     else:
         meta = dict(blob_header["__metadata__"])
         meta[SPEC_METADATA_KEY] = json.dumps(_edit(rng, json.loads(meta[SPEC_METADATA_KEY])))
-        return kind, container("result", header["fields"], {"local": join_blob({**blob_header, "__metadata__": meta},
-                                                                               data)})
+        return kind, container(
+            "result", header["fields"], {"local": join_blob({**blob_header, "__metadata__": meta}, data)}
+        )
     return kind, bytes(b)
 
 
@@ -273,16 +332,16 @@ def _mutate_frame(rng: random.Random, frame: bytes) -> tuple[str, bytes]:
             i = rng.randrange(4 + n + 64)
             b[i] ^= 1 << rng.randrange(8)
     elif kind == "truncate":
-        del b[rng.randrange(len(b)):]
+        del b[rng.randrange(len(b)) :]
     elif kind == "insert":
         i = rng.randrange(4 + n)
         b[i:i] = rng.randbytes(rng.randint(1, 32))
     elif kind == "length":
         b[:4] = rng.choice([n + rng.randint(-16, 16), rng.randrange(2**32)]).to_bytes(4, "little")
     else:
-        header = _edit(rng, json.loads(frame[4:4 + n]))
+        header = _edit(rng, json.loads(frame[4 : 4 + n]))
         raw = json.dumps(header).encode()
-        return kind, len(raw).to_bytes(4, "little") + raw + frame[4 + n:]
+        return kind, len(raw).to_bytes(4, "little") + raw + frame[4 + n :]
     return kind, bytes(b)
 
 
@@ -358,8 +417,9 @@ HOSTILE_SPECS = {  # each one escaped decode_result as a non-WireError before th
 }
 
 
-@pytest.mark.parametrize("case", ["spec metadata not a string", "metadata a list", "deeply nested header",
-                                  *HOSTILE_SPECS])
+@pytest.mark.parametrize(
+    "case", ["spec metadata not a string", "metadata a list", "deeply nested header", *HOSTILE_SPECS]
+)
 def test_hostile_blobs_are_refused_as_bad_weights(case):
     """Regression cases the fuzz loop found: a hostile blob header or spec is `bad_weights`, never a crash."""
     header, data = split_blob(safetensors_blob(own("a"), state_for(own("a"))))
@@ -382,8 +442,9 @@ def test_a_registration_whose_spec_cannot_be_built_is_refused(fleet, connect):
     and the client is not registered; a valid registration afterwards is."""
     b = connect("b", register=False)
     spec = json.loads(_spec_edit(_layer_args(2, 3, p=-1)))
-    payload = container("info", {"client_id": "b", "spec": spec, "profile": PROFILE, "num_train": NUM_TRAIN,
-                                 "num_test": NUM_TEST})
+    payload = container(
+        "info", {"client_id": "b", "spec": spec, "profile": PROFILE, "num_train": NUM_TRAIN, "num_test": NUM_TEST}
+    )
     assert refused(b, b.send("register", "register", 0, payload)).startswith("bad_spec:")
     assert "b" not in fleet.clients and dict(fleet.inbox.rejected) == {"bad_spec": 1}
     assert b.register(SPEC) is None and "b" in fleet.clients

@@ -12,6 +12,17 @@ import math
 
 import pytest
 import torch
+
+from device_profiles import get_profile
+from fedge import zoo
+from fedge.codec import decode_result
+from fedge.constants import NORM_OUTLIER_FACTOR
+from fedge.envelope import Envelope
+from fedge.messages import Result, Task, Weights
+from fedge.payloads import Expected
+from server.coordinator import rejection
+from server.fleet import Fleet
+
 from helpers.raw import (  # noqa: F401, F811 (broker, fleet and connect are pytest fixtures)
     CLIENTS,
     NUM_TRAIN,
@@ -32,16 +43,6 @@ from helpers.raw import (  # noqa: F401, F811 (broker, fleet and connect are pyt
     valid_result,
 )
 
-from fedge import zoo
-from fedge.constants import NORM_OUTLIER_FACTOR
-from device_profiles import get_profile
-from fedge.payloads import Expected
-from fedge.messages import Result, Task, Weights
-from fedge.codec import decode_result
-from fedge.envelope import Envelope
-from server.coordinator import rejection
-from server.fleet import Fleet
-
 pytestmark = pytest.mark.timeout(90)
 
 
@@ -51,6 +52,7 @@ def check(res):
 
 
 # ------------------------------------------------------------------------------------------------------ 17–20
+
 
 def _upload(spec, tensors, cid: str = "a", rnd: int = 1) -> bytes:
     """A result whose `local` blob holds these tensors under this spec, written without any check."""
@@ -87,8 +89,13 @@ def test_a_wrong_key_set_or_model_variant_never_reaches_aggregation(fleet, conne
         assert check(_result(state))[0] == "weights", name
     a = connect("a")
     ex, envs = open_round(fleet, [a], 1)
-    _refuse_all(fleet, a, envs["a"], {name: (_upload(own("a"), state), "do not match spec")
-                                      for name, state in cases.items()}, "bad_weights")
+    _refuse_all(
+        fleet,
+        a,
+        envs["a"],
+        {name: (_upload(own("a"), state), "do not match spec") for name, state in cases.items()},
+        "bad_weights",
+    )
 
     variant = zoo.create("mobilenet_v1", (1, 28, 28), 10).with_origin("a")  # about cnn1's size: passes the size cap
     assert a.wait_ack(a.answer(envs["a"], _upload(variant, state_for(variant))).msg_id) is None
@@ -105,9 +112,11 @@ def test_broadcastable_shapes_are_refused(fleet, connect):
     """§10.18: cnn1 has no (64,) / (64, 64) tensors, so the same holes are probed on its own shapes: (1,) for a
     (16,) bias and (10, 1) for a (10, 128) weight. Both would broadcast; both are refused."""
     state = state_for(own("a"))
-    cases = {"(1,) for (16,)": {**state, "blocks.0.0.bias": torch.zeros(1)},
-             "(10, 1) for (10, 128)": {**state, "blocks.3.0.weight": torch.zeros(10, 1)},
-             "(1, 128) for (10, 128)": {**state, "blocks.3.0.weight": torch.zeros(1, 128)}}
+    cases = {
+        "(1,) for (16,)": {**state, "blocks.0.0.bias": torch.zeros(1)},
+        "(10, 1) for (10, 128)": {**state, "blocks.3.0.weight": torch.zeros(10, 1)},
+        "(1, 128) for (10, 128)": {**state, "blocks.3.0.weight": torch.zeros(1, 128)},
+    }
     for name, bad in cases.items():
         assert check(_result(bad))[0] == "weights", name
     a = connect("a")
@@ -122,8 +131,10 @@ def test_weights_of_another_dtype_are_refused_not_cast(fleet, connect):
     """§10.19, policy: every tensor must have exactly the dtype its spec gives (float32 throughout cnn1). Nothing is
     cast: float64, int8, bool — and float16, which §6 would allow on the wire — are all refused."""
     state = state_for(own("a"))
-    cases = {str(dtype): {**state, "blocks.1.0.weight": state["blocks.1.0.weight"].to(dtype)}
-             for dtype in (torch.float64, torch.int8, torch.bool, torch.float16)}  # (a whole float64 model: too_large)
+    cases = {
+        str(dtype): {**state, "blocks.1.0.weight": state["blocks.1.0.weight"].to(dtype)}
+        for dtype in (torch.float64, torch.int8, torch.bool, torch.float16)
+    }  # (a whole float64 model: too_large)
     for name, bad in cases.items():
         assert check(_result(bad))[0] == "weights", name
     a = connect("a")
@@ -141,23 +152,34 @@ def test_a_single_non_finite_value_is_refused(fleet, connect):
         t = state[name].clone()
         t.view(-1)[t.numel() // 2] = value
         return {**state, name: t}
+
     cases = {"NaN": poisoned(math.nan), "+Inf": poisoned(math.inf, "blocks.3.0.bias"), "-Inf": poisoned(-math.inf)}
     for name, bad in cases.items():
         assert check(_result(bad))[0] == "weights", name
     a = connect("a")
     ex, envs = open_round(fleet, [a], 1)
-    _refuse_all(fleet, a, envs["a"], {n: (_upload(own("a"), s), "NaN or Inf") for n, s in cases.items()},
-                "bad_weights")
+    _refuse_all(fleet, a, envs["a"], {n: (_upload(own("a"), s), "NaN or Inf") for n, s in cases.items()}, "bad_weights")
     blob = safetensors_blob(own("a"), state)
-    nan_metric = container("result", None, {"local": blob}, header=json.dumps(  # json writes the NaN token
-        {"kind": "result", "fields": result_fields("a", 1, metrics={"train_loss": math.nan}),
-         "models": {"local": [0, len(blob)]}, "tensors": None}).encode())
+    nan_metric = container(
+        "result",
+        None,
+        {"local": blob},
+        header=json.dumps(  # json writes the NaN token
+            {
+                "kind": "result",
+                "fields": result_fields("a", 1, metrics={"train_loss": math.nan}),
+                "models": {"local": [0, len(blob)]},
+                "tensors": None,
+            }
+        ).encode(),
+    )
     assert refused(a, a.answer(envs["a"], nan_metric)).startswith("bad_value:")
     assert a.wait_ack(a.answer(envs["a"], valid_result("a", 1, own("a"))).msg_id) is None
     assert set(ex.results()) == {"a"}
 
 
 # ------------------------------------------------------------------------------------------------------ 21, 22
+
 
 @pytest.mark.parametrize("outlier, reason", [(1e6, "norm_bound"), (500, "norm_outlier")])
 def test_an_update_with_an_outlying_norm_is_rejected(fleet, connect, tmp_path, outlier, reason):
@@ -186,6 +208,7 @@ def test_num_examples_abuse_is_rejected(fleet, connect, tmp_path):
 
     def upload(rnd: int, n) -> bytes:
         return container("result", result_fields("a", rnd, num_examples=n), {"local": blob})
+
     ex, envs = open_round(fleet, [a], 1)
     for n in (-5, 3.7, 1e12, True):
         assert refused(a, a.answer(envs["a"], upload(1, n))).startswith("bad_format:"), n
@@ -197,8 +220,7 @@ def test_num_examples_abuse_is_rejected(fleet, connect, tmp_path):
         assert coord.accepted(ex.results(), {"a": Task("train", rnd)}) == {}, n
     assert coord.rejected == {"num_examples": 3} and dict(fleet.inbox.rejected) == {"bad_format": 4}
     for n in (3.7, -5):
-        assert check(_result(state_for(own("a")), num_examples=n))[0] \
-            == "num_examples"
+        assert check(_result(state_for(own("a")), num_examples=n))[0] == "num_examples"
 
     ex, envs = open_round(fleet, [a], 4)
     assert a.wait_ack(a.answer(envs["a"], upload(4, NUM_TRAIN)).msg_id) is None

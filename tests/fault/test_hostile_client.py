@@ -11,6 +11,15 @@ import time
 
 import psutil
 import pytest
+
+from fedge.checkpoint import load_tree, nonfinite
+from fedge.codec import decode_result, encode_info, encode_result
+from fedge.constants import MAX_CLOCK_SKEW_S, PENDING_SENDER_BYTES, PENDING_TOTAL_BYTES
+from fedge.envelope import Envelope
+from fedge.messages import ClientInfo, Result, Weights
+from fedge.zoo import create
+from launch.runs import load_partitioned
+
 from helpers.federation import Federation, make_config, read_rows
 from helpers.raw import (  # noqa: F401, F811 (broker, fleet and connect are pytest fixtures)
     ONE_FRAME,
@@ -29,14 +38,6 @@ from helpers.raw import (  # noqa: F401, F811 (broker, fleet and connect are pyt
     valid_result,
     wait_for,
 )
-
-from fedge.checkpoint import load_tree, nonfinite
-from fedge.constants import MAX_CLOCK_SKEW_S, PENDING_SENDER_BYTES, PENDING_TOTAL_BYTES
-from fedge.messages import ClientInfo, Result, Weights
-from launch.runs import load_partitioned
-from fedge.codec import decode_result, encode_info, encode_result
-from fedge.envelope import Envelope
-from fedge.zoo import create
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -67,8 +68,10 @@ def test_a_flood_of_padded_partial_frames_is_held_to_the_senders_budget(fleet, c
     joiner = fleet.inbox.joiner
     wait_for(lambda: joiner.pending + joiner.evicted["c"] == FLOOD_FRAMES, "every flood frame to arrive")
     peak = max(peak, rss())
-    print(f"RSS {before / 2**20:.0f} MiB before the flood, peak {peak / 2**20:.0f} MiB; held by c "
-          f"{joiner.held['c'] / 2**20:.1f} MiB in {joiner.pending} partials, evicted {joiner.evicted}")
+    print(
+        f"RSS {before / 2**20:.0f} MiB before the flood, peak {peak / 2**20:.0f} MiB; held by c "
+        f"{joiner.held['c'] / 2**20:.1f} MiB in {joiner.pending} partials, evicted {joiner.evicted}"
+    )
     assert joiner.held["c"] <= PENDING_SENDER_BYTES and joiner.held_total <= PENDING_TOTAL_BYTES
     assert joiner.evicted["c"] >= FLOOD_FRAMES - PENDING_SENDER_BYTES // PADDED_HEADER_BYTES
     assert set(joiner.evicted) == {"c"}
@@ -108,8 +111,15 @@ def test_a_second_client_process_with_the_same_id_takes_over_and_the_first_stops
     that one to stop; it exits 2 naming the cause; the other serves client 1 to the end; no round waits for its
     deadline."""
     rounds = 10
-    cfg = make_config(tmp_path / "run", clients=2, rounds=rounds, local_epochs=2, max_samples_per_client=400,
-                      round_deadline_s=120.0, heartbeat_s=1.0)
+    cfg = make_config(
+        tmp_path / "run",
+        clients=2,
+        rounds=rounds,
+        local_epochs=2,
+        max_samples_per_client=400,
+        round_deadline_s=120.0,
+        heartbeat_s=1.0,
+    )
     with Federation(tmp_path / "fed", cfg, embedded=embedded) as fed:
         zero = fed.start_clients(["0"])
         twins = [fed.start_clients(["1"], name=f"twin-{k}") for k in (1, 2)]
@@ -153,8 +163,9 @@ class Hostile:
             else:
                 sent = task.models["global"]
                 huge = {k: v * self.scale if v.is_floating_point() else v for k, v in sent.state.items()}
-                result = Result("1", task.round, task.type, self.num_train, {"train_loss": 0.1},
-                                {"local": Weights(self.spec, huge)})
+                result = Result(
+                    "1", task.round, task.type, self.num_train, {"train_loss": 0.1}, {"local": Weights(self.spec, huge)}
+                )
             self.client.answer(env, encode_result(result))
 
 
@@ -194,8 +205,11 @@ def test_a_registration_claiming_another_data_size_is_refused(tmp_path, monkeypa
         server = fed.start_server(monkeypatch)
         hostile = Hostile(fed, len(shard.train), len(shard.test))
         refusal = hostile.register(num_train=1_000_000)
-        assert refusal is not None and f"claims 1000000 training and {len(shard.test)} test examples; its shard" \
-            in refusal and f"has {len(shard.train)} and {len(shard.test)}" in refusal, refusal
+        assert (
+            refusal is not None
+            and f"claims 1000000 training and {len(shard.test)} test examples; its shard" in refusal
+            and f"has {len(shard.train)} and {len(shard.test)}" in refusal
+        ), refusal
         assert hostile.register() is None
         assert server.fleet.inbox.rejected == {"bad_spec": 1} and "1" in server.fleet.clients
         hostile.client.close()

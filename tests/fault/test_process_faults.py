@@ -17,29 +17,30 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.brokers import MosquittoProcess, close, mqtt_client, publish, subscribe
-from helpers.federation import Federation, make_config, read_rows, run_inproc, trained_by_round, wait_until
-from helpers.proxy import TcpProxy
 
 from edge_client.session import MAX_SENDS
 from fedge import topics
-from fedge.chunks import frames, unframe
-from fedge.codec import decode_result, encode_info, encode_result, encode_status
-from fedge.envelope import Envelope, chunk_digests, root_sha256
 from fedge.access import generate_users
 from fedge.checkpoint import load_tree
-from launch.cli import USER_ERRORS
+from fedge.chunks import frames, unframe
+from fedge.codec import decode_result, encode_info, encode_result, encode_status
 from fedge.constants import CHUNK_SIZE, MAX_PAYLOAD_BYTES, RECONNECT_GRACE_S
-from launch.client import client_agents
-from server.registration import registration_check
+from fedge.envelope import Envelope, chunk_digests, root_sha256
 from fedge.layers import LayerSpec
 from fedge.messages import Result, Weights
 from fedge.mqtt import Broker, Endpoint, Inbox, connector
 from fedge.spec import make_spec, tensor_shapes
 from fedge.zoo import create
+from launch.cli import USER_ERRORS
+from launch.client import client_agents
 from server.coordinator import RoundFailed
 from server.fleet import Fleet
+from server.registration import registration_check
 from server.runlog import CHECKPOINT_FILE
+
+from helpers.brokers import MosquittoProcess, close, mqtt_client, publish, subscribe
+from helpers.federation import Federation, make_config, read_rows, run_inproc, trained_by_round, wait_until
+from helpers.proxy import TcpProxy
 
 ALL = ["0", "1", "2"]
 COMPARED = ("round", "client", "trained", "accuracy", "loss", "num_examples")  # what a model change would move
@@ -69,10 +70,14 @@ def upload_bytes(model: str = "cnn1") -> int:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("sig, persistence", [(signal.SIGTERM, True), (signal.SIGKILL, False)],
-                         ids=["graceful-restart-persistent", "crash-no-persistence"])
-def test_broker_restart_mid_round_loses_no_update_and_duplicates_none(tmp_path, monkeypatch, reference, sig,
-                                                                        persistence):
+@pytest.mark.parametrize(
+    "sig, persistence",
+    [(signal.SIGTERM, True), (signal.SIGKILL, False)],
+    ids=["graceful-restart-persistent", "crash-no-persistence"],
+)
+def test_broker_restart_mid_round_loses_no_update_and_duplicates_none(
+    tmp_path, monkeypatch, reference, sig, persistence
+):
     deadline = 40.0
     cfg = make_config(tmp_path / "run", round_deadline_s=deadline)
     down_s = 3.0
@@ -106,10 +111,12 @@ def test_broker_restart_mid_round_loses_no_update_and_duplicates_none(tmp_path, 
         assert server.error is None, f"the run failed: {server.error!r}"
         assert restarted.is_set()
         round1 = next(e for e in server.fleet.exchanges if (e.round, e.type) == (1, "train"))
-        print(f"broker {sig.name}: down for {events['restarted'] - events['down']:.2f} s; the server reconnected "
-              f"{server.fleet.link.connected_at - events['restarted']:.2f} s after it was back, round 1 closed "
-              f"{round1.end - events['restarted']:.2f} s after it was back; rejected "
-              f"{server.summary['rejected_messages']}")
+        print(
+            f"broker {sig.name}: down for {events['restarted'] - events['down']:.2f} s; the server reconnected "
+            f"{server.fleet.link.connected_at - events['restarted']:.2f} s after it was back, round 1 closed "
+            f"{round1.end - events['restarted']:.2f} s after it was back; rejected "
+            f"{server.summary['rejected_messages']}"
+        )
     assert round1.replied == ALL and round1.end < round1.start + deadline  # closed by replies, not the deadline
     assert trained_by_round(cfg.out) == {0: ALL, 1: ALL}  # each client's update aggregated exactly once a round
     assert server.summary["failed_rounds"] == [] and server.summary["transport"].get("deadline_missed", 0) == 0
@@ -143,8 +150,10 @@ def test_link_cut_mid_upload_is_completed_after_reconnect_and_aggregated_once(tm
 
         assert server.error is None, f"the run failed: {server.error!r}"
         round1 = next(e for e in fleet.exchanges if (e.round, e.type) == (1, "train"))
-        print(f"cut after {half} of ~{2 * half} upload bytes; round 1 closed {round1.seconds:.2f} s after its tasks; "
-              f"{fleet.inbox.joiner.duplicates} duplicate chunks ignored; rejected {dict(fleet.inbox.rejected)}")
+        print(
+            f"cut after {half} of ~{2 * half} upload bytes; round 1 closed {round1.seconds:.2f} s after its tasks; "
+            f"{fleet.inbox.joiner.duplicates} duplicate chunks ignored; rejected {dict(fleet.inbox.rejected)}"
+        )
         assert "disconnected" in client2.log()
     assert not seen["accepted"]
     assert proxy.cuts == 1 and proxy.accepted == 2  # one cut, one reconnect
@@ -214,8 +223,12 @@ def test_straggler_is_cut_off_at_the_deadline_every_round_and_its_late_reply_dis
     assert server.error is None, f"the run failed: {server.error!r}"
     seconds = [round(e.seconds, 2) for e in fleet.exchanges]
     print(f"exchanges (train/evaluate per round) closed after {seconds} s with a {deadline:g} s deadline")
-    assert [(e.round, e.type) for e in fleet.exchanges] == [(0, "train"), (0, "evaluate"), (1, "train"),
-                                                            (1, "evaluate")]
+    assert [(e.round, e.type) for e in fleet.exchanges] == [
+        (0, "train"),
+        (0, "evaluate"),
+        (1, "train"),
+        (1, "evaluate"),
+    ]
     for e in fleet.exchanges:  # every round waits for the straggler exactly as long as the deadline, no longer
         assert e.sent == ALL and e.replied == ["0", "1"]
         assert abs(e.seconds - deadline) <= 1.0, e
@@ -296,8 +309,14 @@ def test_liveness_via_will_status_and_heartbeats(tmp_path):
     dead: dict[str, float] = {}  # client → seconds until Fleet.alive() turned False
     offline: dict[str, float] = {}  # client → seconds until it was in Fleet.offline (will or status message)
     with Federation(tmp_path, cfg) as fed, TcpProxy(fed.broker.port) as proxy:
-        fleet = Fleet(connector(fed.credentials("server"), cfg.keepalive_s), cfg.run_id, registration_check(),
-                      cfg.round_deadline_s, cfg.heartbeat_s, cfg.chunk_size)
+        fleet = Fleet(
+            connector(fed.credentials("server"), cfg.keepalive_s),
+            cfg.run_id,
+            registration_check(),
+            cfg.round_deadline_s,
+            cfg.heartbeat_s,
+            cfg.chunk_size,
+        )
         fleet.start(10)
         try:
             crashing, leaving = fed.start_clients(["0"]), fed.start_clients(["1"])
@@ -322,8 +341,10 @@ def test_liveness_via_will_status_and_heartbeats(tmp_path):
             assert leaving.wait() == 0
         finally:
             fleet.link.stop()
-    print(f"alive() False after {dead}, in the offline set after {offline} (s); keep-alive {keepalive} s, "
-          f"bound {bound:g} s")
+    print(
+        f"alive() False after {dead}, in the offline set after {offline} (s); keep-alive {keepalive} s, "
+        f"bound {bound:g} s"
+    )
     assert offline["0"] <= bound
     assert offline["1"] <= 1.0  # immediately: the status message (a clean exit publishes no will)
     assert dead["2"] <= bound  # the server's own heartbeat check
@@ -336,13 +357,19 @@ def test_liveness_via_will_status_and_heartbeats(tmp_path):
 
 def big_state(out_features: int = 3200, in_features: int = 4096) -> Weights:
     """A two-layer linear model of ~52 MB of float32 (13.1 M parameters), seeded random."""
-    spec = make_spec("big", (1, 1, in_features), 10, [
-        ("fc1", [LayerSpec("flatten"), LayerSpec("linear", {"out_features": out_features})]),
-        ("fc2", [LayerSpec("linear", {"out_features": 10})]),
-    ])
+    spec = make_spec(
+        "big",
+        (1, 1, in_features),
+        10,
+        [
+            ("fc1", [LayerSpec("flatten"), LayerSpec("linear", {"out_features": out_features})]),
+            ("fc2", [LayerSpec("linear", {"out_features": 10})]),
+        ],
+    )
     g = torch.Generator().manual_seed(0)
-    return Weights(spec, {k: torch.randn(shape, generator=g).to(dtype)
-                          for k, (shape, dtype) in tensor_shapes(spec).items()})
+    return Weights(
+        spec, {k: torch.randn(shape, generator=g).to(dtype) for k, (shape, dtype) in tensor_shapes(spec).items()}
+    )
 
 
 RESEND_S = 5.0  # the sender re-sends the same message when it did not get through in this long (as EdgeClient does)
@@ -368,10 +395,15 @@ def test_a_52_mb_model_crosses_the_broker_in_chunks_bitwise(tmp_path):
 
     with MosquittoProcess(tmp_path / "mosquitto", users, print_log=True) as broker:
         inbox = Inbox(run, lambda kind, client, env: MAX_PAYLOAD_BYTES)
-        server = Endpoint(Broker("127.0.0.1", broker.port, username="server", password=users["server"]), "server",
-                          topics.uplink_filters(run), on_frame)
-        client = Endpoint(Broker("127.0.0.1", broker.port, username="a", password=users["a"]), "a", [],
-                          lambda topic, data: None)
+        server = Endpoint(
+            Broker("127.0.0.1", broker.port, username="server", password=users["server"]),
+            "server",
+            topics.uplink_filters(run),
+            on_frame,
+        )
+        client = Endpoint(
+            Broker("127.0.0.1", broker.port, username="a", password=users["a"]), "a", [], lambda topic, data: None
+        )
         server.start(10)
         client.start(10)
         try:
@@ -387,8 +419,10 @@ def test_a_52_mb_model_crosses_the_broker_in_chunks_bitwise(tmp_path):
         finally:
             client.stop()
             server.stop()
-    print(f"{len(payload) / 1e6:.1f} MB in {env.chunks} chunks in {seconds:.2f} s "
-          f"({len(payload) / 1e6 / seconds:.0f} MB/s); {sends} send(s), {len(frames)} frames arrived")
+    print(
+        f"{len(payload) / 1e6:.1f} MB in {env.chunks} chunks in {seconds:.2f} s "
+        f"({len(payload) / 1e6 / seconds:.0f} MB/s); {sends} send(s), {len(frames)} frames arrived"
+    )
     (delivery,) = arrived
     assert env.chunks > 1 and not inbox.rejected
     assert bytes(delivery.payload) == payload and root_sha256(chunk_digests(payload, CHUNK_SIZE)) == env.sha256

@@ -6,9 +6,10 @@ import json
 import signal
 
 import pytest
-from helpers.federation import Federation, make_config, wait_until
 
 from fedge.checkpoint import CheckpointError, load_tree, save_tree, tree_digest
+
+from helpers.federation import Federation, make_config, wait_until
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -31,8 +32,15 @@ def run_uninterrupted(tmp_path, cfg) -> dict:
 
 
 def test_server_killed_mid_run_resumes_to_the_uninterrupted_result(tmp_path):
-    settings = dict(strategy="pfedclub", zoo="I", dataset="digits", rounds=3, max_samples_per_client=None,
-                    round_deadline_s=60.0, seed=11)
+    settings = dict(
+        strategy="pfedclub",
+        zoo="I",
+        dataset="digits",
+        rounds=3,
+        max_samples_per_client=None,
+        round_deadline_s=60.0,
+        seed=11,
+    )
     reference = run_uninterrupted(tmp_path / "fed-ref", make_config(tmp_path / "reference", **settings))
     cfg = make_config(tmp_path / "run", **settings)
     out = tmp_path / "run"
@@ -56,10 +64,13 @@ def test_server_killed_mid_run_resumes_to_the_uninterrupted_result(tmp_path):
     assert sorted(set(rounds)) == [0, 1, 2] and rounds == sorted(rounds)  # no round lost or written twice
 
 
-@pytest.mark.parametrize("checkpoint, error", [
-    (b"\x00garbage" * 100, "cannot be read"),
-    ({"strategy": "local", "clients": ["0", "1", "2"], "seed": 0, "active": 3}, "written with strategy='local'"),
-])
+@pytest.mark.parametrize(
+    "checkpoint, error",
+    [
+        (b"\x00garbage" * 100, "cannot be read"),
+        ({"strategy": "local", "clients": ["0", "1", "2"], "seed": 0, "active": 3}, "written with strategy='local'"),
+    ],
+)
 def test_a_bad_checkpoint_is_reported_before_waiting_for_the_fleet(tmp_path, checkpoint, error):
     cfg = make_config(tmp_path / "run", register_timeout_s=600.0)  # no client ever comes: only the check can end it
     out = tmp_path / "run"

@@ -19,16 +19,17 @@ import uuid
 import paho.mqtt.client as mqtt
 import psutil
 import pytest
-from helpers.brokers import TIMEOUT_S, protocol_of
-from helpers.federation import Federation, make_config, read_rows
-from helpers.raw import padded_frame
 from paho.mqtt.enums import CallbackAPIVersion
 
 from fedge import topics
-from fedge.messages import Task
 from fedge.chunks import frames
 from fedge.codec import encode_status, encode_task
 from fedge.envelope import Envelope
+from fedge.messages import Task
+
+from helpers.brokers import TIMEOUT_S, protocol_of
+from helpers.federation import Federation, make_config, read_rows
+from helpers.raw import padded_frame
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -74,12 +75,21 @@ class Attacker:
         stop_task = encode_task(Task("stop", 0))
         offline = encode_status("offline", uuid.uuid4().hex)
         forged = [
-            (topics.client_topic(self.run, topics.DOWNLINK, "0"),
-             frames(Envelope.new(self.run, 0, "task", topics.SERVER_ID, stop_task), stop_task)[0], False),
-            (topics.server_topic(self.run),
-             frames(Envelope.new(self.run, 0, "status", topics.SERVER_ID, offline), offline)[0], False),
-            (topics.client_topic(self.run, "status", ATTACKER),
-             frames(Envelope.new(self.run, 0, "status", ATTACKER, offline), offline)[0], True),
+            (
+                topics.client_topic(self.run, topics.DOWNLINK, "0"),
+                frames(Envelope.new(self.run, 0, "task", topics.SERVER_ID, stop_task), stop_task)[0],
+                False,
+            ),
+            (
+                topics.server_topic(self.run),
+                frames(Envelope.new(self.run, 0, "status", topics.SERVER_ID, offline), offline)[0],
+                False,
+            ),
+            (
+                topics.client_topic(self.run, "status", ATTACKER),
+                frames(Envelope.new(self.run, 0, "status", ATTACKER, offline), offline)[0],
+                True,
+            ),
         ]
         for will in forged:
             client, code = self._client(will)
@@ -161,9 +171,11 @@ def test_a_federation_completes_while_one_authenticated_device_floods_and_forges
         assert clients.wait(30) == 0, clients.log()
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     rows = read_rows(tmp_path / "run")
-    print(f"attacker: {attacker.frames} frames, will CONNACKs {sorted(set(attacker.will_connacks))}; server RSS "
-          f"{baseline / 2**20:.0f} MiB at start, peak {max(samples) / 2**20:.0f} MiB; summary {summary['transport']}, "
-          f"rejected {summary['rejected_messages']}, evicted {summary.get('evicted_messages')}")
+    print(
+        f"attacker: {attacker.frames} frames, will CONNACKs {sorted(set(attacker.will_connacks))}; server RSS "
+        f"{baseline / 2**20:.0f} MiB at start, peak {max(samples) / 2**20:.0f} MiB; summary {summary['transport']}, "
+        f"rejected {summary['rejected_messages']}, evicted {summary.get('evicted_messages')}"
+    )
     assert attacker.frames >= 200, "the attack did not get going"
     assert sorted({r["round"] for r in rows}) == list(range(ROUNDS))  # every round completed ...
     assert all(r["trained"] for r in rows), [r for r in rows if not r["trained"]]  # ... with every client

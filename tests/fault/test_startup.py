@@ -4,6 +4,7 @@ registration timeout, then exits with a clear one-line status (no unbounded wait
 import time
 
 import pytest
+
 from helpers.federation import Federation, make_config
 
 pytestmark = pytest.mark.timeout(120)

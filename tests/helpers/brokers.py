@@ -73,18 +73,31 @@ class MosquittoProcess:
     fixture's output is shown by pytest only for a failed test).
     """
 
-    def __init__(self, directory: Path, users: dict[str, str], port: int | None = None, *,
-                 tls: TlsFiles | None = None, persistence: bool = False, server_user: str = DEFAULT_SERVER_USER,
-                 print_log: bool = False) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        users: dict[str, str],
+        port: int | None = None,
+        *,
+        tls: TlsFiles | None = None,
+        persistence: bool = False,
+        server_user: str = DEFAULT_SERVER_USER,
+        print_log: bool = False,
+    ) -> None:
         require_mosquitto()  # every test that starts one skips without Mosquitto (fails under FEDGE_REQUIRE_MOSQUITTO)
         self.directory = Path(directory)
         self.users = users
         self.port = port or free_port()
         self.print_log = print_log
         self.conf = write_mosquitto_config(
-            self.directory, users, port=self.port, tls=tls, server_user=server_user,
+            self.directory,
+            users,
+            port=self.port,
+            tls=tls,
+            server_user=server_user,
             persistence_dir=self.directory / "db" if persistence else None,
-            run_as=pwd.getpwuid(os.getuid()).pw_name)  # as root, Mosquitto would switch to "mosquitto" otherwise
+            run_as=pwd.getpwuid(os.getuid()).pw_name,
+        )  # as root, Mosquitto would switch to "mosquitto" otherwise
         if persistence:
             (self.directory / "db").mkdir(exist_ok=True)
         self.log_path = self.directory / "mosquitto.log"
@@ -148,8 +161,8 @@ class MosquittoProcess:
 class Inbox:
     """What a test client received: messages, CONNACK and SUBACK reason codes (paho's userdata)."""
 
-    messages: "queue.Queue[mqtt.MQTTMessage]" = field(default_factory=queue.Queue)
-    connack: "queue.Queue[int]" = field(default_factory=queue.Queue)
+    messages: queue.Queue[mqtt.MQTTMessage] = field(default_factory=queue.Queue)
+    connack: queue.Queue[int] = field(default_factory=queue.Queue)
     subacks: dict[int, list[int]] = field(default_factory=dict)
     suback_arrived: threading.Condition = field(default_factory=threading.Condition)
 
@@ -168,8 +181,14 @@ def _on_message(client, inbox: Inbox, message) -> None:
     inbox.messages.put(message)
 
 
-def _client(url: str, username: str | None, password: str | None, client_id: str | None,
-            protocol: mqtt.MQTTProtocolVersion, ca_certs: Path | None) -> tuple[mqtt.Client, int]:
+def _client(
+    url: str,
+    username: str | None,
+    password: str | None,
+    client_id: str | None,
+    protocol: mqtt.MQTTProtocolVersion,
+    ca_certs: Path | None,
+) -> tuple[mqtt.Client, int]:
     """A paho client after its first CONNACK (or connection loss): the client and the CONNACK code (-1: none)."""
     inbox = Inbox()
     client_id = client_id if client_id is not None else (username or "")
@@ -191,8 +210,14 @@ def _client(url: str, username: str | None, password: str | None, client_id: str
     return client, code
 
 
-def connack_code(url: str, username: str | None, password: str | None = None, client_id: str | None = None,
-                 protocol: mqtt.MQTTProtocolVersion = mqtt.MQTTv5, ca_certs: Path | None = None) -> int:
+def connack_code(
+    url: str,
+    username: str | None,
+    password: str | None = None,
+    client_id: str | None = None,
+    protocol: mqtt.MQTTProtocolVersion = mqtt.MQTTv5,
+    ca_certs: Path | None = None,
+) -> int:
     """The broker's CONNACK reason code for this login (0 accepted, ≥ 1 refused, -1 connection lost); disconnects."""
     try:
         client, code = _client(url, username, password, client_id, protocol, ca_certs)
@@ -202,8 +227,14 @@ def connack_code(url: str, username: str | None, password: str | None = None, cl
     return code
 
 
-def mqtt_client(url: str, username: str, password: str, client_id: str | None = None,
-                protocol: mqtt.MQTTProtocolVersion = mqtt.MQTTv5, ca_certs: Path | None = None) -> mqtt.Client:
+def mqtt_client(
+    url: str,
+    username: str,
+    password: str,
+    client_id: str | None = None,
+    protocol: mqtt.MQTTProtocolVersion = mqtt.MQTTv5,
+    ca_certs: Path | None = None,
+) -> mqtt.Client:
     """A connected paho client (callback API 2, loop running) whose userdata is an Inbox; AssertionError if refused.
 
     The client id defaults to the username, as fedge requires.

@@ -20,10 +20,30 @@ def teacher_logits(n: int, seed: int = 1) -> torch.Tensor:
     return 3 * torch.randn(n, 10, generator=torch.Generator().manual_seed(seed))
 
 
-POOLS = make_spec("pools", (1, 9, 9), 10, [
-    ("c1", [L("conv2d", {"out_channels": 4, "kernel_size": 3, "padding": 1}), L("relu"),
-            L("maxpool", {"kernel_size": 2})]),                                  # 9 → 4 (odd side is cropped)
-    ("c2", [L("conv2d", {"out_channels": 6, "kernel_size": 3, "padding": 1}), L("relu"),
-            L("avgpool", {"kernel_size": 2}), L("adaptive_avgpool"), L("flatten"),
-            L("dropout", {"p": 0.5}), L("linear", {"out_features": 10})]),
-])
+POOLS = make_spec(
+    "pools",
+    (1, 9, 9),
+    10,
+    [
+        (
+            "c1",
+            [
+                L("conv2d", {"out_channels": 4, "kernel_size": 3, "padding": 1}),
+                L("relu"),
+                L("maxpool", {"kernel_size": 2}),
+            ],
+        ),  # 9 → 4 (odd side is cropped)
+        (
+            "c2",
+            [
+                L("conv2d", {"out_channels": 6, "kernel_size": 3, "padding": 1}),
+                L("relu"),
+                L("avgpool", {"kernel_size": 2}),
+                L("adaptive_avgpool"),
+                L("flatten"),
+                L("dropout", {"p": 0.5}),
+                L("linear", {"out_features": 10}),
+            ],
+        ),
+    ],
+)

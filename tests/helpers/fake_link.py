@@ -21,11 +21,11 @@ from paho.mqtt.client import topic_matches_sub
 
 from edge_client.session import EdgeClient
 from fedge import topics, zoo
+from fedge.chunks import iter_frames, unframe
 from fedge.constants import CHUNK_SIZE
+from fedge.envelope import Envelope
 from fedge.link import OnFrame
 from fedge.messages import ClientInfo, Result, Task
-from fedge.chunks import iter_frames, unframe
-from fedge.envelope import Envelope
 from server.fleet import Fleet
 
 Drop = Callable[[str, Envelope], bool]
@@ -38,8 +38,15 @@ class FakeLink:
     """One connection to a FakeBroker (a fedge.link.Link). `crash()` vanishes without stopping: the broker
     publishes the will."""
 
-    def __init__(self, net: FakeBroker, client_id: str, subscriptions: list[str], on_frame: OnFrame,
-                 on_connect: Callable[[], None], will: tuple[str, bytes] | None) -> None:
+    def __init__(
+        self,
+        net: FakeBroker,
+        client_id: str,
+        subscriptions: list[str],
+        on_frame: OnFrame,
+        on_connect: Callable[[], None],
+        will: tuple[str, bytes] | None,
+    ) -> None:
         self.net, self.client_id, self.subscriptions = net, client_id, list(subscriptions)
         self.on_frame, self.on_connect, self.will = on_frame, on_connect, will
         self.broker = "memory"
@@ -54,10 +61,26 @@ class FakeLink:
             self.connected.set()
         self.on_connect()
 
-    def publish(self, topic: str, type: str, round: int, payload: bytes, reply_to: str | None = None,
-                chunk_size: int = CHUNK_SIZE, sender: str | None = None, run: str | None = None) -> Envelope:
-        env = Envelope.new(run or topics.parse(topic)[0], round, type, sender or self.client_id, payload,
-                           reply_to=reply_to, chunk_size=chunk_size)
+    def publish(
+        self,
+        topic: str,
+        type: str,
+        round: int,
+        payload: bytes,
+        reply_to: str | None = None,
+        chunk_size: int = CHUNK_SIZE,
+        sender: str | None = None,
+        run: str | None = None,
+    ) -> Envelope:
+        env = Envelope.new(
+            run or topics.parse(topic)[0],
+            round,
+            type,
+            sender or self.client_id,
+            payload,
+            reply_to=reply_to,
+            chunk_size=chunk_size,
+        )
         self.send(topic, env, payload, chunk_size)
         return env
 
@@ -89,8 +112,14 @@ class FakeBroker:
         self.drops: list[Drop] = []
         self.lock = threading.RLock()
 
-    def connect(self, client_id: str, subscriptions: list[str], on_frame: OnFrame, on_connect: Callable[[], None],
-                will: tuple[str, bytes] | None) -> FakeLink:
+    def connect(
+        self,
+        client_id: str,
+        subscriptions: list[str],
+        on_frame: OnFrame,
+        on_connect: Callable[[], None],
+        will: tuple[str, bytes] | None,
+    ) -> FakeLink:
         link = FakeLink(self, client_id, subscriptions, on_frame, on_connect, will)
         with self.lock:
             self.links.append(link)
@@ -179,8 +208,9 @@ class FakeFederation:
     heartbeat or liveness timeout happens during a test unless the test makes it; a round's deadline is WAIT_S
     unless given, so a round that waits for what it should not fails as a missed deadline, not a hang."""
 
-    def __init__(self, check_info: Callable[[ClientInfo], str | None] = lambda info: None,
-                 **fleet_options: float) -> None:
+    def __init__(
+        self, check_info: Callable[[ClientInfo], str | None] = lambda info: None, **fleet_options: float
+    ) -> None:
         self.net = FakeBroker()
         options = {"heartbeat_s": 60.0, "deadline_s": WAIT_S} | fleet_options
         self.fleet = Fleet(self.net.connect, RUN, check_info, **options)

@@ -22,18 +22,18 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from helpers.brokers import MosquittoProcess
-
 from fedge.access import generate_users
-from fedge.embedded_broker import EmbeddedBroker
 from fedge.config import RunConfig, config_from
+from fedge.embedded_broker import EmbeddedBroker
+from fedge.files import atomic_write
 from fedge.messages import Result, Task
 from fedge.mqtt import Broker
 from launch import federation, server
 from launch.simulation import run_simulation
-from server.strategy import STRATEGIES
-from fedge.files import atomic_write
 from server.fleet import Fleet, FleetError
+from server.strategy import STRATEGIES
+
+from helpers.brokers import MosquittoProcess
 
 REPO = Path(__file__).resolve().parents[2]
 POLL_S = 0.05
@@ -45,10 +45,23 @@ def make_config(out: Path, **overrides: Any) -> RunConfig:
     1 s heartbeats, a 15 s round deadline, one epoch of stitch fine-tuning for the strategies that have it; every
     field and option can be overridden."""
     values: dict[str, Any] = dict(
-        strategy="fedavg", dataset="mnist-5k", zoo="cnn1", clients=3, rounds=2, local_epochs=1,
-        max_samples_per_client=64, max_public_samples=64, batch_size=32, device="cpu",
-        heartbeat_s=1.0, round_deadline_s=15.0, register_timeout_s=60.0, round_retries=0,
-        run_id=f"fault{os.getpid()}x{time.monotonic_ns() % 10**6}", out=str(out))
+        strategy="fedavg",
+        dataset="mnist-5k",
+        zoo="cnn1",
+        clients=3,
+        rounds=2,
+        local_epochs=1,
+        max_samples_per_client=64,
+        max_public_samples=64,
+        batch_size=32,
+        device="cpu",
+        heartbeat_s=1.0,
+        round_deadline_s=15.0,
+        register_timeout_s=60.0,
+        round_retries=0,
+        run_id=f"fault{os.getpid()}x{time.monotonic_ns() % 10**6}",
+        out=str(out),
+    )
     values.update(overrides)
     values.setdefault("active", values["clients"])
     if "finetune_epochs" in {o for o, *_ in STRATEGIES.get(values["strategy"]).options_type.describe()}:
@@ -160,8 +173,16 @@ class RecordingFleet(Fleet):
         self._unsent = len(tasks)
         start = time.monotonic()
         results = super().exchange(tasks, limits)
-        self.exchanges.append(Exchange(first.round if first else -1, first.type if first else "",
-                                       sorted(tasks), sorted(results), start, time.monotonic()))
+        self.exchanges.append(
+            Exchange(
+                first.round if first else -1,
+                first.type if first else "",
+                sorted(tasks),
+                sorted(results),
+                start,
+                time.monotonic(),
+            )
+        )
         return results
 
     def abort(self) -> None:
@@ -200,8 +221,11 @@ class ServerThread:
 
     def start(self) -> ServerThread:
         self.thread.start()
-        wait_until(lambda: self.fleet is not None and self.fleet.link.connected.is_set() or self.error,
-                   30, "the server to connect to the broker")
+        wait_until(
+            lambda: self.fleet is not None and self.fleet.link.connected.is_set() or self.error,
+            30,
+            "the server to connect to the broker",
+        )
         if self.error is not None:
             raise AssertionError(f"the server did not start: {self.error!r}") from self.error
         return self
@@ -295,8 +319,11 @@ class Federation:
     def __post_init__(self) -> None:
         self.tmp = Path(self.tmp)
         self.users = generate_users([*(str(i) for i in range(self.cfg.clients)), *self.extra_users])
-        self.broker = EmbeddedBroker(users=self.users) if self.embedded else \
-            MosquittoProcess(self.tmp / "mosquitto", self.users, persistence=self.persistence, print_log=True)
+        self.broker = (
+            EmbeddedBroker(users=self.users)
+            if self.embedded
+            else MosquittoProcess(self.tmp / "mosquitto", self.users, persistence=self.persistence, print_log=True)
+        )
         self.tmp.mkdir(parents=True, exist_ok=True)
         self.secrets, self.config = self.tmp / "passwords", self.tmp / "config.json"
         federation.write_secrets(self.secrets, self.users)
@@ -328,12 +355,26 @@ class Federation:
 
     def start_server_process(self, *extra: str) -> Process:
         """`fedge -v server` as a subprocess (its summary or error goes to its log)."""
-        cmd = [sys.executable, "-m", "launch.cli", "-v", "server", "--broker", self.broker.url, "--password-file",
-               str(self.secrets), "--config", str(self.config), "--no-progress", *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "launch.cli",
+            "-v",
+            "server",
+            "--broker",
+            self.broker.url,
+            "--password-file",
+            str(self.secrets),
+            "--config",
+            str(self.config),
+            "--no-progress",
+            *extra,
+        ]
         return self._spawn("server", cmd)
 
-    def start_clients(self, ids: list[str], port: int | None = None, settings: Mapping[str, Any] = (),
-                      name: str | None = None) -> Process:
+    def start_clients(
+        self, ids: list[str], port: int | None = None, settings: Mapping[str, Any] = (), name: str | None = None
+    ) -> Process:
         """One `fedge -v client` process serving `ids`, through a proxy on `port` if given; `settings` are
         extra `--set key=value` overrides for this process only."""
         url = f"mqtt://127.0.0.1:{port or self.broker.port}"
@@ -346,8 +387,14 @@ class Federation:
     def _spawn(self, name: str, cmd: list[str]) -> Process:
         log_path = self.tmp / f"{name}.log"
         with log_path.open("ab") as log:
-            popen = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                     env=os.environ | {"PYTHONUNBUFFERED": "1"}, preexec_fn=default_sigint)
+            popen = subprocess.Popen(
+                cmd,
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=os.environ | {"PYTHONUNBUFFERED": "1"},
+                preexec_fn=default_sigint,
+            )
         process = Process(name, popen, log_path)
         self.processes.append(process)
         return process
@@ -357,4 +404,3 @@ class Federation:
         wait_until(lambda: text in process.log() or not process.alive(), timeout, f"{text!r} in {process.name}")
         if text not in process.log():
             raise AssertionError(f"{process.name} exited ({process.popen.returncode}) before logging {text!r}")
-

@@ -193,7 +193,7 @@ class TcpProxy:
         with self._lock:
             hit = self._cut_at is not None and self._cut_at - self.up_bytes <= len(data)
             if hit:
-                data, self._cut_at = data[:max(self._cut_at - self.up_bytes, 0)], None
+                data, self._cut_at = data[: max(self._cut_at - self.up_bytes, 0)], None
             self.up_bytes += len(data)
         try:
             if data:

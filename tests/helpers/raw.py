@@ -22,24 +22,25 @@ from typing import Any, Callable, Mapping
 import paho.mqtt.client as mqtt
 import pytest
 import torch
-from helpers.brokers import TIMEOUT_S, MosquittoProcess, close, connect_as, require_mosquitto, subscribe
 from safetensors.torch import save as st_save
 
 from fedge import topics, zoo
 from fedge.access import generate_users
-from fedge.embedded_broker import EmbeddedBroker
+from fedge.chunks import frames
+from fedge.codec import decode_ack, decode_task, encode_info, encode_result
 from fedge.constants import MAX_PAYLOAD_BYTES, SPEC_METADATA_KEY
-from server.registration import registration_check
+from fedge.embedded_broker import EmbeddedBroker
+from fedge.envelope import Envelope, sha256_hex
 from fedge.messages import ClientInfo, Result, Task, Weights
 from fedge.mqtt import Inbox, connector, parse_broker
 from fedge.spec import ModelSpec, tensor_shapes
-from fedge.chunks import frames
-from fedge.codec import decode_ack, decode_task, encode_info, encode_result
-from fedge.envelope import Envelope, sha256_hex
 from server.coordinator import Coordinator, LoopConfig
 from server.fleet import Fleet
+from server.registration import registration_check
 from server.runlog import RunLog
 from server.strategy import StrategyConfig, create_strategy
+
+from helpers.brokers import TIMEOUT_S, MosquittoProcess, close, connect_as, require_mosquitto, subscribe
 
 PROFILE = "rpi-4"
 ONE_FRAME = 2 * 1024 * 1024  # default chunk size here: a whole cnn1 upload in one frame, so one message = one count
@@ -57,6 +58,7 @@ def wait_for(predicate: Callable[[], bool], what: str, timeout: float = TIMEOUT_
 
 # ------------------------------------------------------------------------------------------------- builders
 
+
 def state_for(spec: ModelSpec, scale: float = 0.01, seed: int = 0) -> dict[str, torch.Tensor]:
     """Deterministic finite tensors of exactly the spec's keys, shapes and dtypes."""
     g = torch.Generator().manual_seed(seed)
@@ -72,8 +74,14 @@ def safetensors_blob(spec: ModelSpec, tensors: Mapping[str, torch.Tensor]) -> by
     return st_save({k: v.contiguous() for k, v in tensors.items()}, metadata={SPEC_METADATA_KEY: spec.to_json()})
 
 
-def container(kind: str, fields: Any, blobs: Mapping[str, bytes] | None = None, index: Any = None,
-              header: bytes | None = None, tensors: Any = None) -> bytes:
+def container(
+    kind: str,
+    fields: Any,
+    blobs: Mapping[str, bytes] | None = None,
+    index: Any = None,
+    header: bytes | None = None,
+    tensors: Any = None,
+) -> bytes:
     """A payload container (8-byte LE header length + JSON header + blobs) with nothing checked.
 
     `index` replaces the computed model spans, `tensors` the span of the named tensors' blob (none: null),
@@ -86,15 +94,16 @@ def container(kind: str, fields: Any, blobs: Mapping[str, bytes] | None = None, 
             index[role] = [offset, len(blob)]
             offset += len(blob)
     if header is None:
-        header = json.dumps({"kind": kind, "fields": fields, "models": index, "tensors": tensors}, sort_keys=True,
-                            separators=(",", ":")).encode()
+        header = json.dumps(
+            {"kind": kind, "fields": fields, "models": index, "tensors": tensors}, sort_keys=True, separators=(",", ":")
+        ).encode()
     return len(header).to_bytes(8, "little") + header + b"".join(blobs.values())
 
 
 def split_blob(blob: bytes) -> tuple[dict[str, Any], bytes]:
     """A safetensors blob's JSON header and its data bytes."""
     n = int.from_bytes(blob[:8], "little")
-    return json.loads(blob[8:8 + n]), blob[8 + n:]
+    return json.loads(blob[8 : 8 + n]), blob[8 + n :]
 
 
 def join_blob(header: Any, data: bytes) -> bytes:
@@ -107,17 +116,32 @@ def join_blob(header: Any, data: bytes) -> bytes:
 def split_container(payload: bytes) -> tuple[dict[str, Any], bytes]:
     """A payload container's JSON header and its body (the concatenated blobs)."""
     n = int.from_bytes(payload[:8], "little")
-    return json.loads(payload[8:8 + n]), payload[8 + n:]
+    return json.loads(payload[8 : 8 + n]), payload[8 + n :]
 
 
-def result_fields(cid: str, rnd: int, type: str = "train", num_examples: Any = NUM_TRAIN,
-                  metrics: Any = None) -> dict[str, Any]:
-    return {"client_id": cid, "round": rnd, "type": type, "num_examples": num_examples,
-            "metrics": {"train_loss": 0.5} if metrics is None else metrics, "error": None, "records": {}}
+def result_fields(
+    cid: str, rnd: int, type: str = "train", num_examples: Any = NUM_TRAIN, metrics: Any = None
+) -> dict[str, Any]:
+    return {
+        "client_id": cid,
+        "round": rnd,
+        "type": type,
+        "num_examples": num_examples,
+        "metrics": {"train_loss": 0.5} if metrics is None else metrics,
+        "error": None,
+        "records": {},
+    }
 
 
-def valid_result(cid: str, rnd: int, spec: ModelSpec, type: str = "train", scale: float = 0.01,
-                 num_examples: int = NUM_TRAIN, seed: int = 0) -> bytes:
+def valid_result(
+    cid: str,
+    rnd: int,
+    spec: ModelSpec,
+    type: str = "train",
+    scale: float = 0.01,
+    num_examples: int = NUM_TRAIN,
+    seed: int = 0,
+) -> bytes:
     """A well-formed result payload, encoded by fedge.codec (what a correct client uploads)."""
     state = state_for(spec, scale, seed)
     return encode_result(Result(cid, rnd, type, num_examples, {"train_loss": 0.5}, {"local": Weights(spec, state)}))
@@ -125,8 +149,11 @@ def valid_result(cid: str, rnd: int, spec: ModelSpec, type: str = "train", scale
 
 def frame_bytes(env: Mapping[str, Any], index: int, chunk: bytes, chunk_sha256: str | None = None) -> bytes:
     """One frame around an arbitrary envelope dict (e.g. an unknown schema_version); nothing is validated."""
-    header = json.dumps({"envelope": dict(env), "chunk": index, "chunk_sha256": chunk_sha256 or sha256_hex(chunk)},
-                        sort_keys=True, separators=(",", ":")).encode()
+    header = json.dumps(
+        {"envelope": dict(env), "chunk": index, "chunk_sha256": chunk_sha256 or sha256_hex(chunk)},
+        sort_keys=True,
+        separators=(",", ":"),
+    ).encode()
     return len(header).to_bytes(4, "little") + header + chunk
 
 
@@ -142,6 +169,7 @@ def padded_frame(env: Mapping[str, Any], index: int, chunk: bytes) -> bytes:
 
 
 # ------------------------------------------------------------------------------------------------- the client
+
 
 class RawClient:
     """One client id on a real broker, driven by hand.
@@ -207,8 +235,17 @@ class RawClient:
         for d in data:
             self.publish(self.topic(kind, client), d)
 
-    def send(self, kind: str, type: str, rnd: int, payload: bytes, reply_to: str | None = None,
-             sender: str | None = None, chunk_size: int = ONE_FRAME, client: str | None = None) -> Envelope:
+    def send(
+        self,
+        kind: str,
+        type: str,
+        rnd: int,
+        payload: bytes,
+        reply_to: str | None = None,
+        sender: str | None = None,
+        chunk_size: int = ONE_FRAME,
+        client: str | None = None,
+    ) -> Envelope:
         """Envelope `payload` (msg_id, hash, size, chunks) and publish its frames on `kind`/<client or us>."""
         env = Envelope.new(self.run, rnd, type, sender or self.cid, payload, reply_to=reply_to, chunk_size=chunk_size)
         self.publish_frames(kind, frames(env, payload, chunk_size), client)
@@ -216,8 +253,9 @@ class RawClient:
 
     def answer(self, task_env: Envelope, payload: bytes, rnd: int | None = None, **kw: Any) -> Envelope:
         """Send `payload` as the result of the task `task_env` (its round unless `rnd` is given)."""
-        return self.send("result", "result", task_env.round if rnd is None else rnd, payload,
-                         reply_to=task_env.msg_id, **kw)
+        return self.send(
+            "result", "result", task_env.round if rnd is None else rnd, payload, reply_to=task_env.msg_id, **kw
+        )
 
     def register(self, spec: ModelSpec, profile: str = PROFILE, timeout: float = TIMEOUT_S) -> str | None:
         """Register `spec` (with our origin) and return the server's verdict: None accepted, else its reason."""
@@ -295,6 +333,7 @@ def info(cid: str) -> ClientInfo:
 
 # ------------------------------------------------------------------------------------------------------ fixtures
 
+
 @pytest.fixture(params=["embedded", "mosquitto"])
 def broker(request, tmp_path):
     """A broker with users a, b, c and the server, on 127.0.0.1: fedge's embedded amqtt one, or Mosquitto."""
@@ -311,8 +350,13 @@ def broker(request, tmp_path):
 @pytest.fixture
 def fleet(broker):
     """The server's transport, connected as the server user."""
-    f = Fleet(connector(parse_broker(broker.url, "server", broker.users["server"])), RUN, registration_check(),
-              deadline_s=DEADLINE_S, heartbeat_s=HEARTBEAT_S)
+    f = Fleet(
+        connector(parse_broker(broker.url, "server", broker.users["server"])),
+        RUN,
+        registration_check(),
+        deadline_s=DEADLINE_S,
+        heartbeat_s=HEARTBEAT_S,
+    )
     f.start(10)
     yield f
     f.close()
@@ -329,6 +373,7 @@ def connect(broker, fleet):
         if register:
             assert c.register(SPEC) is None, f"{cid}'s registration was refused"
         return c
+
     yield connect
     for c in made:
         c.close()
@@ -351,8 +396,9 @@ def coordinator(fleet: Fleet, tmp_path: Path, clients: tuple[str, ...]) -> Coord
     fleet_info = {c: info(c) for c in clients}
     strategy = create_strategy("fedavg", StrategyConfig(1, 16, 1e-3, 0))
     strategy.setup(fleet_info)
-    return Coordinator(strategy, fleet, fleet_info, LoopConfig(1, len(clients), 0, 1, progress=False),
-                       RunLog(tmp_path / "run", {}))
+    return Coordinator(
+        strategy, fleet, fleet_info, LoopConfig(1, len(clients), 0, 1, progress=False), RunLog(tmp_path / "run", {})
+    )
 
 
 def refused(client: RawClient, env: Envelope) -> str:
@@ -371,4 +417,3 @@ def rejected_only(fleet: Fleet, **expected: int) -> None:
     """The fleet's rejection counter holds exactly these reasons (after they all arrived)."""
     wait_for(lambda: sum(fleet.inbox.rejected.values()) >= sum(expected.values()), f"rejections {expected}")
     assert dict(fleet.inbox.rejected) == expected
-

@@ -15,6 +15,13 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
+
+from fedge import constants as C
+from fedge.access import BrokerError, generate_users
+from fedge.embedded_broker import EmbeddedBroker, serve_forever
+from fedge.mosquitto import TlsFiles, write_mosquitto_config
+from fedge.mqtt import Endpoint, MqttError, parse_broker
+
 from helpers.brokers import (
     MOSQUITTO,
     Inbox,
@@ -32,12 +39,6 @@ from helpers.brokers import (
     subscribe,
     wait_for_port,
 )
-
-from fedge import constants as C
-from fedge.access import BrokerError, generate_users
-from fedge.embedded_broker import EmbeddedBroker, serve_forever
-from fedge.mosquitto import TlsFiles, write_mosquitto_config
-from fedge.mqtt import Endpoint, MqttError, parse_broker
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -116,10 +117,16 @@ def test_a_wildcard_subscription_reveals_nothing_of_other_clients(clients, patte
     assert {m.payload for m in received} == {b"barrier"}
 
 
-@pytest.mark.parametrize("forbidden", [
-    "fedge/r/result/b", "fedge/r/register/b", "fedge/r/status/b",  # another client's uploads
-    "fedge/r/task/a", "fedge/r/server",  # topics only the server writes
-])
+@pytest.mark.parametrize(
+    "forbidden",
+    [
+        "fedge/r/result/b",
+        "fedge/r/register/b",
+        "fedge/r/status/b",  # another client's uploads
+        "fedge/r/task/a",
+        "fedge/r/server",  # topics only the server writes
+    ],
+)
 def test_a_forbidden_publish_reaches_no_subscriber(clients, forbidden):
     a, server = clients["a"], clients["server"]
     assert subscribe(server, "fedge/#") == [1]
@@ -151,8 +158,11 @@ def test_bad_logins_are_refused(broker, login):
 def test_a_connection_claiming_another_clients_id_does_not_disturb_it(broker, clients, impostor):
     b, server = clients["b"], clients["server"]
     assert subscribe(b, "fedge/r/task/b") == [1]
-    user, password = {"right password": ("a", broker.users["a"]),
-                      "wrong password": ("b", "guess"), "anonymous": (None, None)}[impostor]
+    user, password = {
+        "right password": ("a", broker.users["a"]),
+        "wrong password": ("b", "guess"),
+        "anonymous": (None, None),
+    }[impostor]
 
     connack_code(broker.url, user, password, client_id="b", protocol=protocol_of(broker))
     publish(server, "fedge/r/task/b", b"still yours")
@@ -293,6 +303,7 @@ def test_clients_subscribing_while_the_server_broadcasts_lose_no_broadcast(caplo
             while not stop.is_set():
                 server.publish("fedge/r/server", b"status", qos=0)
                 time.sleep(0.001)
+
         pumping = threading.Thread(target=pump, daemon=True)
         pumping.start()
         fleet = [connect_as(broker, n) for n in names]
@@ -365,7 +376,9 @@ def test_serve_forever_runs_until_sigterm(tmp_path):
     users_file.write_text("".join(f"{u}:{p}\n" for u, p in users.items()))
     users_file.chmod(0o600)
     port = free_port()
-    code = "import sys, pathlib, fedge.embedded_broker as b; b.serve_forever(int(sys.argv[1]), pathlib.Path(sys.argv[2]))"
+    code = (
+        "import sys, pathlib, fedge.embedded_broker as b; b.serve_forever(int(sys.argv[1]), pathlib.Path(sys.argv[2]))"
+    )
     process = subprocess.Popen([sys.executable, "-c", code, str(port), str(users_file)], stderr=subprocess.PIPE)
     try:
         wait_for_port("127.0.0.1", port, alive=lambda: process.poll() is None)
@@ -403,9 +416,15 @@ def test_mosquitto_persistence_keeps_a_queued_message_across_a_crash(tmp_path):
     """Nothing is retained (retain_available false), so persistence is shown on what it is for: a QoS 1 message
     queued for a disconnected persistent session survives a crash and reaches the client when it is back."""
     with MosquittoProcess(tmp_path, generate_users(["a"]), persistence=True, print_log=True) as broker:
+
         def persistent_a() -> mqtt.Client:
-            c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="a", clean_session=False,
-                            protocol=mqtt.MQTTv311, userdata=Inbox())
+            c = mqtt.Client(
+                mqtt.CallbackAPIVersion.VERSION2,
+                client_id="a",
+                clean_session=False,
+                protocol=mqtt.MQTTv311,
+                userdata=Inbox(),
+            )
             c.username_pw_set("a", broker.users["a"])
             c.on_message = lambda client, inbox, message: inbox.messages.put(message)
             c.connect("127.0.0.1", broker.port)
@@ -442,10 +461,24 @@ def test_the_written_deployment_starts_as_printed_when_written_as_root(run_as):
     base.chmod(0o755)
     port = free_port()
     try:
-        out = subprocess.run([sys.executable, "-m", "launch.cli", "broker", "--write-mosquitto-config",
-                              str(base / "broker"), "--clients", "0,1", "--port", str(port),
-                              *(["--run-as", run_as] if run_as else [])],
-                             capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "launch.cli",
+                "broker",
+                "--write-mosquitto-config",
+                str(base / "broker"),
+                "--clients",
+                "0,1",
+                "--port",
+                str(port),
+                *(["--run-as", run_as] if run_as else []),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         command = out.split("start it with: ")[1].split("\n")[0].split()
         assert command[:2] == ["mosquitto", "-c"]
         for name in ("passwd", "acl", "mosquitto.conf"):
@@ -494,21 +527,66 @@ def test_mosquitto_tls_listener(tmp_path):
     require_mosquitto()
     if not subprocess.run(["which", "openssl"], capture_output=True).returncode == 0:
         pytest.skip("openssl not installed")
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=fedge-test-ca",
-             "-keyout", "ca.key", "-out", "ca.pem", cwd=tmp_path)
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", "server.key",
-             "-out", "server.csr", cwd=tmp_path)
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=fedge-test-ca",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        cwd=tmp_path,
+    )
+    _openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=127.0.0.1",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        cwd=tmp_path,
+    )
     (tmp_path / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
-    _openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-             "-days", "1", "-extfile", "san.cnf", "-out", "server.pem", cwd=tmp_path)
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "1",
+        "-extfile",
+        "san.cnf",
+        "-out",
+        "server.pem",
+        cwd=tmp_path,
+    )
     tls = TlsFiles(certfile=tmp_path / "server.pem", keyfile=tmp_path / "server.key", cafile=tmp_path / "ca.pem")
     with MosquittoProcess(tmp_path / "broker", generate_users(["a"]), tls=tls, print_log=True) as broker:
         close(mqtt_client(broker.url, "a", broker.users["a"], ca_certs=tmp_path / "ca.pem"))
         assert connack_code(broker.url, "a", broker.users["a"]) != 0  # plain TCP is not served
         # fedge's own connection: mqtts:// with the CA connects; without it the handshake fails and start() says so
         url = f"mqtts://127.0.0.1:{broker.port}"
-        endpoint = Endpoint(parse_broker(url, "a", broker.users["a"], cafile=str(tmp_path / "ca.pem")), "a", [],
-                            lambda topic, data: None)
+        endpoint = Endpoint(
+            parse_broker(url, "a", broker.users["a"], cafile=str(tmp_path / "ca.pem")),
+            "a",
+            [],
+            lambda topic, data: None,
+        )
         endpoint.start(10)
         endpoint.stop()
         untrusted = Endpoint(parse_broker(url, "a", broker.users["a"]), "a", [], lambda topic, data: None)

@@ -56,10 +56,18 @@ def class_means_task(agent: ClientAgent, task: Task) -> Result:
     counts = torch.bincount(y, minlength=CLASSES)
     means = torch.zeros(CLASSES, CLASSES).index_add_(0, y, logits) / counts.clamp(min=1).unsqueeze(1)
     prior = task.tensors.get("prior")
-    return Result(agent.client_id, task.round, task.type, len(y), {"classes_seen": float((counts > 0).sum())},
-                  tensors={"means": means, "counts": counts},
-                  records={"present": [int(c) for c in torch.nonzero(counts).flatten()],
-                           "prior_sum": None if prior is None else float(prior.sum())})
+    return Result(
+        agent.client_id,
+        task.round,
+        task.type,
+        len(y),
+        {"classes_seen": float((counts > 0).sum())},
+        tensors={"means": means, "counts": counts},
+        records={
+            "present": [int(c) for c in torch.nonzero(counts).flatten()],
+            "prior_sum": None if prior is None else float(prior.sum()),
+        },
+    )
 
 
 class ClassMeans(Strategy):
@@ -77,8 +85,10 @@ class ClassMeans(Strategy):
     def expects(self, task: Task, client: ClientInfo) -> Expected:
         if task.type != "class_means":
             return Expected()
-        return Expected(tensors={"means": TensorSlot((CLASSES, CLASSES)), "counts": TensorSlot((CLASSES,), "int64")},
-                        records=("present", "prior_sum"))
+        return Expected(
+            tensors={"means": TensorSlot((CLASSES, CLASSES)), "counts": TensorSlot((CLASSES,), "int64")},
+            records=("present", "prior_sum"),
+        )
 
     def aggregate(self, rnd: int, results: Mapping[str, Result]) -> None:
         replies = [results[cid] for cid in sorted(results) if "means" in results[cid].tensors]
@@ -114,9 +124,24 @@ def registered():
 
 
 def config(tmp_path, name: str, **kw):
-    values = dict(strategy=NAME, dataset="digits", zoo="cnn1", clients=3, active=3, rounds=3, max_samples_per_client=60,
-                  max_public_samples=16, seed=4, heartbeat_s=1.0, round_deadline_s=60.0, register_timeout_s=60.0,
-                  run_id=f"custom{name}", out=str(tmp_path / name), export_onnx=False, scale=0.5)
+    values = dict(
+        strategy=NAME,
+        dataset="digits",
+        zoo="cnn1",
+        clients=3,
+        active=3,
+        rounds=3,
+        max_samples_per_client=60,
+        max_public_samples=16,
+        seed=4,
+        heartbeat_s=1.0,
+        round_deadline_s=60.0,
+        register_timeout_s=60.0,
+        run_id=f"custom{name}",
+        out=str(tmp_path / name),
+        export_onnx=False,
+        scale=0.5,
+    )
     return config_from(values | kw)
 
 
@@ -128,12 +153,18 @@ def over_mqtt(cfg) -> dict:
     with EmbeddedBroker(users=users) as broker:
         agents = client_agents(cfg, ids)
         codes: list[int] = []
-        clients = threading.Thread(target=lambda: codes.append(run_clients(
-            agents, lambda cid: Broker("127.0.0.1", broker.port, username=cid, password=users[cid]), cfg)))
+        clients = threading.Thread(
+            target=lambda: codes.append(
+                run_clients(
+                    agents, lambda cid: Broker("127.0.0.1", broker.port, username=cid, password=users[cid]), cfg
+                )
+            )
+        )
         clients.start()
         try:
-            summary = serve(cfg, Broker("127.0.0.1", broker.port, username="server", password=users["server"]),
-                            progress=False)
+            summary = serve(
+                cfg, Broker("127.0.0.1", broker.port, username="server", password=users["server"]), progress=False
+            )
         finally:
             clients.join(60)
     assert codes == [0]
@@ -167,6 +198,7 @@ def test_the_strategys_options_are_checked_and_listed(tmp_path, capsys):
 
 def test_a_reply_the_strategy_does_not_expect_is_refused(tmp_path):
     """A client half that adds an undeclared tensor: every reply is refused with reason `payload`."""
+
     def extra(agent: ClientAgent, task: Task) -> Result:
         res = class_means_task(agent, task)
         return dataclasses.replace(res, tensors=res.tensors | {"secret": torch.zeros(3)})

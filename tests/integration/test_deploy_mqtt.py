@@ -12,9 +12,10 @@ import pytest
 
 from fedge.access import generate_users
 from fedge.config import RunConfig, config_from
+from fedge.mqtt import Broker
 from launch.federation import write_secrets
 from launch.server import serve
-from fedge.mqtt import Broker
+
 from helpers.brokers import MOSQUITTO, free_port, require_mosquitto, wait_for_port
 from helpers.federation import run_inproc
 
@@ -23,22 +24,56 @@ IDS = ["0", "1", "2"]
 
 
 def tiny(tmp_path, name: str, **kw) -> RunConfig:
-    base = dict(strategy="pfedclub", dataset="digits", zoo="I", clients=3, active=3, rounds=2, local_epochs=1,
-                batch_size=16, seed=5, out=str(tmp_path / name), heartbeat_s=1.0,
-                round_deadline_s=120.0, register_timeout_s=120.0, run_id="t1")
+    base = dict(
+        strategy="pfedclub",
+        dataset="digits",
+        zoo="I",
+        clients=3,
+        active=3,
+        rounds=2,
+        local_epochs=1,
+        batch_size=16,
+        seed=5,
+        out=str(tmp_path / name),
+        heartbeat_s=1.0,
+        round_deadline_s=120.0,
+        register_timeout_s=120.0,
+        run_id="t1",
+    )
     small = {"finetune_epochs": 1} if kw.get("strategy", "pfedclub") == "pfedclub" else {}
     return config_from(base | small | kw)
 
 
 def fedge(*args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launch.cli", *args], capture_output=True, text=True, timeout=240,
-                          **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "launch.cli", *args], capture_output=True, text=True, timeout=240, **kw
+    )
 
 
 def client_process(url: str, config: str, ids: str, secrets, state) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "launch.cli", "client", "--broker", url, "--config", config,
-                             "--id", ids, "--password-file", str(secrets), "--state-dir", str(state), "--threads", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "launch.cli",
+            "client",
+            "--broker",
+            url,
+            "--config",
+            config,
+            "--id",
+            ids,
+            "--password-file",
+            str(secrets),
+            "--state-dir",
+            str(state),
+            "--threads",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def test_fedge_run_over_the_embedded_broker_matches_inproc(tmp_path):
@@ -67,8 +102,17 @@ def test_server_and_clients_on_mosquitto_with_acls(tmp_path):
     require_mosquitto()
     users = generate_users(IDS)
     port = free_port()
-    written = fedge("broker", "--write-mosquitto-config", str(tmp_path / "conf"), "--users", _users(tmp_path, users),
-                    "--port", str(port), "--run-as", pwd.getpwuid(os.getuid()).pw_name)
+    written = fedge(
+        "broker",
+        "--write-mosquitto-config",
+        str(tmp_path / "conf"),
+        "--users",
+        _users(tmp_path, users),
+        "--port",
+        str(port),
+        "--run-as",
+        pwd.getpwuid(os.getuid()).pw_name,
+    )
     assert written.returncode == 0 and "mosquitto -c" in written.stdout, written.stderr
     with mosquitto_from(tmp_path / "conf" / "mosquitto.conf", port) as mosq:
         cfg = tiny(tmp_path, "run", strategy="fedavg", zoo="cnn1", rounds=2)
@@ -77,14 +121,16 @@ def test_server_and_clients_on_mosquitto_with_acls(tmp_path):
         write_secrets(secrets, users)
         wrong = tmp_path / "wrong"
         write_secrets(wrong, {"1": users["0"]})  # client 1 with client 0's password
-        refused = fedge("client", "--broker", mosq.url, "--config", config, "--id", "1", "--password-file",
-                        str(wrong))
+        refused = fedge("client", "--broker", mosq.url, "--config", config, "--id", "1", "--password-file", str(wrong))
         assert refused.returncode == 2
         assert "refused" in refused.stderr and users["0"] not in refused.stderr + refused.stdout
         procs = [client_process(mosq.url, config, ids, secrets, tmp_path / "state") for ids in ("0,1", "2")]
         result: dict = {}
-        server = threading.Thread(target=lambda: result.update(serve(
-            cfg, Broker("127.0.0.1", mosq.port, username="server", password=users["server"]), progress=False)))
+        server = threading.Thread(
+            target=lambda: result.update(
+                serve(cfg, Broker("127.0.0.1", mosq.port, username="server", password=users["server"]), progress=False)
+            )
+        )
         server.start()
         try:
             server.join(240)
@@ -107,8 +153,9 @@ class mosquitto_from:
         self.conf, self.port, self.url = conf, port, f"mqtt://127.0.0.1:{port}"
 
     def __enter__(self):
-        self.process = subprocess.Popen([MOSQUITTO, "-c", str(self.conf)], stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(
+            [MOSQUITTO, "-c", str(self.conf)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
         wait_for_port("127.0.0.1", self.port, alive=lambda: self.process.poll() is None)
         return self
 

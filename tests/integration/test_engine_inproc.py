@@ -9,11 +9,11 @@ from fedge.config import RunConfig, config_from
 from fedge.data import load_dataset
 from fedge.messages import Task
 from fedge.partition import make_partition
+from fedge.transport import InProcTransport
+from fedge.zoo import assign_models
 from launch.client import make_agent
 from launch.runs import partition_config
 from launch.simulation import run_simulation
-from fedge.transport import InProcTransport
-from fedge.zoo import assign_models
 from server.coordinator import Coordinator, LoopConfig, RoundFailed, sample_clients
 from server.runlog import RunLog
 from server.strategy import StrategyConfig, StrategyError, create_strategy
@@ -23,8 +23,18 @@ ROW_KEYS = {"round", "client", "model", "params", "macs", "accuracy", "loss", "t
 
 
 def config(tmp_path, **kw) -> RunConfig:
-    base = dict(strategy="local", dataset="digits", zoo="I", clients=7, active=3, rounds=2, local_epochs=1, batch_size=16,
-                out=str(tmp_path / "run"), seed=3)
+    base = dict(
+        strategy="local",
+        dataset="digits",
+        zoo="I",
+        clients=7,
+        active=3,
+        rounds=2,
+        local_epochs=1,
+        batch_size=16,
+        out=str(tmp_path / "run"),
+        seed=3,
+    )
     return config_from(base | kw)
 
 
@@ -43,8 +53,7 @@ def test_local_run_writes_the_contract(reference):
     assert (on_disk["rounds"], on_disk["clients"]) == (2, 7)
     assert len(on_disk["server_seconds"]) == 2
     per_client = on_disk["final_accuracy"]["per_client"]
-    trained = {r["client"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-               if r["trained"]}
+    trained = {r["client"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["trained"]}
     assert set(per_client) == trained and set(on_disk["never_trained"]) == {str(i) for i in range(7)} - trained
     assert on_disk["final_accuracy"]["mean"] == pytest.approx(sum(per_client.values()) / len(per_client))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -61,8 +70,9 @@ def test_same_seed_same_numbers(reference, tmp_path):
 
 
 def test_fedavg_learns_a_shared_model(tmp_path):
-    summary = run_simulation(config(tmp_path, strategy="fedavg", zoo="cnn1", partition="iid", rounds=3,
-                                    local_epochs=2), progress=False)
+    summary = run_simulation(
+        config(tmp_path, strategy="fedavg", zoo="cnn1", partition="iid", rounds=3, local_epochs=2), progress=False
+    )
     per_client = summary["final_accuracy"]["per_client"]
     assert set(per_client) == {str(i) for i in range(7)}  # the global model is evaluated on everyone
     assert summary["final_accuracy"]["mean"] > 0.5  # 10 classes: chance is 0.1
@@ -97,8 +107,13 @@ def test_a_crashing_client_does_not_stop_the_round(tmp_path, caplog):
     agents = fleet(tmp_path, cfg)
     handlers = {a.client_id: a.handle for a in agents} | {"1": Crashing(agents[1]).handle}
     strategy = create_strategy("local", StrategyConfig(1, 16, 1e-3, 0))
-    coord = Coordinator(strategy, InProcTransport(handlers), {a.client_id: a.info() for a in agents},
-                        LoopConfig(1, 4, 0, 1, progress=False), RunLog(tmp_path / "r", {}))
+    coord = Coordinator(
+        strategy,
+        InProcTransport(handlers),
+        {a.client_id: a.info() for a in agents},
+        LoopConfig(1, 4, 0, 1, progress=False),
+        RunLog(tmp_path / "r", {}),
+    )
     summary = coord.run()
     assert set(summary["final_accuracy"]["per_client"]) == {"0", "2", "3"}
     assert summary["never_trained"] == ["1"]
@@ -114,8 +129,13 @@ def test_a_round_with_no_replies_stops_the_run_cleanly(tmp_path):
     cfg = config(tmp_path, clients=3, active=2, rounds=2, zoo="cnn1")
     agents = fleet(tmp_path, cfg)
     dead = {a.client_id: Crashing(a).handle for a in agents}
-    coord = Coordinator(strategy, InProcTransport(dead), {a.client_id: a.info() for a in agents},
-                        LoopConfig(2, 2, 0, 1, progress=False, round_retries=1), RunLog(tmp_path / "r", {}))
+    coord = Coordinator(
+        strategy,
+        InProcTransport(dead),
+        {a.client_id: a.info() for a in agents},
+        LoopConfig(2, 2, 0, 1, progress=False, round_retries=1),
+        RunLog(tmp_path / "r", {}),
+    )
     with pytest.raises(RoundFailed) as failure:  # below min_replies = 1, tried twice, nothing aggregated
         coord.run()
     assert failure.value.summary["never_trained"] == ["0", "1", "2"]

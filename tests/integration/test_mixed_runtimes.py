@@ -6,19 +6,36 @@ import subprocess
 import sys
 
 import pytest
-from helpers.federation import run_inproc
 
 from fedge.config import RunConfig, config_from
+
+from helpers.federation import run_inproc
 
 pytestmark = pytest.mark.timeout(600)
 RUNTIMES = {"0": "torch", "1": "executorch", "2": "torch", "3": "executorch"}
 
 
 def mixed(tmp_path, name: str, **kw) -> RunConfig:
-    base = dict(strategy="pfedclub", dataset="digits", zoo="cnn4,cnn2,cnn3,cnn1", profiles=("rpi-4", "android-mid-range"),
-                clients=4, active=4, rounds=2, local_epochs=1, finetune_epochs=1, max_candidates=2, batch_size=16,
-                seed=3, out=str(tmp_path / name), heartbeat_s=1.0, round_deadline_s=300.0, register_timeout_s=300.0,
-                run_id="mixed", export_onnx=False)
+    base = dict(
+        strategy="pfedclub",
+        dataset="digits",
+        zoo="cnn4,cnn2,cnn3,cnn1",
+        profiles=("rpi-4", "android-mid-range"),
+        clients=4,
+        active=4,
+        rounds=2,
+        local_epochs=1,
+        finetune_epochs=1,
+        max_candidates=2,
+        batch_size=16,
+        seed=3,
+        out=str(tmp_path / name),
+        heartbeat_s=1.0,
+        round_deadline_s=300.0,
+        register_timeout_s=300.0,
+        run_id="mixed",
+        export_onnx=False,
+    )
     return config_from(base | kw)
 
 
@@ -32,8 +49,12 @@ def test_a_mixed_torch_and_executorch_fleet_completes_pfedclub_over_mqtt(tmp_pat
     path = tmp_path / "mqtt.json"
     path.write_text(cfg.to_json())
     # execute
-    done = subprocess.run([sys.executable, "-m", "launch.cli", "run", "--config", str(path), "--processes", "2",
-                           "--no-progress"], capture_output=True, text=True, timeout=540)
+    done = subprocess.run(
+        [sys.executable, "-m", "launch.cli", "run", "--config", str(path), "--processes", "2", "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     # assert: every client trained in every round on its profile's runtime, and distilled in round 1
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "mqtt" / "summary.json").read_text())
@@ -52,8 +73,12 @@ def test_an_executorch_profile_with_a_batchnorm_model_fails_before_anything_star
     cfg = mixed(tmp_path, "bad", zoo="cnn4")
     path = tmp_path / "bad.json"
     path.write_text(cfg.to_json())
-    done = subprocess.run([sys.executable, "-m", "launch.cli", "run", "--config", str(path), "--no-progress"],
-                          capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        [sys.executable, "-m", "launch.cli", "run", "--config", str(path), "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.returncode == 2
     assert "client 1: model cnn4 cannot train on device profile android-mid-range (runtime executorch)" in done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "bad" / "metrics.jsonl").exists()

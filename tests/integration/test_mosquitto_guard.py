@@ -1,9 +1,10 @@
 """Tests that start Mosquitto skip on a machine without it (the README's promise), unless CI requires it."""
 
 import pytest
-from helpers import brokers
 
 from fedge.access import generate_users
+
+from helpers import brokers
 
 
 def test_starting_mosquitto_without_the_binary_skips_or_fails_as_asked(tmp_path, monkeypatch):

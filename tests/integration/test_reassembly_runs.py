@@ -11,8 +11,20 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def run(tmp_path, strategy, **kw):
-    base = dict(strategy=strategy, dataset="digits", zoo="I", clients=5, active=3, rounds=2, local_epochs=1,
-                batch_size=32, finetune_epochs=1, max_candidates=2, out=str(tmp_path / strategy), seed=1)
+    base = dict(
+        strategy=strategy,
+        dataset="digits",
+        zoo="I",
+        clients=5,
+        active=3,
+        rounds=2,
+        local_epochs=1,
+        batch_size=32,
+        finetune_epochs=1,
+        max_candidates=2,
+        out=str(tmp_path / strategy),
+        seed=1,
+    )
     summary = run_simulation(config_from(base | kw), progress=False)
     rows = [json.loads(line) for line in (tmp_path / strategy / "metrics.jsonl").read_text().splitlines()]
     return summary, [r for r in rows if r["trained"]]

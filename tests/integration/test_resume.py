@@ -20,8 +20,18 @@ class Crash(BaseException):
 
 
 def config(out, strategy, **kw):
-    base = dict(strategy=strategy, dataset="digits", zoo="cnn1" if strategy == "fedavg" else "I", clients=5,
-                active=3, rounds=3, local_epochs=1, batch_size=32, out=str(out), seed=1)
+    base = dict(
+        strategy=strategy,
+        dataset="digits",
+        zoo="cnn1" if strategy == "fedavg" else "I",
+        clients=5,
+        active=3,
+        rounds=3,
+        local_epochs=1,
+        batch_size=32,
+        out=str(out),
+        seed=1,
+    )
     small = {"finetune_epochs": 1, "max_candidates": 2} if strategy.startswith("pf") else {}  # reassembly options
     return config_from(base | small | kw)
 
@@ -42,8 +52,10 @@ def crash_at(monkeypatch, rnd, nth):
 
 def rows(out):
     """metrics.jsonl without the wall-clock fields."""
-    return [{k: v for k, v in json.loads(line).items() if not any(t in k for t in TIMING)}
-            for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [
+        {k: v for k, v in json.loads(line).items() if not any(t in k for t in TIMING)}
+        for line in (out / "metrics.jsonl").read_text().splitlines()
+    ]
 
 
 @pytest.mark.parametrize("strategy", ["fedavg", "pfedclub", "pfedhr"])

@@ -12,11 +12,11 @@ from fedge.config import RunConfig, config_from
 from fedge.data import load_dataset
 from fedge.messages import Result, Task, Weights
 from fedge.partition import make_partition
+from fedge.transport import InProcTransport
+from fedge.zoo import assign_models
 from launch.client import make_agent
 from launch.runs import partition_config
 from launch.simulation import run_simulation
-from fedge.transport import InProcTransport
-from fedge.zoo import assign_models
 from server.coordinator import Coordinator, LoopConfig, RoundFailed
 from server.runlog import CHECKPOINT_FILE, RunLog
 from server.strategy import StrategyConfig, StrategyError, create_strategy
@@ -26,8 +26,18 @@ STRATEGY = StrategyConfig(local_epochs=1, batch_size=16, lr=1e-3, seed=0)
 
 
 def config(tmp_path, **kw) -> RunConfig:
-    base = dict(strategy="fedavg", dataset="digits", zoo="cnn1", clients=4, active=4, rounds=1, local_epochs=1,
-                batch_size=16, out=str(tmp_path / "run"), seed=3)
+    base = dict(
+        strategy="fedavg",
+        dataset="digits",
+        zoo="cnn1",
+        clients=4,
+        active=4,
+        rounds=1,
+        local_epochs=1,
+        batch_size=16,
+        out=str(tmp_path / "run"),
+        seed=3,
+    )
     return config_from(base | kw)
 
 
@@ -40,15 +50,18 @@ def fleet(cfg: RunConfig) -> list[ClientAgent]:
 
 def dead_in_training(agent: ClientAgent):
     """A real client whose training fails (a device bug); it still evaluates."""
+
     def handle(task: Task) -> Result:
         if task.type != "evaluate":
             raise RuntimeError("device fell over")
         return agent.handle(task)
+
     return handle
 
 
 def inflating(agent: ClientAgent):
     """A real client that uploads its trained weights times 1e6."""
+
     def handle(task: Task) -> Result:
         res = agent.handle(task)
         if "local" not in res.models:
@@ -56,6 +69,7 @@ def inflating(agent: ClientAgent):
         w = res.models["local"]
         big = {k: v * 1e6 if v.is_floating_point() else v for k, v in w.state.items()}
         return dataclasses.replace(res, models={"local": Weights(w.spec, big)})
+
     return handle
 
 
@@ -63,8 +77,9 @@ def federation(tmp_path, name, handlers, loop, strategy="fedavg"):
     agents = fleet(config(tmp_path))
     handlers = {a.client_id: a.handle for a in agents} | {cid: wrap(agents[int(cid)]) for cid, wrap in handlers.items()}
     strategy = create_strategy(strategy, STRATEGY)
-    coord = Coordinator(strategy, InProcTransport(handlers), {a.client_id: a.info() for a in agents}, loop,
-                        RunLog(tmp_path / name, {}))
+    coord = Coordinator(
+        strategy, InProcTransport(handlers), {a.client_id: a.info() for a in agents}, loop, RunLog(tmp_path / name, {})
+    )
     return coord, strategy
 
 
@@ -77,15 +92,23 @@ def same(a, b):
 
 
 def test_a_round_with_quorum_aggregates_the_replies_that_came(tmp_path):
-    coord, _ = federation(tmp_path, "r", {"1": dead_in_training, "2": dead_in_training},
-                          LoopConfig(1, 4, 0, 1, progress=False, min_replies=2))
+    coord, _ = federation(
+        tmp_path,
+        "r",
+        {"1": dead_in_training, "2": dead_in_training},
+        LoopConfig(1, 4, 0, 1, progress=False, min_replies=2),
+    )
     summary = coord.run()
     assert summary["never_trained"] == ["1", "2"] and summary["failed_rounds"] == []
 
 
 def test_a_round_without_quorum_is_retried_then_the_run_stops(tmp_path, caplog):
-    coord, strategy = federation(tmp_path, "r", {"1": dead_in_training, "2": dead_in_training},
-                                 LoopConfig(2, 4, 0, 1, progress=False, min_replies=3, round_retries=2))
+    coord, strategy = federation(
+        tmp_path,
+        "r",
+        {"1": dead_in_training, "2": dead_in_training},
+        LoopConfig(2, 4, 0, 1, progress=False, min_replies=3, round_retries=2),
+    )
     strategy.setup(coord.clients)
     initial = global_state(strategy)
     with pytest.raises(RoundFailed, match="round 0 failed 3 times") as failure:
@@ -104,8 +127,9 @@ def test_a_quorum_that_cannot_be_met_is_refused_up_front(tmp_path):
 
 def test_the_simulation_wires_the_quorum_and_writes_the_summary_when_it_stops(tmp_path, monkeypatch):
     handle = ClientAgent.handle
-    monkeypatch.setattr(ClientAgent, "handle", lambda a, t: handle(a, t) if a.client_id == "0"
-                        else dead_in_training(a)(t))
+    monkeypatch.setattr(
+        ClientAgent, "handle", lambda a, t: handle(a, t) if a.client_id == "0" else dead_in_training(a)(t)
+    )
     with pytest.raises(RoundFailed):
         run_simulation(config(tmp_path, min_replies=2, round_retries=1), progress=False)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -127,8 +151,10 @@ def test_a_retried_round_is_bit_identical_to_a_clean_one(tmp_path, monkeypatch):
     retried = run_simulation(config(tmp_path, out=str(tmp_path / "retried"), **cfg), progress=False)
     assert retried["failed_rounds"] == [{"round": 1, "try": 1, "replies": 3}]
     assert retried["final_accuracy"] == clean["final_accuracy"]
-    train_losses = [[r.get("train_loss") for r in map(json.loads, (tmp_path / run / "metrics.jsonl").read_text()
-                                                      .splitlines())] for run in ("clean", "retried")]
+    train_losses = [
+        [r.get("train_loss") for r in map(json.loads, (tmp_path / run / "metrics.jsonl").read_text().splitlines())]
+        for run in ("clean", "retried")
+    ]
     assert train_losses[0] == train_losses[1]
 
 

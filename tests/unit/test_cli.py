@@ -21,20 +21,37 @@ def test_zoo_json_contract(capsys):
     code, out, _ = run(capsys, "zoo", "--json", "--input", "1x28x28")
     rows = json.loads(out)
     assert code == 0
-    assert [r["name"] for r in rows] == ["cnn1", "cnn2", "cnn3", "cnn4", "mobilenet_v1", "mobilenet_v2",
-                                         "mobilenet_v3"]
+    assert [r["name"] for r in rows] == ["cnn1", "cnn2", "cnn3", "cnn4", "mobilenet_v1", "mobilenet_v2", "mobilenet_v3"]
     assert all(isinstance(r["params"], int) and isinstance(r["macs"], int) and r["blocks"] > 0 for r in rows)
     assert {r["name"]: r["executorch_training"] for r in rows} == {
-        "cnn1": "yes", "cnn2": "yes", "cnn3": "yes", "cnn4": "no (BatchNorm)", "mobilenet_v1": "no (BatchNorm)",
-        "mobilenet_v2": "no (BatchNorm)", "mobilenet_v3": "no (BatchNorm)"}
+        "cnn1": "yes",
+        "cnn2": "yes",
+        "cnn3": "yes",
+        "cnn4": "no (BatchNorm)",
+        "mobilenet_v1": "no (BatchNorm)",
+        "mobilenet_v2": "no (BatchNorm)",
+        "mobilenet_v3": "no (BatchNorm)",
+    }
 
 
 def test_profiles_json_contract(capsys):
     code, out, _ = run(capsys, "profiles", "--json")
     rows = json.loads(out)
     names = {r["name"] for r in rows}
-    assert code == 0 and {"rpi-zero-2w", "rpi-4", "rpi-5", "jetson-orin-nano", "android-low-end",
-                          "android-mid-range", "android-flagship", "gpu-server"} <= names
+    assert (
+        code == 0
+        and {
+            "rpi-zero-2w",
+            "rpi-4",
+            "rpi-5",
+            "jetson-orin-nano",
+            "android-low-end",
+            "android-mid-range",
+            "android-flagship",
+            "gpu-server",
+        }
+        <= names
+    )
     assert all({"name", "runtime", "max_params", "max_macs"} <= set(r) for r in rows)
 
 
@@ -46,26 +63,46 @@ def test_data_describes_a_partition(capsys):
 
 
 def test_run_prints_per_client_accuracy(capsys, tmp_path):
-    code, out, _ = run(capsys, "run", "--dataset", "digits", "--zoo", "cnn1", "--clients", "3", "--active", "3",
-                       "--rounds", "1", "--local-epochs", "1", "--out", str(tmp_path / "r"), "--no-progress")
+    code, out, _ = run(
+        capsys,
+        "run",
+        "--dataset",
+        "digits",
+        "--zoo",
+        "cnn1",
+        "--clients",
+        "3",
+        "--active",
+        "3",
+        "--rounds",
+        "1",
+        "--local-epochs",
+        "1",
+        "--out",
+        str(tmp_path / "r"),
+        "--no-progress",
+    )
     assert code == 0 and "mean final accuracy" in out
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["clients"] == 3
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["run", "--strategy", "nope"], "unknown strategy 'nope'; available: fedavg, local"),
-    (["run", "--set", "bogus=1"], "strategy 'pfedclub' has no option(s) ['bogus']; its options: clusters,"),
-    (["run", "--strategy", "fedavg", "--set", "eta=0.2"], "strategy 'fedavg' has no option(s) ['eta']"),
-    (["run", "--strategy", "pfedclub+", "--set", "eta=-2"], "eta must be > -1"),
-    (["run", "--set", "clusters=many"], "clusters='many' is not a valid int"),
-    (["run", "--set", "rounds"], "--set expects key=value"),
-    (["run", "--clients", "2", "--active", "5"], "active (5) cannot exceed clients (2)"),
-    (["run", "--zoo", "IV"], "unknown zoo 'IV'"),
-    (["run", "--dataset", "imagenet"], "unknown dataset"),
-    (["run", "--config", "/nonexistent.toml"], "cannot read config file"),
-    (["data", "--dataset", "mnist", "--data", "/nonexistent"], "/nonexistent"),
-    (["profiles", "--validate", "/nonexistent.toml"], "nonexistent"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["run", "--strategy", "nope"], "unknown strategy 'nope'; available: fedavg, local"),
+        (["run", "--set", "bogus=1"], "strategy 'pfedclub' has no option(s) ['bogus']; its options: clusters,"),
+        (["run", "--strategy", "fedavg", "--set", "eta=0.2"], "strategy 'fedavg' has no option(s) ['eta']"),
+        (["run", "--strategy", "pfedclub+", "--set", "eta=-2"], "eta must be > -1"),
+        (["run", "--set", "clusters=many"], "clusters='many' is not a valid int"),
+        (["run", "--set", "rounds"], "--set expects key=value"),
+        (["run", "--clients", "2", "--active", "5"], "active (5) cannot exceed clients (2)"),
+        (["run", "--zoo", "IV"], "unknown zoo 'IV'"),
+        (["run", "--dataset", "imagenet"], "unknown dataset"),
+        (["run", "--config", "/nonexistent.toml"], "cannot read config file"),
+        (["data", "--dataset", "mnist", "--data", "/nonexistent"], "/nonexistent"),
+        (["profiles", "--validate", "/nonexistent.toml"], "nonexistent"),
+    ],
+)
 def test_bad_input_gives_one_clear_line(capsys, tmp_path, argv, message):
     code, out, err = run(capsys, *argv, *(["--out", str(tmp_path / "r"), "--no-progress"] if argv[0] == "run" else []))
     last = err.strip().splitlines()[-1]
@@ -84,21 +121,35 @@ def test_bad_toml_config(capsys, tmp_path):
 def test_toml_config_with_overrides_on_top(capsys, tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('dataset = "digits"\nzoo = "cnn1"\nclients = 2\nactive = 2\nrounds = 3\nlocal_epochs = 1\n')
-    code, _, err = run(capsys, "run", "--config", str(path), "--rounds", "1", "--out", str(tmp_path / "r"),
-                       "--no-progress")
+    code, _, err = run(
+        capsys, "run", "--config", str(path), "--rounds", "1", "--out", str(tmp_path / "r"), "--no-progress"
+    )
     assert code == 0 and json.loads((tmp_path / "r" / "config.json").read_text())["rounds"] == 1
 
 
 def test_strategy_options_from_a_toml_table_and_set_are_recorded_with_their_defaults(capsys, tmp_path):
     path = tmp_path / "run.toml"
-    path.write_text('strategy = "fedavg"\ndataset = "digits"\nzoo = "cnn1"\nclients = 2\nactive = 2\nrounds = 1\n'
-                    'local_epochs = 1\ntransport = "inproc"\n[options]\nmax_client_share = 0.75\n')
+    path.write_text(
+        'strategy = "fedavg"\ndataset = "digits"\nzoo = "cnn1"\nclients = 2\nactive = 2\nrounds = 1\n'
+        'local_epochs = 1\ntransport = "inproc"\n[options]\nmax_client_share = 0.75\n'
+    )
     code, _, err = run(capsys, "run", "--config", str(path), "--out", str(tmp_path / "r"), "--no-progress")
     assert code == 0, err
     assert json.loads((tmp_path / "r" / "config.json").read_text())["options"] == {"max_client_share": 0.75}
-    code, _, err = run(capsys, "run", "--config", str(path), "--set", "max_client_share=1", "--out",
-                       str(tmp_path / "s"), "--no-progress")
-    assert code == 0 and json.loads((tmp_path / "s" / "config.json").read_text())["options"] == {"max_client_share": 1.0}
+    code, _, err = run(
+        capsys,
+        "run",
+        "--config",
+        str(path),
+        "--set",
+        "max_client_share=1",
+        "--out",
+        str(tmp_path / "s"),
+        "--no-progress",
+    )
+    assert code == 0 and json.loads((tmp_path / "s" / "config.json").read_text())["options"] == {
+        "max_client_share": 1.0
+    }
 
 
 def test_strategies_lists_every_strategy_with_its_options(capsys):
@@ -115,7 +166,8 @@ def test_bad_input_shape_is_an_argparse_error(capsys):
 
 
 def test_console_script_help():
-    result = subprocess.run([sys.executable, "-m", "launch.cli", "run", "--help"], capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "launch.cli", "run", "--help"], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0 and "--local-epochs" in result.stdout and "--set KEY=VALUE" in result.stdout
     assert "pfedclub+: pFedClub+" in result.stdout and "eta (float, default 0.1)" in result.stdout

@@ -54,8 +54,12 @@ def test_torchvision_is_never_imported_at_module_level(package, path):
 
 
 def test_nothing_imports_the_launchers():
-    users = [p.relative_to(ROOT).as_posix() for package, p in modules() if package != "launch"
-             if "launch" in imported_packages(p)]
+    users = [
+        p.relative_to(ROOT).as_posix()
+        for package, p in modules()
+        if package != "launch"
+        if "launch" in imported_packages(p)
+    ]
     assert not users
 
 

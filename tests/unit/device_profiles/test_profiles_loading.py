@@ -26,11 +26,25 @@ from device_profiles import (
 pytestmark = pytest.mark.timeout(60)
 
 BUNDLED_NAMES = [
-    "android-flagship", "android-low-end", "android-mid-range", "gpu-server",
-    "jetson-orin-nano", "rpi-4", "rpi-5", "rpi-zero-2w",
+    "android-flagship",
+    "android-low-end",
+    "android-mid-range",
+    "gpu-server",
+    "jetson-orin-nano",
+    "rpi-4",
+    "rpi-5",
+    "rpi-zero-2w",
 ]
-NUMERIC_KEYS = ["train_macs_per_s", "memory_bytes", "max_params", "max_macs",
-                "uplink_bps", "downlink_bps", "rtt_s", "availability"]
+NUMERIC_KEYS = [
+    "train_macs_per_s",
+    "memory_bytes",
+    "max_params",
+    "max_macs",
+    "uplink_bps",
+    "downlink_bps",
+    "rtt_s",
+    "availability",
+]
 
 VALID_LINES = {
     "name": 'name = "dev"',
@@ -61,6 +75,7 @@ def write_profile(directory: Path, stem: str = "dev", **overrides: str | None) -
 
 
 # --- bundled profiles -------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", BUNDLED_NAMES)
 def test_every_bundled_profile_loads_and_validates(name: str) -> None:
@@ -105,30 +120,33 @@ def test_training_memory_of_max_params_fits_each_bundled_device() -> None:
 BAD_CASES = {
     "missing field": ({"max_macs": None}, ["missing field 'max_macs'"]),
     "unknown field": ({"gpu": "gpu_count = 1"}, ["unknown field 'gpu_count'", "remove it"]),
-    "negative number": ({"max_macs": "max_macs = -3"},
-                        ["field 'max_macs' must be a positive integer", "got -3"]),
-    "nan": ({"rtt_s": "rtt_s = nan"}, ["field 'rtt_s' must be a positive finite number",
-                                       "got nan"]),
+    "negative number": ({"max_macs": "max_macs = -3"}, ["field 'max_macs' must be a positive integer", "got -3"]),
+    "nan": ({"rtt_s": "rtt_s = nan"}, ["field 'rtt_s' must be a positive finite number", "got nan"]),
     "infinity": ({"uplink_bps": "uplink_bps = inf"}, ["field 'uplink_bps'", "got inf"]),
-    "bad runtime": ({"runtime": 'runtime = "tflite"'},
-                    ["field 'runtime' must be one of ['executorch', 'torch']", "'tflite'"]),
-    "name differs from stem": ({"name": 'name = "other"'},
-                               ["field 'name' is 'other'", "named 'dev'"]),
+    "bad runtime": (
+        {"runtime": 'runtime = "tflite"'},
+        ["field 'runtime' must be one of ['executorch', 'torch']", "'tflite'"],
+    ),
+    "name differs from stem": ({"name": 'name = "other"'}, ["field 'name' is 'other'", "named 'dev'"]),
     "toml syntax error": ({"max_params": "max_params = = 3"}, ["not valid TOML", "fix"]),
-    "float for integer": ({"memory_bytes": "memory_bytes = 1.5e9"},
-                          ["field 'memory_bytes' must be a positive integer",
-                           "got 1500000000.0"]),
-    "bool for integer": ({"max_params": "max_params = true"},
-                         ["field 'max_params' must be a positive integer", "got True"]),
-    "availability above 1": ({"availability": "availability = 1.5"},
-                             ["field 'availability' must be a probability in (0, 1]",
-                              "got 1.5"]),
-    "availability zero": ({"availability": "availability = 0"},
-                          ["field 'availability'", "got 0"]),
-    "string for number": ({"train_macs_per_s": 'train_macs_per_s = "fast"'},
-                          ["field 'train_macs_per_s'", "got 'fast'"]),
-    "empty description": ({"description": 'description = ""'},
-                          ["field 'description' must be a non-empty string"]),
+    "float for integer": (
+        {"memory_bytes": "memory_bytes = 1.5e9"},
+        ["field 'memory_bytes' must be a positive integer", "got 1500000000.0"],
+    ),
+    "bool for integer": (
+        {"max_params": "max_params = true"},
+        ["field 'max_params' must be a positive integer", "got True"],
+    ),
+    "availability above 1": (
+        {"availability": "availability = 1.5"},
+        ["field 'availability' must be a probability in (0, 1]", "got 1.5"],
+    ),
+    "availability zero": ({"availability": "availability = 0"}, ["field 'availability'", "got 0"]),
+    "string for number": (
+        {"train_macs_per_s": 'train_macs_per_s = "fast"'},
+        ["field 'train_macs_per_s'", "got 'fast'"],
+    ),
+    "empty description": ({"description": 'description = ""'}, ["field 'description' must be a non-empty string"]),
     "source key": ({"source": 'source = "x"'}, ["field 'source' is set by the loader"]),
 }
 
@@ -147,8 +165,7 @@ def test_bad_file_names_file_and_field(case: str, tmp_path: Path) -> None:
 
 
 def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
-    path = write_profile(tmp_path, max_macs="max_macs = -3", rtt_s=None,
-                         extra="colour = 'red'")
+    path = write_profile(tmp_path, max_macs="max_macs = -3", rtt_s=None, extra="colour = 'red'")
     with pytest.raises(ProfileError) as info:
         load_profile(path)
     assert len(info.value.problems) == 3
@@ -163,10 +180,19 @@ def test_missing_file_is_a_profile_error(tmp_path: Path) -> None:
 def test_valid_file_gives_exact_values(tmp_path: Path) -> None:
     profile = load_profile(write_profile(tmp_path))
     assert profile == DeviceProfile(
-        name="dev", description="a test device", runtime="torch",
-        train_macs_per_s=3.0e9, memory_bytes=1_073_741_824, max_params=3_000_000,
-        max_macs=60_000_000, uplink_bps=5e6, downlink_bps=50e6, rtt_s=0.028,
-        availability=0.5, source=str(tmp_path / "dev.toml"))
+        name="dev",
+        description="a test device",
+        runtime="torch",
+        train_macs_per_s=3.0e9,
+        memory_bytes=1_073_741_824,
+        max_params=3_000_000,
+        max_macs=60_000_000,
+        uplink_bps=5e6,
+        downlink_bps=50e6,
+        rtt_s=0.028,
+        availability=0.5,
+        source=str(tmp_path / "dev.toml"),
+    )
     assert isinstance(profile.downlink_bps, float)
 
 
@@ -187,6 +213,7 @@ def test_to_dict_round_trips_through_profile_from_mapping() -> None:
 
 # --- lookup, user directories, overrides ------------------------------------------------
 
+
 def test_unknown_name_lists_available_names(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FEDGE_PROFILE_PATH", raising=False)
     with pytest.raises(ProfileError) as info:
@@ -205,8 +232,7 @@ def test_get_profile_by_path(tmp_path: Path) -> None:
 
 def test_extra_dirs_override_bundled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FEDGE_PROFILE_PATH", raising=False)
-    write_profile(tmp_path, stem="rpi-4", name='name = "rpi-4"',
-                  description='description = "my overclocked pi"')
+    write_profile(tmp_path, stem="rpi-4", name='name = "rpi-4"', description='description = "my overclocked pi"')
     write_profile(tmp_path, stem="zz-custom", name='name = "zz-custom"')
     assert get_profile("rpi-4", extra_dirs=[tmp_path]).description == "my overclocked pi"
     assert get_profile("rpi-4").description != "my overclocked pi"
@@ -248,6 +274,7 @@ def test_broken_user_file_is_not_skipped(tmp_path: Path, monkeypatch: pytest.Mon
 
 
 # --- package rule -----------------------------------------------------------------------
+
 
 def test_package_imports_only_stdlib() -> None:
     allowed = set(sys.stdlib_module_names) | {"device_profiles", "tomllib", "tomli", "__future__"}

@@ -21,8 +21,12 @@ TRAIN = {"epochs": 1, "batch_size": 4, "lr": 1e-2, "seed": 7, "upload": True}
 
 def data() -> ClientData:
     gen = torch.Generator().manual_seed(0)
-    return ClientData(torch.randn(12, *IN, generator=gen), torch.randint(0, 3, (12,), generator=gen),
-                      torch.randn(4, *IN, generator=gen), torch.randint(0, 3, (4,), generator=gen))
+    return ClientData(
+        torch.randn(12, *IN, generator=gen),
+        torch.randint(0, 3, (12,), generator=gen),
+        torch.randn(4, *IN, generator=gen),
+        torch.randint(0, 3, (4,), generator=gen),
+    )
 
 
 def agent(state_dir=None) -> ClientAgent:

@@ -17,17 +17,26 @@ pytestmark = pytest.mark.timeout(120)
 
 IN = (1, 4, 4)
 STUDENT = make_spec("student", IN, 3, [("fc", [L("flatten"), L("linear", {"out_features": 3})])])
-TEACHER = make_spec("teacher", IN, 3, [
-    ("fc1", [L("flatten"), L("linear", {"out_features": 8}), L("relu"), L("dropout", {"p": 0.5})]),
-    ("fc2", [L("linear", {"out_features": 3})]),
-])
+TEACHER = make_spec(
+    "teacher",
+    IN,
+    3,
+    [
+        ("fc1", [L("flatten"), L("linear", {"out_features": 8}), L("relu"), L("dropout", {"p": 0.5})]),
+        ("fc2", [L("linear", {"out_features": 3})]),
+    ],
+)
 BASE = {"epochs": 2, "batch_size": 5, "lr": 1e-2, "seed": 7, "upload": True}
 
 
 def data(n: int = 12) -> ClientData:
     gen = torch.Generator().manual_seed(0)
-    return ClientData(torch.randn(n, *IN, generator=gen), torch.randint(0, 3, (n,), generator=gen),
-                      torch.randn(4, *IN, generator=gen), torch.randint(0, 3, (4,), generator=gen))
+    return ClientData(
+        torch.randn(n, *IN, generator=gen),
+        torch.randint(0, 3, (n,), generator=gen),
+        torch.randn(4, *IN, generator=gen),
+        torch.randint(0, 3, (4,), generator=gen),
+    )
 
 
 def agent(n: int = 12) -> ClientAgent:
@@ -115,8 +124,17 @@ def test_temperature_is_read_and_changes_the_update():
     assert not same_weights(*runs)
 
 
-@pytest.mark.parametrize("bad", [{"kd_lambda": -0.1}, {"kd_lambda": "much"}, {"kd_lambda": float("nan")},
-                                 {"temperature": 0.0}, {"temperature": None}, {"epochs": 0}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"kd_lambda": -0.1},
+        {"kd_lambda": "much"},
+        {"kd_lambda": float("nan")},
+        {"temperature": 0.0},
+        {"temperature": None},
+        {"epochs": 0},
+    ],
+)
 def test_bad_config_raises_task_error(bad):
     with pytest.raises(TaskError):
         agent().handle(Task("kd_train", 2, {**BASE, **bad}, {"teacher": teacher()}))

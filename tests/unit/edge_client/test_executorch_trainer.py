@@ -11,16 +11,16 @@ from edge_client.executorch_trainer import ExecuTorchTrainer, TrainingSession, e
 from edge_client.training import Distillation, TrainConfig, predict
 from export.parity import gated_training_program
 from export.pte import teacher_logits_pte
-from fedge.distill import kd_loss
 from fedge.config import ConfigError, RunConfig
 from fedge.data import load_dataset
-from launch.server import RUNTIME_CHECKS
-from server.registration import registration_check
+from fedge.distill import kd_loss
 from fedge.messages import Task, Weights
 from fedge.partition import ClientShard
-from launch.client import make_agent
 from fedge.spec import build
 from fedge.zoo import create
+from launch.client import make_agent
+from launch.server import RUNTIME_CHECKS
+from server.registration import registration_check
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -35,7 +35,9 @@ def digits() -> tuple[torch.Tensor, torch.Tensor]:
 
 def et_trainer(spec, batch: int) -> ExecuTorchTrainer:
     """As launch.client.make_agent wires it for an executorch profile."""
-    return ExecuTorchTrainer(spec, batch, lambda b: TrainingSession(gated_training_program(spec, b)), teacher_logits_pte)
+    return ExecuTorchTrainer(
+        spec, batch, lambda b: TrainingSession(gated_training_program(spec, b)), teacher_logits_pte
+    )
 
 
 def init(spec, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -74,8 +76,11 @@ def test_executorch_training_equals_eager_sgd_on_the_same_batches(digits, teache
     spec = create("cnn2", SHAPE, CLASSES)
     state = init(spec)
     cfg = TrainConfig(epochs=2, batch_size=16, lr=1e-3, seed=5, sgd_lr=0.05, sgd_momentum=0.9)
-    kd = Distillation(3 * torch.randn(len(x), CLASSES, generator=torch.Generator().manual_seed(1)), 0.5, 2.0) \
-        if teacher else None
+    kd = (
+        Distillation(3 * torch.randn(len(x), CLASSES, generator=torch.Generator().manual_seed(1)), 0.5, 2.0)
+        if teacher
+        else None
+    )
     model = build(spec)
     model.load_state_dict(state)
     # execute
@@ -105,8 +110,12 @@ def test_kd_train_task_on_an_executorch_client_uploads_the_trained_weights(digit
     agent = ClientAgent("7", spec, data, "android-mid-range", seed=0, trainer=et_trainer(spec, 8))
     before = agent.weights().state
     teacher = Weights(create("cnn2", SHAPE, CLASSES), init(create("cnn2", SHAPE, CLASSES)))
-    task = Task("kd_train", 0, {"epochs": 1, "batch_size": 8, "lr": 1e-3, "sgd_lr": 0.05, "sgd_momentum": 0.9,
-                                "seed": 1, "upload": True}, {"teacher": teacher})
+    task = Task(
+        "kd_train",
+        0,
+        {"epochs": 1, "batch_size": 8, "lr": 1e-3, "sgd_lr": 0.05, "sgd_momentum": 0.9, "seed": 1, "upload": True},
+        {"teacher": teacher},
+    )
     result = agent.handle(task)
     local = result.models["local"].state
     assert result.metrics["kd_loss"] > 0
@@ -119,8 +128,11 @@ def shard(n: int = 24) -> ClientShard:
 
 
 def test_an_executorch_profile_refuses_a_batchnorm_model_at_start_up():
-    with pytest.raises(ConfigError, match=r"cnn4 cannot train on device profile android-mid-range \(runtime "
-                                          r"executorch\).*BatchNorm"):
+    with pytest.raises(
+        ConfigError,
+        match=r"cnn4 cannot train on device profile android-mid-range \(runtime "
+        r"executorch\).*BatchNorm",
+    ):
         make_agent(RunConfig(dataset="digits"), DIGITS, shard(), "cnn4", "android-mid-range")
 
 

@@ -2,11 +2,12 @@
 re-sent uploads and their repeats, the server's stop, a restarted server. Real brokers: tests/integration."""
 
 import pytest
-from helpers.fake_link import RUN, WAIT_S, FakeFederation, wait_until
 
 from edge_client.session import MAX_SENDS, ClientStopped
 from fedge.messages import Task
 from server.fleet import Fleet
+
+from helpers.fake_link import RUN, WAIT_S, FakeFederation, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,8 +36,10 @@ def test_a_lost_acknowledgement_makes_repeats_that_the_server_recognises():
         client = fed.client("0", ack_timeout_s=0.01).client
         fed.net.drop_next(lambda topic, env: env.type == "ack" and env.round == 1)
         assert list(fed.fleet.exchange({"0": Task("train", 1)})) == ["0"]
-        wait_until(lambda: fed.fleet.inbox.joiner.duplicates == MAX_SENDS - 1 and not client.pending,
-                   "the client to give up on the acknowledgement")
+        wait_until(
+            lambda: fed.fleet.inbox.joiner.duplicates == MAX_SENDS - 1 and not client.pending,
+            "the client to give up on the acknowledgement",
+        )
         assert fed.net.count("result") == MAX_SENDS  # a bounded number of sends, each the same message
         assert len({env.msg_id for _, env in fed.net.sent if env.type == "result"}) == 1
         assert fed.fleet.inbox.rejected == {}  # repeats are dropped, not rejected

@@ -4,18 +4,34 @@ the training program of helpers.export_models.POOLS."""
 import numpy as np
 import pytest
 import torch
-from helpers.export_models import POOLS, weights
 
 from fedge.config import config_from
 from fedge.data import load_dataset
 from launch.simulation import run_simulation
 
+from helpers.export_models import POOLS, weights
+
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("run") / "pfedclub"
-    cfg = config_from(dict(strategy="pfedclub", dataset="digits", zoo="III", clients=3, active=3, rounds=1, local_epochs=1,
-                    batch_size=32, finetune_epochs=1, max_candidates=1, seed=0, transport="inproc", out=str(out)))
+    cfg = config_from(
+        dict(
+            strategy="pfedclub",
+            dataset="digits",
+            zoo="III",
+            clients=3,
+            active=3,
+            rounds=1,
+            local_epochs=1,
+            batch_size=32,
+            finetune_epochs=1,
+            max_candidates=1,
+            seed=0,
+            transport="inproc",
+            out=str(out),
+        )
+    )
     run_simulation(cfg, progress=False)
     return out
 

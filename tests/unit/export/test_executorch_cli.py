@@ -18,6 +18,7 @@ pytestmark = pytest.mark.timeout(300)
 
 def cli(capsys, *argv):
     from launch.cli import main
+
     code = main([str(a) for a in argv])
     out, err = capsys.readouterr()
     return code, out, err
@@ -27,16 +28,20 @@ def test_cli_exports_a_students_training_program_an_app_can_step(run_dir, tmp_pa
     # prepare: client 1 has cnn1 (zoo III, seed 0), the run's batch size is 32
     from executorch.extension.pybindings.portable_lib import _load_for_executorch
     from executorch.extension.training import TrainingModule, get_sgd_optimizer
+
     # execute
-    code, out, err = cli(capsys, "export", run_dir, "--client", "1", "--what", "student", "--format", "pte-train",
-                         "--out", tmp_path)
+    code, out, err = cli(
+        capsys, "export", run_dir, "--client", "1", "--what", "student", "--format", "pte-train", "--out", tmp_path
+    )
     # assert: program, weights and manifest; the manifest's shapes drive one SGD step of the loaded files
     assert code == 0, err
     assert "worst relative gradient error" in out
     manifest = json.loads((tmp_path / "client1-student-train.json").read_text())
     assert manifest["program"] == "client1-student-train.pte" and manifest["weights"] == "client1-student-train.ptd"
     assert [i["name"] for i in manifest["inputs"]] == list(TRAIN_INPUTS) and manifest["batch_size"] == 32
-    module = TrainingModule(_load_for_executorch(str(tmp_path / manifest["program"]), str(tmp_path / manifest["weights"])))
+    module = TrainingModule(
+        _load_for_executorch(str(tmp_path / manifest["program"]), str(tmp_path / manifest["weights"]))
+    )
     dtypes = {"float32": torch.float32, "int64": torch.long}
     inputs = [torch.zeros(i["shape"], dtype=dtypes[i["dtype"]]) for i in manifest["inputs"]]
     inputs[4] += 1.0  # temperature
@@ -50,7 +55,10 @@ def test_cli_exports_a_students_training_program_an_app_can_step(run_dir, tmp_pa
 
 def test_cli_exports_a_teacher_inference_program_equal_to_eager(run_dir, tmp_path, capsys):
     from fedge.weights import load_model
-    code, out, err = cli(capsys, "export", run_dir, "--client", "2", "--format", "pte", "--batch", "4", "--out", tmp_path)
+
+    code, out, err = cli(
+        capsys, "export", run_dir, "--client", "2", "--format", "pte", "--batch", "4", "--out", tmp_path
+    )
     assert code == 0, err
     manifest = json.loads((tmp_path / "client2-teacher.json").read_text())
     assert manifest["inputs"][0]["shape"] == [4, 1, 8, 8] and manifest["outputs"][0]["shape"] == [4, 10]
@@ -58,15 +66,17 @@ def test_cli_exports_a_teacher_inference_program_equal_to_eager(run_dir, tmp_pat
     model = build(spec).eval()
     model.load_state_dict(state)
     x = load_dataset("digits").tensors(np.arange(200, 210))[0]
-    torch.testing.assert_close(predict_pte(tmp_path / "client2-teacher.pte", x), model(x).detach(),
-                               rtol=0, atol=1e-4)
+    torch.testing.assert_close(predict_pte(tmp_path / "client2-teacher.pte", x), model(x).detach(), rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--client", "0", "--what", "student", "--format", "pte-train"], "'cnn4' cannot be trained under ExecuTorch"),
-    (["--client", "1", "--what", "teacher", "--format", "pte-train"], "use --what student"),
-    (["--client", "1", "--format", "pte", "--batch", "0"], "--batch must be positive"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--client", "0", "--what", "student", "--format", "pte-train"], "'cnn4' cannot be trained under ExecuTorch"),
+        (["--client", "1", "--what", "teacher", "--format", "pte-train"], "use --what student"),
+        (["--client", "1", "--format", "pte", "--batch", "0"], "--batch must be positive"),
+    ],
+)
 def test_cli_executorch_export_errors(run_dir, tmp_path, capsys, argv, message):
     code, out, err = cli(capsys, "export", run_dir, *argv, "--out", tmp_path)
     assert code == 2 and out == ""

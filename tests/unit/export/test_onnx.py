@@ -10,13 +10,13 @@ from torch import nn
 
 from export import PARITY_ATOL
 from export.onnx import ExportError, export_module, export_onnx, onnx_metadata, predict_onnx
-from launch.cli import main
 from fedge.config import ConfigError, RunConfig, config_from
 from fedge.data import load_dataset
 from fedge.layers import LayerSpec as L
 from fedge.spec import build, make_spec
 from fedge.weights import load_model, load_module
 from fedge.zoo import MODELS, create
+from launch.cli import main
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -65,8 +65,13 @@ def test_rgb_32px_parity(tmp_path, name):
 def test_metadata_props(tmp_path, mnist):
     ds, x = mnist
     spec = create("cnn1", ds.input_shape, ds.num_classes).with_origin("7")
-    report = export_onnx(spec, fresh(spec), tmp_path / "m.onnx", x, {"client": "7", "round": "3",
-                                                                    "class_names": json.dumps(list(ds.classes))})
+    report = export_onnx(
+        spec,
+        fresh(spec),
+        tmp_path / "m.onnx",
+        x,
+        {"client": "7", "round": "3", "class_names": json.dumps(list(ds.classes))},
+    )
     meta = onnx_metadata(report.path)
     assert meta["model"] == "cnn1" and meta["client"] == "7" and meta["round"] == "3"
     assert meta["params"] == str(spec.params) and meta["macs"] == str(spec.macs)
@@ -78,13 +83,24 @@ def test_metadata_props(tmp_path, mnist):
 
 def test_conv_to_conv_stitches_with_resizes(tmp_path, mnist):
     ds, x = mnist
-    spec = make_spec("stitched", (1, 28, 28), 10, [
-        ("cov1", [L("conv2d", {"out_channels": 16, "kernel_size": 5, "padding": 2}), L("relu"),
-                  L("maxpool", {"kernel_size": 2})]),  # 16x14x14
-        ("up", [L("stitch", {"out_shape": [8, 28, 28]})]),  # 1x1 conv + nearest upsample
-        ("down", [L("stitch", {"out_shape": [12, 5, 5]})]),  # 1x1 conv + adaptive average pool 28 -> 5
-        ("head", [L("stitch", {"out_shape": [10], "relu": False})]),  # linear stitch to the logits
-    ])
+    spec = make_spec(
+        "stitched",
+        (1, 28, 28),
+        10,
+        [
+            (
+                "cov1",
+                [
+                    L("conv2d", {"out_channels": 16, "kernel_size": 5, "padding": 2}),
+                    L("relu"),
+                    L("maxpool", {"kernel_size": 2}),
+                ],
+            ),  # 16x14x14
+            ("up", [L("stitch", {"out_shape": [8, 28, 28]})]),  # 1x1 conv + nearest upsample
+            ("down", [L("stitch", {"out_shape": [12, 5, 5]})]),  # 1x1 conv + adaptive average pool 28 -> 5
+            ("head", [L("stitch", {"out_shape": [10], "relu": False})]),  # linear stitch to the logits
+        ],
+    )
     state = fresh(spec, seed=1)
     report = export_onnx(spec, state, tmp_path / "t.onnx", x, {})
     assert report.max_abs_diff <= PARITY_ATOL
@@ -144,8 +160,12 @@ def test_run_writes_and_checks_final_teachers(run_dir):
         assert meta["client"] == path.parent.name and meta["role"] == "teacher" and meta["dataset"] == "digits"
         assert len(json.loads(meta["blocks"])) == len(spec.blocks)
         assert_parity(path.with_suffix(".onnx"), spec, state, x)
-        conv_stitches += sum(1 for b in spec.blocks for ly in b.layers
-                             if ly.type == "stitch" and len(b.in_shape) == 3 and len(b.out_shape) == 3)
+        conv_stitches += sum(
+            1
+            for b in spec.blocks
+            for ly in b.layers
+            if ly.type == "stitch" and len(b.in_shape) == 3 and len(b.out_shape) == 3
+        )
     assert conv_stitches, "no conv→conv stitch in this run's teachers"
 
 
@@ -158,26 +178,40 @@ def cli(capsys, *argv):
 def test_cli_export_and_predict(run_dir, tmp_path, capsys):
     client = sorted(p.name for p in (run_dir / "models").iterdir())[0]
     for what in ("teacher", "student"):
-        code, out, err = cli(capsys, "export", run_dir, "--client", client, "--what", what, "--format", "onnx",
-                             "--out", tmp_path)
+        code, out, err = cli(
+            capsys, "export", run_dir, "--client", client, "--what", what, "--format", "onnx", "--out", tmp_path
+        )
         assert code == 0, err
         assert (tmp_path / f"client{client}-{what}.onnx").exists() and "max abs logit difference" in out
-    code, out, err = cli(capsys, "predict", tmp_path / f"client{client}-student.onnx", "--dataset", "digits",
-                         "--limit", "50")
+    code, out, err = cli(
+        capsys, "predict", tmp_path / f"client{client}-student.onnx", "--dataset", "digits", "--limit", "50"
+    )
     assert code == 0, err
     assert out.startswith("accuracy ") and "(" in out and "/50)" in out
-    code, out, err = cli(capsys, "predict", tmp_path / f"client{client}-student.onnx", "--dataset", "digits",
-                         "--client", client, "--config", run_dir / "config.json")
+    code, out, err = cli(
+        capsys,
+        "predict",
+        tmp_path / f"client{client}-student.onnx",
+        "--dataset",
+        "digits",
+        "--client",
+        client,
+        "--config",
+        run_dir / "config.json",
+    )
     assert code == 0, err
     assert f"client {client}'s test shard" in out
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["{missing}", "--client", "0"], "does not exist"),
-    (["{run}", "--client", "99"], "has no client '99'"),
-    (["{run}", "--client", "0", "--format", "tflite"], "unsupported format 'tflite'"),
-    (["{run}", "--client", "0", "--what", "server"], "unknown model 'server'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["{missing}", "--client", "0"], "does not exist"),
+        (["{run}", "--client", "99"], "has no client '99'"),
+        (["{run}", "--client", "0", "--format", "tflite"], "unsupported format 'tflite'"),
+        (["{run}", "--client", "0", "--what", "server"], "unknown model 'server'"),
+    ],
+)
 def test_cli_export_errors(run_dir, tmp_path, capsys, argv, message):
     argv = [a.format(missing=tmp_path / "nope", run=run_dir) for a in argv]
     code, out, err = cli(capsys, "export", *argv, "--out", tmp_path / "o")
@@ -192,7 +226,11 @@ def test_cli_predict_errors(tmp_path, capsys):
 
 def test_a_missing_optional_package_names_the_extra_to_install():
     from export import require
+
     require("onnx", "onnxruntime")  # installed: nothing happens
-    with pytest.raises(ExportError, match=r"export needs no_such_package_xyz, which is not installed; install the "
-                                          r"export extra: pip install 'fedge\[export\]'"):
+    with pytest.raises(
+        ExportError,
+        match=r"export needs no_such_package_xyz, which is not installed; install the "
+        r"export extra: pip install 'fedge\[export\]'",
+    ):
         require("onnx", "no_such_package_xyz")

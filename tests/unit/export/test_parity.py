@@ -4,13 +4,14 @@ model, the pool rewrites are exact, and one program serves every λ and T."""
 import executorch  # noqa: F401  (a test dependency: missing, this file must fail, not skip)
 import pytest
 import torch
-from helpers.export_models import POOLS, SHAPE, TRAINABLE, teacher_logits, weights
 from torch.nn import functional as F
 
 from export.parity import ExportError, gradient_parity, train_step_pte
 from fedge.distill import kd_loss
 from fedge.spec import build
 from fedge.zoo import create
+
+from helpers.export_models import POOLS, SHAPE, TRAINABLE, teacher_logits, weights
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -55,8 +56,9 @@ def test_train_step_pte_is_one_sgd_step_at_the_given_parameters(mnist8, pools_pr
 def test_train_step_pte_rejects_parameters_that_do_not_match(pools_program):
     params = {k: v for k, v in build(POOLS).named_parameters() if not k.endswith("bias")}
     with pytest.raises(ExportError, match=r"missing \['blocks\.0\.0\.bias'"):
-        train_step_pte(pools_program, params, torch.zeros(8, 1, 9, 9), torch.zeros(8, dtype=torch.long),
-                       torch.zeros(8, 10), 0.1)
+        train_step_pte(
+            pools_program, params, torch.zeros(8, 1, 9, 9), torch.zeros(8, dtype=torch.long), torch.zeros(8, 10), 0.1
+        )
 
 
 def test_one_program_serves_every_lambda_and_temperature(mnist8, pools_program):

@@ -3,11 +3,12 @@
 import executorch  # noqa: F401  (a test dependency: missing, this file must fail, not skip)
 import pytest
 import torch
-from helpers.export_models import SHAPE, weights
 
 from export.pte import ExportError, export_pte, predict_pte
 from fedge.spec import build
 from fedge.zoo import MODELS, create
+
+from helpers.export_models import SHAPE, weights
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -4,7 +4,6 @@ exist for a reason, and the program keeps its weights apart."""
 import executorch  # noqa: F401  (a test dependency: missing, this file must fail, not skip)
 import pytest
 import torch
-from helpers.export_models import BN_MODELS, POOLS, SHAPE, teacher_logits, weights
 
 import export.parity as parity
 import export.training_program as tp
@@ -13,6 +12,8 @@ from export.training_program import ExportError, export_training
 from fedge.layers import LayerSpec as L
 from fedge.spec import make_spec
 from fedge.zoo import create
+
+from helpers.export_models import BN_MODELS, POOLS, SHAPE, teacher_logits, weights
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -25,10 +26,15 @@ def test_batchnorm_models_are_refused_for_training(name):
 
 
 def test_a_pool_without_an_exact_form_is_refused_naming_the_layer():
-    spec = make_spec("overlap", (1, 8, 8), 10, [
-        ("c1", [L("conv2d", {"out_channels": 2, "kernel_size": 3}), L("maxpool", {"kernel_size": 3, "stride": 2})]),
-        ("fc", [L("flatten"), L("linear", {"out_features": 10})]),
-    ])
+    spec = make_spec(
+        "overlap",
+        (1, 8, 8),
+        10,
+        [
+            ("c1", [L("conv2d", {"out_channels": 2, "kernel_size": 3}), L("maxpool", {"kernel_size": 3, "stride": 2})]),
+            ("fc", [L("flatten"), L("linear", {"out_features": 10})]),
+        ],
+    )
     with pytest.raises(ExportError, match=r"blocks\.0\.1 \(MaxPool2d\) in block 'c1'"):
         export_training(spec, weights(spec), batch_size=2)
 
@@ -38,11 +44,22 @@ def test_without_the_rewrite_maxpool_is_refused_and_would_give_wrong_gradients(m
     monkeypatch.setattr(tp, "_pool_rewrite", lambda module, name: None)
     with pytest.raises(ExportError, match="max_pool2d"):
         export_training(POOLS, weights(POOLS), batch_size=2)
-    maxpool_only = make_spec("mp", (1, 8, 8), 10, [
-        ("c1", [L("conv2d", {"out_channels": 4, "kernel_size": 3, "padding": 1}), L("relu"),
-                L("maxpool", {"kernel_size": 2})]),
-        ("fc", [L("flatten"), L("linear", {"out_features": 10})]),
-    ])
+    maxpool_only = make_spec(
+        "mp",
+        (1, 8, 8),
+        10,
+        [
+            (
+                "c1",
+                [
+                    L("conv2d", {"out_channels": 4, "kernel_size": 3, "padding": 1}),
+                    L("relu"),
+                    L("maxpool", {"kernel_size": 2}),
+                ],
+            ),
+            ("fc", [L("flatten"), L("linear", {"out_features": 10})]),
+        ],
+    )
     monkeypatch.setattr(tp, "_BAD_TRAINING_OPS", set())
     x = torch.rand(4, 1, 8, 8, generator=torch.Generator().manual_seed(0))
     report = gradient_parity(maxpool_only, weights(maxpool_only), x, torch.arange(4), teacher_logits(4))
@@ -61,9 +78,18 @@ def test_the_program_keeps_the_weights_apart_and_loads_from_files_like_an_app(tm
     # execute: the path-based loader an app uses (program file + weights file)
     from executorch.extension.pybindings.portable_lib import _load_for_executorch
     from executorch.extension.training import TrainingModule
+
     module = TrainingModule(_load_for_executorch(str(pte), str(ptd)))
-    out = module.forward_backward("forward", (torch.zeros(8, 1, 9, 9), torch.zeros(8, dtype=torch.long),
-                                              torch.zeros(8, 10), torch.tensor(0.2), torch.tensor(1.0)))
+    out = module.forward_backward(
+        "forward",
+        (
+            torch.zeros(8, 1, 9, 9),
+            torch.zeros(8, dtype=torch.long),
+            torch.zeros(8, 10),
+            torch.tensor(0.2),
+            torch.tensor(1.0),
+        ),
+    )
     # assert: other weights give the same program, byte for byte, and another .ptd; the loaded weights are the
     # exported ones
     assert other.program == pte.read_bytes() and other.weights != ptd.read_bytes()

@@ -1,4 +1,5 @@
-"""fedge.access and fedge.mosquitto without a network: users files, generated users, the ACL rules, Mosquitto files and hashes."""
+"""fedge.access and fedge.mosquitto without a network: users files, generated users, the ACL rules, Mosquitto
+files and hashes."""
 
 import base64
 import hashlib
@@ -7,8 +8,8 @@ import pwd
 
 import pytest
 
-from fedge.constants import MAX_MESSAGE_BYTES, MAX_QUEUED_BYTES, MAX_QUEUED_MESSAGES
 from fedge.access import BrokerError, check_users, generate_users, permitted, read_users
+from fedge.constants import MAX_MESSAGE_BYTES, MAX_QUEUED_BYTES, MAX_QUEUED_MESSAGES
 from fedge.mosquitto import TlsFiles, mosquitto_acl, mosquitto_password_hash, write_mosquitto_config
 
 pytestmark = pytest.mark.timeout(30)
@@ -25,14 +26,17 @@ def test_read_users_skips_comments_and_keeps_colons_in_passwords(tmp_path):
     assert read_users(path) == {"server": "s3cret", "a": "pa:ss", "client_b-2": "x"}
 
 
-@pytest.mark.parametrize("text, message", [
-    ("server:x\njust-a-name\n", "line 2: expected username:password"),
-    ("server:x\nbad name:pw\n", "line 2: invalid username 'bad name'"),
-    ("a/b:pw\n", "line 1: invalid username 'a/b'"),
-    ("server:\n", "line 1: user 'server' has an empty password"),
-    ("server:x\n# c\nserver:y\n", "line 3: user 'server' appears twice"),
-    ("# nothing\n\n", "lists no users"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("server:x\njust-a-name\n", "line 2: expected username:password"),
+        ("server:x\nbad name:pw\n", "line 2: invalid username 'bad name'"),
+        ("a/b:pw\n", "line 1: invalid username 'a/b'"),
+        ("server:\n", "line 1: user 'server' has an empty password"),
+        ("server:x\n# c\nserver:y\n", "line 3: user 'server' appears twice"),
+        ("# nothing\n\n", "lists no users"),
+    ],
+)
 def test_read_users_names_the_file_and_line_of_a_mistake(tmp_path, text, message):
     path = tmp_path / "users"
     path.write_text(text)
@@ -87,33 +91,36 @@ def test_check_users_requires_the_server_user_and_real_passwords():
 # --- the ACL
 
 
-@pytest.mark.parametrize("user, action, topic, allowed", [
-    ("a", "subscribe", "fedge/r/task/a", True),
-    ("a", "subscribe", "fedge/+/task/a", True),
-    ("a", "receive", "fedge/r/task/a", True),
-    ("a", "subscribe", "fedge/r/server", True),
-    ("a", "publish", "fedge/r/result/a", True),
-    ("a", "publish", "fedge/r/register/a", True),
-    ("a", "publish", "fedge/r/status/a", True),
-    ("a", "subscribe", "fedge/r/task/b", False),
-    ("a", "receive", "fedge/r/task/b", False),
-    ("a", "subscribe", "fedge/r/task/+", False),
-    ("a", "subscribe", "fedge/#", False),
-    ("a", "subscribe", "#", False),
-    ("a", "subscribe", "fedge/r/task/a/#", False),
-    ("a", "publish", "fedge/r/result/b", False),
-    ("a", "publish", "fedge/r/task/a", False),
-    ("a", "publish", "fedge/r/server", False),
-    ("a", "publish", "fedge/r/result/a/extra", False),
-    ("a", "subscribe", "fedge/r/result/a", False),
-    ("server", "subscribe", "fedge/#", True),
-    ("server", "publish", "fedge/r/task/a", True),
-    ("server", "subscribe", "#", False),
-    ("server", "publish", "other/topic", False),
-    (None, "subscribe", "fedge/r/server", False),
-    ("", "publish", "fedge/r/result/", False),
-    ("a+", "subscribe", "fedge/r/task/a+", False),
-])
+@pytest.mark.parametrize(
+    "user, action, topic, allowed",
+    [
+        ("a", "subscribe", "fedge/r/task/a", True),
+        ("a", "subscribe", "fedge/+/task/a", True),
+        ("a", "receive", "fedge/r/task/a", True),
+        ("a", "subscribe", "fedge/r/server", True),
+        ("a", "publish", "fedge/r/result/a", True),
+        ("a", "publish", "fedge/r/register/a", True),
+        ("a", "publish", "fedge/r/status/a", True),
+        ("a", "subscribe", "fedge/r/task/b", False),
+        ("a", "receive", "fedge/r/task/b", False),
+        ("a", "subscribe", "fedge/r/task/+", False),
+        ("a", "subscribe", "fedge/#", False),
+        ("a", "subscribe", "#", False),
+        ("a", "subscribe", "fedge/r/task/a/#", False),
+        ("a", "publish", "fedge/r/result/b", False),
+        ("a", "publish", "fedge/r/task/a", False),
+        ("a", "publish", "fedge/r/server", False),
+        ("a", "publish", "fedge/r/result/a/extra", False),
+        ("a", "subscribe", "fedge/r/result/a", False),
+        ("server", "subscribe", "fedge/#", True),
+        ("server", "publish", "fedge/r/task/a", True),
+        ("server", "subscribe", "#", False),
+        ("server", "publish", "other/topic", False),
+        (None, "subscribe", "fedge/r/server", False),
+        ("", "publish", "fedge/r/result/", False),
+        ("a+", "subscribe", "fedge/r/task/a+", False),
+    ],
+)
 def test_permitted(user, action, topic, allowed):
     assert permitted(user, topic, action) is allowed
 
@@ -136,8 +143,10 @@ def test_mosquitto_acl_grants_patterns_to_all_and_the_server_status_per_client()
 
 def test_the_hash_matches_one_made_by_mosquitto_passwd():
     # `mosquitto_passwd -c -b pw alice s3cret` (Mosquitto 2.0.11) wrote this line.
-    line = ("alice:$7$101$Y7xomH+5/IjC/6h4$rwNLz1N6O/bstPesy/n1lFQpI9UbzuffspX7vYKjsKCnLy7yAAntgWX1gIiNsM44YaWAmkcv"
-            "PCW4sZs1FWYHrQ==")
+    line = (
+        "alice:$7$101$Y7xomH+5/IjC/6h4$rwNLz1N6O/bstPesy/n1lFQpI9UbzuffspX7vYKjsKCnLy7yAAntgWX1gIiNsM44YaWAmkcv"
+        "PCW4sZs1FWYHrQ=="
+    )
     salt = base64.b64decode("Y7xomH+5/IjC/6h4")
 
     assert "alice:" + mosquitto_password_hash("s3cret", salt=salt) == line
@@ -161,11 +170,19 @@ def test_write_mosquitto_config_writes_three_private_files(tmp_path):
     for name in ("mosquitto.conf", "passwd", "acl"):
         assert (tmp_path / "etc" / name).stat().st_mode & 0o777 == 0o600
     lines = conf.read_text().splitlines()
-    for expected in ("per_listener_settings false", "listener 18831 127.0.0.1", "allow_anonymous false",
-                     f"password_file {tmp_path / 'etc' / 'passwd'}", f"acl_file {tmp_path / 'etc' / 'acl'}",
-                     "use_username_as_clientid true", f"max_packet_size {MAX_MESSAGE_BYTES}",
-                     f"max_queued_messages {MAX_QUEUED_MESSAGES}", f"max_queued_bytes {MAX_QUEUED_BYTES}",
-                     "max_keepalive 60", "persistence false"):
+    for expected in (
+        "per_listener_settings false",
+        "listener 18831 127.0.0.1",
+        "allow_anonymous false",
+        f"password_file {tmp_path / 'etc' / 'passwd'}",
+        f"acl_file {tmp_path / 'etc' / 'acl'}",
+        "use_username_as_clientid true",
+        f"max_packet_size {MAX_MESSAGE_BYTES}",
+        f"max_queued_messages {MAX_QUEUED_MESSAGES}",
+        f"max_queued_bytes {MAX_QUEUED_BYTES}",
+        "max_keepalive 60",
+        "persistence false",
+    ):
         assert expected in lines
     assert MAX_MESSAGE_BYTES == 4 * 1024 * 1024 + 64 * 1024
     assert f"user {ME}" in lines and "retain_available false" in lines
@@ -187,17 +204,33 @@ def test_the_passwd_file_holds_hashes_that_verify_and_no_password(tmp_path):
 
 
 def test_write_mosquitto_config_persistence_tls_and_user(tmp_path):
-    tls = TlsFiles(certfile=tmp_path / "s.pem", keyfile=tmp_path / "s.key", cafile=tmp_path / "ca.pem",
-                   require_certificate=True)
+    tls = TlsFiles(
+        certfile=tmp_path / "s.pem", keyfile=tmp_path / "s.key", cafile=tmp_path / "ca.pem", require_certificate=True
+    )
 
-    conf = write_mosquitto_config(tmp_path / "etc", generate_users([]), port=8883, host="0.0.0.0", tls=tls,
-                                  persistence_dir=tmp_path / "db", run_as=ME)
+    conf = write_mosquitto_config(
+        tmp_path / "etc",
+        generate_users([]),
+        port=8883,
+        host="0.0.0.0",
+        tls=tls,
+        persistence_dir=tmp_path / "db",
+        run_as=ME,
+    )
 
     lines = conf.read_text().splitlines()
-    for expected in ("listener 8883 0.0.0.0", "persistence true", f"persistence_location {tmp_path / 'db'}/",
-                     "autosave_interval 1", f"certfile {tmp_path / 's.pem'}", f"keyfile {tmp_path / 's.key'}",
-                     f"cafile {tmp_path / 'ca.pem'}", "require_certificate true", "tls_version tlsv1.2",
-                     f"user {ME}"):
+    for expected in (
+        "listener 8883 0.0.0.0",
+        "persistence true",
+        f"persistence_location {tmp_path / 'db'}/",
+        "autosave_interval 1",
+        f"certfile {tmp_path / 's.pem'}",
+        f"keyfile {tmp_path / 's.key'}",
+        f"cafile {tmp_path / 'ca.pem'}",
+        "require_certificate true",
+        "tls_version tlsv1.2",
+        f"user {ME}",
+    ):
         assert expected in lines
 
 

@@ -20,11 +20,23 @@ SPEC = create("cnn1", (1, 8, 8), 10).with_origin("3")
 def tree():
     torch.manual_seed(0)
     shared = torch.randn(2, 3)
-    return {"round": 4, "loss": 0.1 + 0.2, "nan": math.nan, "inf": -math.inf, "flags": [True, False, None],
-            "name": "pfedclub", "empty": {}, "nested": {"a": [1, [2.5, "x"]]},
-            "t": shared, "again": shared, "view": shared[:, 1], "half": torch.ones(3, dtype=torch.bfloat16),
-            "counter": torch.tensor(7), "mask": torch.tensor([True, False]),
-            "model": Weights(SPEC, build(SPEC).state_dict())}
+    return {
+        "round": 4,
+        "loss": 0.1 + 0.2,
+        "nan": math.nan,
+        "inf": -math.inf,
+        "flags": [True, False, None],
+        "name": "pfedclub",
+        "empty": {},
+        "nested": {"a": [1, [2.5, "x"]]},
+        "t": shared,
+        "again": shared,
+        "view": shared[:, 1],
+        "half": torch.ones(3, dtype=torch.bfloat16),
+        "counter": torch.tensor(7),
+        "mask": torch.tensor([True, False]),
+        "model": Weights(SPEC, build(SPEC).state_dict()),
+    }
 
 
 def same(a, b):
@@ -85,6 +97,7 @@ def test_missing_file_and_foreign_safetensors_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match="cannot be read"):
         load_tree(tmp_path / "none.safetensors")
     from safetensors.torch import save_file
+
     save_file({"w": torch.zeros(2)}, tmp_path / "other.safetensors")
     with pytest.raises(CheckpointError, match="version"):
         load_tree(tmp_path / "other.safetensors")

@@ -52,23 +52,34 @@ def test_hash_mismatch_oversize_and_inconsistent_chunks():
     assert e.value.reason == "bad_chunk" and r.pending == 0 and r.held_total == 0
 
 
-@pytest.mark.parametrize("size, chunks, index, length, stride", [
-    (10, 1, 0, 10, 10), (0, 1, 0, 0, 0), (10, 4, 0, 3, 3), (10, 4, 3, 1, 3), (10, 2, 1, 5, 5), (9, 3, 2, 3, 3),
-])
+@pytest.mark.parametrize(
+    "size, chunks, index, length, stride",
+    [
+        (10, 1, 0, 10, 10),
+        (0, 1, 0, 0, 0),
+        (10, 4, 0, 3, 3),
+        (10, 4, 3, 1, 3),
+        (10, 2, 1, 5, 5),
+        (9, 3, 2, 3, 3),
+    ],
+)
 def test_chunk_stride_of_every_uniform_cut(size, chunks, index, length, stride):
     assert chunk_stride(size, chunks, index, length) == stride
 
 
-@pytest.mark.parametrize("size, chunks, index, length", [
-    (10, 1, 0, 9),  # one chunk must hold everything
-    (1_000_000, 10**6 + 1, 0, 1),  # more chunks than bytes
-    (1_000_000, 10**6, 0, 0),  # empty chunks announcing a million
-    (1_000_000, 10**6, 10**6 - 1, 0),  # ... the last one first
-    (10, 4, 0, 2),  # chunks of 2 would make 5
-    (10, 4, 3, 4),  # a last chunk longer than the others
-    (10, 4, 3, 2),  # 8 bytes do not split into 3 equal chunks ... of at least 2
-    (0, 2, 1, 0),
-])
+@pytest.mark.parametrize(
+    "size, chunks, index, length",
+    [
+        (10, 1, 0, 9),  # one chunk must hold everything
+        (1_000_000, 10**6 + 1, 0, 1),  # more chunks than bytes
+        (1_000_000, 10**6, 0, 0),  # empty chunks announcing a million
+        (1_000_000, 10**6, 10**6 - 1, 0),  # ... the last one first
+        (10, 4, 0, 2),  # chunks of 2 would make 5
+        (10, 4, 3, 4),  # a last chunk longer than the others
+        (10, 4, 3, 2),  # 8 bytes do not split into 3 equal chunks ... of at least 2
+        (0, 2, 1, 0),
+    ],
+)
 def test_a_chunk_no_uniform_cut_can_make_is_refused_at_once(size, chunks, index, length):
     with pytest.raises(WireError) as e:
         chunk_stride(size, chunks, index, length)
@@ -133,16 +144,15 @@ def test_frame_corruption_and_lies_rejected():
         unframe(pickle.dumps({"x": 1}))
     assert e.value.reason == "bad_format"
     n = int.from_bytes(good[:4], "little")
-    header = json.loads(good[4:4 + n])
+    header = json.loads(good[4 : 4 + n])
     header["chunk"] = 7  # beyond the announced count
     raw = json.dumps(header).encode()
     with pytest.raises(WireError) as e:
-        unframe(len(raw).to_bytes(4, "little") + raw + good[4 + n:])
+        unframe(len(raw).to_bytes(4, "little") + raw + good[4 + n :])
     assert e.value.reason == "bad_chunk"
     with pytest.raises(WireError) as e:
         frames(env, payload + b"x", 300)  # the envelope was made for other bytes
     assert e.value.reason == "bad_chunk"
-
 
 
 def test_the_joined_payload_is_writable_memory():

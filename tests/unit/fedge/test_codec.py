@@ -62,8 +62,13 @@ def test_task_round_trip(weights):
 def test_result_and_info_round_trip(weights):
     result = Result("7", 2, "train", 120, {"loss": 0.5, "acc": 1}, {"local": weights})
     out = decode_result(encode_result(result))
-    assert (out.client_id, out.round, out.type, out.num_examples, out.metrics) == ("7", 2, "train", 120,
-                                                                                    {"loss": 0.5, "acc": 1.0})
+    assert (out.client_id, out.round, out.type, out.num_examples, out.metrics) == (
+        "7",
+        2,
+        "train",
+        120,
+        {"loss": 0.5, "acc": 1.0},
+    )
     _same_state(out.models["local"].state, weights.state)
     info = ClientInfo("7", weights.spec, "rpi4", 100, 20)
     assert decode_info(encode_info(info)) == info
@@ -95,8 +100,14 @@ def test_pickle_bomb_rejected_without_unpickling(tmp_path):
 def test_pickle_bomb_inside_a_model_slot_rejected(tmp_path, weights):
     marker = tmp_path / "marker"
     blob = pickle.dumps(_Bomb(str(marker)))
-    data = _container({"kind": "task", "fields": {"type": "t", "round": 0, "config": {}, "records": {}},
-                       "models": {"global": [0, len(blob)]}}, blob)
+    data = _container(
+        {
+            "kind": "task",
+            "fields": {"type": "t", "round": 0, "config": {}, "records": {}},
+            "models": {"global": [0, len(blob)]},
+        },
+        blob,
+    )
     with pytest.raises(WireError) as e:
         decode_task(data)
     assert e.value.reason == "bad_weights"
@@ -123,7 +134,7 @@ def test_malformed_containers(weights):
 def test_overlapping_offsets_and_corrupt_blob(weights):
     blob = encode_task(Task("t", 0, {}, {"a": weights}))
     n = int.from_bytes(blob[:8], "little")
-    body = blob[8 + n:]
+    body = blob[8 + n :]
     fields = {"type": "t", "round": 0, "config": {}, "records": {}}
     overlap = _container({"kind": "task", "fields": fields, "models": {"a": [0, len(body)], "b": [10, 5]}}, body)
     with pytest.raises(WireError) as e:
@@ -140,12 +151,19 @@ def encode_fields(result: Result) -> dict:
     """The JSON fields of an encoded result (its header, as the container holds it)."""
     data = encode_result(result)
     n = int.from_bytes(data[:8], "little")
-    return json.loads(data[8:8 + n])["fields"]
+    return json.loads(data[8 : 8 + n])["fields"]
 
 
 def test_nan_metric_rejected():
-    fields = {"client_id": "1", "round": 0, "type": "train", "num_examples": 1, "metrics": {"loss": math.nan},
-              "error": None, "records": {}}
+    fields = {
+        "client_id": "1",
+        "round": 0,
+        "type": "train",
+        "num_examples": 1,
+        "metrics": {"loss": math.nan},
+        "error": None,
+        "records": {},
+    }
     data = _container({"kind": "result", "fields": fields, "models": {}})
     with pytest.raises(WireError) as e:
         decode_result(data)
@@ -168,14 +186,20 @@ def test_status_and_ack_bodies():
         decode_status(encode_ack(None))  # an ack is not a status
 
 
-
 # ------------------------------------------------------------------------------------------ tensors and records
+
 
 def _tensors() -> dict:
     g = torch.Generator().manual_seed(0)
-    return {"means.class_0": torch.randn(3, 4, generator=g), "counts": torch.arange(5, dtype=torch.int64),
-            "scale": torch.tensor(2.5), "half": torch.randn(3, generator=g).half(), "mask": torch.tensor([True, False]),
-            "empty": torch.zeros(0, 3), "route": torch.randn(8, generator=g)[::2]}  # a strided view is sent contiguous
+    return {
+        "means.class_0": torch.randn(3, 4, generator=g),
+        "counts": torch.arange(5, dtype=torch.int64),
+        "scale": torch.tensor(2.5),
+        "half": torch.randn(3, generator=g).half(),
+        "mask": torch.tensor([True, False]),
+        "empty": torch.zeros(0, 3),
+        "route": torch.randn(8, generator=g)[::2],
+    }  # a strided view is sent contiguous
 
 
 def test_tensors_sharing_memory_travel_each_with_their_own_values():
@@ -225,35 +249,39 @@ def test_decoded_tensors_view_a_writable_payload_and_copy_a_read_only_one(weight
 def test_an_unaligned_body_still_decodes(weights):
     payload = encode_task(Task("t", 0, {}, {"g": weights}, _tensors()))
     n = int.from_bytes(payload[:8], "little")
-    header = payload[8:8 + n].rstrip(b" ")
+    header = payload[8 : 8 + n].rstrip(b" ")
     header += b" " * (1 + len(header) % 2)  # the body now starts at an odd offset
-    moved = len(header).to_bytes(8, "little") + header + payload[8 + n:]
+    moved = len(header).to_bytes(8, "little") + header + payload[8 + n :]
     assert (8 + len(header)) % 2
     out = decode_task(moved)
     _same_tensors(out.tensors, _tensors())
     _same_state(out.models["g"].state, weights.state)
 
 
-@pytest.mark.parametrize("tensors, records, reason, says", [
-    ({"x": torch.tensor([1.0, math.nan])}, {}, "bad_value", "'x' contains NaN or Inf"),
-    ({"x": torch.tensor([math.inf])}, {}, "bad_value", "'x' contains NaN or Inf"),
-    ({"": torch.zeros(1)}, {}, "bad_format", "tensor name must be a non-empty string"),
-    ({"x": [1.0]}, {}, "bad_format", "must be a torch.Tensor"),
-    ({"x": torch.zeros(2, dtype=torch.complex64)}, {}, "bad_format", "must be a torch.Tensor of one of"),
-    ([torch.zeros(1)], {}, "bad_format", "named tensors must be a dict"),
-    ({}, {"a": [1.0, math.nan]}, "bad_value", "task records.a[1] contains a non-finite number"),
-    ({}, {"": 1}, "bad_format", "keyed by non-empty strings"),
-    ({}, {"a": object()}, "bad_value", "not JSON"),
-    ({}, [1], "bad_format", "records must be a JSON object"),
-])
+@pytest.mark.parametrize(
+    "tensors, records, reason, says",
+    [
+        ({"x": torch.tensor([1.0, math.nan])}, {}, "bad_value", "'x' contains NaN or Inf"),
+        ({"x": torch.tensor([math.inf])}, {}, "bad_value", "'x' contains NaN or Inf"),
+        ({"": torch.zeros(1)}, {}, "bad_format", "tensor name must be a non-empty string"),
+        ({"x": [1.0]}, {}, "bad_format", "must be a torch.Tensor"),
+        ({"x": torch.zeros(2, dtype=torch.complex64)}, {}, "bad_format", "must be a torch.Tensor of one of"),
+        ([torch.zeros(1)], {}, "bad_format", "named tensors must be a dict"),
+        ({}, {"a": [1.0, math.nan]}, "bad_value", "task records.a[1] contains a non-finite number"),
+        ({}, {"": 1}, "bad_format", "keyed by non-empty strings"),
+        ({}, {"a": object()}, "bad_value", "not JSON"),
+        ({}, [1], "bad_format", "records must be a JSON object"),
+    ],
+)
 def test_bad_tensors_and_records_are_refused_when_encoding(tensors, records, reason, says):
     with pytest.raises(WireError) as e:
         encode_task(Task("t", 0, {}, {}, tensors, records))
     assert e.value.reason == reason and says in str(e.value), e.value
 
 
-def _task_with(tensor_blob: bytes | None = None, span=None, records=None, fields=None, models=None,
-               body: bytes = b"") -> bytes:
+def _task_with(
+    tensor_blob: bytes | None = None, span=None, records=None, fields=None, models=None, body: bytes = b""
+) -> bytes:
     """A task container holding `tensor_blob` as its named tensors (span computed unless given)."""
     if tensor_blob is not None:
         span, body = (span or [len(body), len(tensor_blob)]), body + tensor_blob
@@ -264,39 +292,55 @@ def _task_with(tensor_blob: bytes | None = None, span=None, records=None, fields
 def _edited_blob(edit) -> bytes:
     blob = st_save({"a": torch.ones(2, 2), "b": torch.zeros(3, dtype=torch.int64)})
     n = int.from_bytes(blob[:8], "little")
-    h = json.loads(blob[8:8 + n])
-    data = edit(h, blob[8 + n:])
+    h = json.loads(blob[8 : 8 + n])
+    data = edit(h, blob[8 + n :])
     raw = json.dumps(h).encode()
-    return len(raw).to_bytes(8, "little") + raw + (data if data is not None else blob[8 + n:])
+    return len(raw).to_bytes(8, "little") + raw + (data if data is not None else blob[8 + n :])
 
 
-@pytest.mark.parametrize("payload, reason, says", [
-    (_task_with(st_save({"x": torch.tensor([1.0, math.nan])})), "bad_value", "'x' contains NaN or Inf"),
-    (_task_with(st_save({"x": torch.tensor([-math.inf])})), "bad_value", "'x' contains NaN or Inf"),
-    (_task_with(records={"a": {"b": math.nan}}), "bad_value", "non-finite"),
-    (_task_with(records={"": 1}), "bad_format", "keyed by non-empty strings"),
-    (_task_with(records=[1]), "bad_format", "records must be a JSON object"),
-    (_task_with(fields={"type": "t", "round": 0, "config": {}}), "bad_format", "missing fields ['records']"),
-    (_task_with(fields={"type": "t", "round": 0, "config": {}, "records": {}, "x": 1}), "bad_format",
-     "unknown fields ['x']"),
-    (_container({"kind": "task", "fields": {}, "models": {}, "tensors": None, "more": 1}), "bad_format",
-     "unknown fields ['more']"),
-    (_task_with(st_save({"x": torch.ones(1)}), span=[0, 10**6]), "bad_format", "lies outside"),
-    (_task_with(st_save({"x": torch.ones(1)}), span="0"), "bad_format", "span must be [offset, length]"),
-    (_task_with(st_save({"x": torch.ones(1)}), span=[0, True]), "bad_format", "span must be [offset, length]"),
-    (_task_with(st_save({"x": torch.ones(1)})[:-1]), "bad_format", "tensors blob"),
-    (_task_with(st_save({"x": torch.ones(1)}, metadata={"k": "v"})), "bad_format", "carries metadata"),
-    (_task_with(_edited_blob(lambda h, d: h["a"].update(dtype="F8"))), "bad_format", "dtype 'F8' is not one of"),
-    (_task_with(_edited_blob(lambda h, d: h["a"].update(shape=[2, 3]))), "bad_format", "needs 24 bytes"),
-    (_task_with(_edited_blob(lambda h, d: h["a"].update(shape=[2, -2]))), "bad_format", "integers >= 0"),
-    (_task_with(_edited_blob(lambda h, d: h["a"].update(data_offsets=[0, 16]))), "bad_format", "invalid offset"),
-    (_task_with(_edited_blob(lambda h, d: d + b"\0" * 4)), "bad_format", "file not fully covered"),
-    (_task_with(_edited_blob(lambda h, d: h["a"].update(extra=1))), "bad_format", "exactly"),
-    (_task_with(_edited_blob(lambda h, d: h.update(__metadata__={"k": 1}))), "bad_format", "strings to strings"),
-    (_task_with(_edited_blob(lambda h, d: (h.update(c={"dtype": "BOOL", "shape": [1], "data_offsets": [40, 41]}),
-                                           d + b"\x02")[1])), "bad_format", "bytes other than 0 and 1"),
-    (_task_with(pickle.dumps({"x": 1})), "bad_format", "tensors blob"),
-])
+@pytest.mark.parametrize(
+    "payload, reason, says",
+    [
+        (_task_with(st_save({"x": torch.tensor([1.0, math.nan])})), "bad_value", "'x' contains NaN or Inf"),
+        (_task_with(st_save({"x": torch.tensor([-math.inf])})), "bad_value", "'x' contains NaN or Inf"),
+        (_task_with(records={"a": {"b": math.nan}}), "bad_value", "non-finite"),
+        (_task_with(records={"": 1}), "bad_format", "keyed by non-empty strings"),
+        (_task_with(records=[1]), "bad_format", "records must be a JSON object"),
+        (_task_with(fields={"type": "t", "round": 0, "config": {}}), "bad_format", "missing fields ['records']"),
+        (
+            _task_with(fields={"type": "t", "round": 0, "config": {}, "records": {}, "x": 1}),
+            "bad_format",
+            "unknown fields ['x']",
+        ),
+        (
+            _container({"kind": "task", "fields": {}, "models": {}, "tensors": None, "more": 1}),
+            "bad_format",
+            "unknown fields ['more']",
+        ),
+        (_task_with(st_save({"x": torch.ones(1)}), span=[0, 10**6]), "bad_format", "lies outside"),
+        (_task_with(st_save({"x": torch.ones(1)}), span="0"), "bad_format", "span must be [offset, length]"),
+        (_task_with(st_save({"x": torch.ones(1)}), span=[0, True]), "bad_format", "span must be [offset, length]"),
+        (_task_with(st_save({"x": torch.ones(1)})[:-1]), "bad_format", "tensors blob"),
+        (_task_with(st_save({"x": torch.ones(1)}, metadata={"k": "v"})), "bad_format", "carries metadata"),
+        (_task_with(_edited_blob(lambda h, d: h["a"].update(dtype="F8"))), "bad_format", "dtype 'F8' is not one of"),
+        (_task_with(_edited_blob(lambda h, d: h["a"].update(shape=[2, 3]))), "bad_format", "needs 24 bytes"),
+        (_task_with(_edited_blob(lambda h, d: h["a"].update(shape=[2, -2]))), "bad_format", "integers >= 0"),
+        (_task_with(_edited_blob(lambda h, d: h["a"].update(data_offsets=[0, 16]))), "bad_format", "invalid offset"),
+        (_task_with(_edited_blob(lambda h, d: d + b"\0" * 4)), "bad_format", "file not fully covered"),
+        (_task_with(_edited_blob(lambda h, d: h["a"].update(extra=1))), "bad_format", "exactly"),
+        (_task_with(_edited_blob(lambda h, d: h.update(__metadata__={"k": 1}))), "bad_format", "strings to strings"),
+        (
+            _task_with(
+                _edited_blob(
+                    lambda h, d: (h.update(c={"dtype": "BOOL", "shape": [1], "data_offsets": [40, 41]}), d + b"\x02")[1]
+                )
+            ),
+            "bad_format",
+            "bytes other than 0 and 1",
+        ),
+        (_task_with(pickle.dumps({"x": 1})), "bad_format", "tensors blob"),
+    ],
+)
 def test_bad_tensors_and_records_are_refused_when_decoding(payload, reason, says):
     with pytest.raises(WireError) as e:
         decode_task(payload)
@@ -306,7 +350,7 @@ def test_bad_tensors_and_records_are_refused_when_decoding(payload, reason, says
 def test_the_tensors_blob_may_not_overlap_a_model_and_control_payloads_carry_none(weights):
     good = encode_task(Task("t", 0, {}, {"g": weights}))
     n = int.from_bytes(good[:8], "little")
-    header, body = json.loads(good[8:8 + n]), good[8 + n:]
+    header, body = json.loads(good[8 : 8 + n]), good[8 + n :]
     with pytest.raises(WireError) as e:
         decode_task(_container({**header, "tensors": [0, 8]}, body))
     assert e.value.reason == "bad_format" and "overlaps" in str(e.value)
@@ -314,5 +358,6 @@ def test_the_tensors_blob_may_not_overlap_a_model_and_control_payloads_carry_non
     for kind, fields in (("ack", {"ok": True, "error": None}), ("status", {"state": "alive", "session": "ab" * 16})):
         with pytest.raises(WireError) as e:
             (decode_ack if kind == "ack" else decode_status)(
-                _container({"kind": kind, "fields": fields, "models": {}, "tensors": [0, len(blob)]}, blob))
+                _container({"kind": kind, "fields": fields, "models": {}, "tensors": [0, len(blob)]}, blob)
+            )
         assert e.value.reason == "bad_format" and "carries no models or tensors" in str(e.value)

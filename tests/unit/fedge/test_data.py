@@ -170,8 +170,13 @@ def test_npz_nhw_is_pooled_train_then_test(tmp_path: Path) -> None:
     x_train = np.arange(3 * 28 * 28, dtype=np.int64).reshape(3, 28, 28) % 256
     x_test = np.full((2, 28, 28), 9, dtype=np.uint8)
     path = tmp_path / "mnist.npz"
-    np.savez(path, x_train=x_train.astype(np.uint8), y_train=np.array([1, 2, 3], np.uint8),
-             x_test=x_test, y_test=np.array([[0], [9]], np.uint8))
+    np.savez(
+        path,
+        x_train=x_train.astype(np.uint8),
+        y_train=np.array([1, 2, 3], np.uint8),
+        x_test=x_test,
+        y_test=np.array([[0], [9]], np.uint8),
+    )
 
     ds = load_dataset("mnist", path)
 
@@ -184,8 +189,9 @@ def test_npz_nhwc_becomes_nchw(tmp_path: Path) -> None:
     x_train = np.zeros((2, 32, 32, 3), dtype=np.uint8)
     x_train[0, 1, 2] = (10, 20, 30)  # pixel (row 1, col 2) of image 0, RGB
     path = tmp_path / "c.npz"
-    np.savez(path, x_train=x_train, y_train=np.array([3, 4]),
-             x_test=np.zeros((1, 32, 32, 3), np.uint8), y_test=np.array([9]))
+    np.savez(
+        path, x_train=x_train, y_train=np.array([3, 4]), x_test=np.zeros((1, 32, 32, 3), np.uint8), y_test=np.array([9])
+    )
 
     ds = load_dataset("cifar10", path)
 
@@ -195,8 +201,13 @@ def test_npz_nhwc_becomes_nchw(tmp_path: Path) -> None:
 
 
 def test_directory_with_named_npz_is_used(tmp_path: Path) -> None:
-    np.savez(tmp_path / "mnist.npz", x_train=np.zeros((1, 28, 28), np.uint8), y_train=np.array([5]),
-             x_test=np.zeros((1, 28, 28), np.uint8), y_test=np.array([6]))
+    np.savez(
+        tmp_path / "mnist.npz",
+        x_train=np.zeros((1, 28, 28), np.uint8),
+        y_train=np.array([5]),
+        x_test=np.zeros((1, 28, 28), np.uint8),
+        y_test=np.array([6]),
+    )
     assert load_dataset("mnist", tmp_path).y.tolist() == [5, 6]
 
 
@@ -204,15 +215,42 @@ def test_directory_with_named_npz_is_used(tmp_path: Path) -> None:
     ("arrays", "match"),
     [
         ({"x_train": np.zeros((1, 28, 28), np.uint8), "y_train": np.array([0])}, "lacks arrays"),
-        ({"x_train": np.zeros((1, 32, 32, 3), np.uint8), "y_train": np.array([0]),
-          "x_test": np.zeros((1, 32, 32, 3), np.uint8), "y_test": np.array([0])}, r"NHWC \(N, 28, 28, 1\)"),
-        ({"x_train": np.zeros((1, 28, 28)), "y_train": np.array([0]),
-          "x_test": np.zeros((1, 28, 28), np.uint8), "y_test": np.array([0])}, "integer images"),
-        ({"x_train": np.zeros((1, 28, 28), np.uint8), "y_train": np.array([10]),
-          "x_test": np.zeros((1, 28, 28), np.uint8), "y_test": np.array([0])},
-         r"labels must lie in \[0, 10\)"),
-        ({"x_train": np.zeros((2, 28, 28), np.uint8), "y_train": np.array([0]),
-          "x_test": np.zeros((1, 28, 28), np.uint8), "y_test": np.array([0])}, "labels"),
+        (
+            {
+                "x_train": np.zeros((1, 32, 32, 3), np.uint8),
+                "y_train": np.array([0]),
+                "x_test": np.zeros((1, 32, 32, 3), np.uint8),
+                "y_test": np.array([0]),
+            },
+            r"NHWC \(N, 28, 28, 1\)",
+        ),
+        (
+            {
+                "x_train": np.zeros((1, 28, 28)),
+                "y_train": np.array([0]),
+                "x_test": np.zeros((1, 28, 28), np.uint8),
+                "y_test": np.array([0]),
+            },
+            "integer images",
+        ),
+        (
+            {
+                "x_train": np.zeros((1, 28, 28), np.uint8),
+                "y_train": np.array([10]),
+                "x_test": np.zeros((1, 28, 28), np.uint8),
+                "y_test": np.array([0]),
+            },
+            r"labels must lie in \[0, 10\)",
+        ),
+        (
+            {
+                "x_train": np.zeros((2, 28, 28), np.uint8),
+                "y_train": np.array([0]),
+                "x_test": np.zeros((1, 28, 28), np.uint8),
+                "y_test": np.array([0]),
+            },
+            "labels",
+        ),
     ],
 )
 def test_bad_npz_contents_are_rejected(tmp_path: Path, arrays: dict[str, np.ndarray], match: str) -> None:

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def test_kl_is_student_to_teacher_as_eq5_is_written():
-    student = torch.tensor([[0.0, 0.0]])                 # q = (1/2, 1/2)
+    student = torch.tensor([[0.0, 0.0]])  # q = (1/2, 1/2)
     teacher_logits = torch.tensor([[math.log(3.0), 0.0]])  # p = (3/4, 1/4)
     kl_p_q = 0.75 * math.log(0.75 / 0.5) + 0.25 * math.log(0.25 / 0.5)
     kl_q_p = 0.5 * math.log(0.5 / 0.75) + 0.5 * math.log(0.5 / 0.25)
@@ -21,7 +21,8 @@ def test_kl_is_student_to_teacher_as_eq5_is_written():
     # T = 2: softmax of logits / 2, times T² = 4
     p = torch.softmax(teacher_logits / 2, 1)[0].tolist()
     assert float(kd_kl(student, teacher_logits, 2.0)) == pytest.approx(
-        4 * sum(0.5 * math.log(0.5 / pi) for pi in p), abs=1e-6)
+        4 * sum(0.5 * math.log(0.5 / pi) for pi in p), abs=1e-6
+    )
     with pytest.raises(ValueError, match="shape"):
         kd_kl(student, torch.zeros(1, 3))
 
@@ -54,14 +55,17 @@ def test_valid_settings_pass(lam, temperature):
     check_kd_settings(lam, temperature)
 
 
-@pytest.mark.parametrize("lam, temperature, message", [
-    (-0.1, 1.0, "kd_lambda must be a finite number >= 0, got -0.1"),
-    (math.nan, 1.0, "kd_lambda must be a finite number >= 0, got nan"),
-    (math.inf, 1.0, "kd_lambda must be a finite number >= 0, got inf"),
-    (0.2, 0.0, "temperature must be a finite number > 0, got 0.0"),
-    (0.2, -1.0, "temperature must be a finite number > 0, got -1.0"),
-    (0.2, math.inf, "temperature must be a finite number > 0, got inf"),
-])
+@pytest.mark.parametrize(
+    "lam, temperature, message",
+    [
+        (-0.1, 1.0, "kd_lambda must be a finite number >= 0, got -0.1"),
+        (math.nan, 1.0, "kd_lambda must be a finite number >= 0, got nan"),
+        (math.inf, 1.0, "kd_lambda must be a finite number >= 0, got inf"),
+        (0.2, 0.0, "temperature must be a finite number > 0, got 0.0"),
+        (0.2, -1.0, "temperature must be a finite number > 0, got -1.0"),
+        (0.2, math.inf, "temperature must be a finite number > 0, got inf"),
+    ],
+)
 def test_invalid_settings_raise_value_error_naming_the_setting(lam, temperature, message):
     with pytest.raises(ValueError) as e:
         check_kd_settings(lam, temperature)

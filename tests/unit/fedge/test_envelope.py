@@ -20,21 +20,24 @@ def test_envelope_round_trip_and_expiry():
     assert not env.expired(env.created_at + 4) and env.expired(env.created_at + 6)
 
 
-@pytest.mark.parametrize("change, reason", [
-    ({"schema_version": 3}, "schema_version"),
-    ({"schema_version": "1"}, "bad_format"),
-    ({"extra": 1}, "bad_format"),
-    ({"round": True}, "bad_format"),
-    ({"round": -1}, "bad_format"),
-    ({"type": "hello"}, "bad_format"),
-    ({"msg_id": "not-hex"}, "bad_format"),
-    ({"sha256": "00"}, "bad_format"),
-    ({"ttl_s": 0}, "bad_ttl"),
-    ({"ttl_s": 1e300}, "bad_ttl"),  # a message that would never expire
-    ({"ttl_s": MAX_TTL_S + 1}, "bad_ttl"),
-    ({"chunks": 0}, "bad_format"),
-    ({"size": 10**12}, "too_large"),
-])
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        ({"schema_version": 3}, "schema_version"),
+        ({"schema_version": "1"}, "bad_format"),
+        ({"extra": 1}, "bad_format"),
+        ({"round": True}, "bad_format"),
+        ({"round": -1}, "bad_format"),
+        ({"type": "hello"}, "bad_format"),
+        ({"msg_id": "not-hex"}, "bad_format"),
+        ({"sha256": "00"}, "bad_format"),
+        ({"ttl_s": 0}, "bad_ttl"),
+        ({"ttl_s": 1e300}, "bad_ttl"),  # a message that would never expire
+        ({"ttl_s": MAX_TTL_S + 1}, "bad_ttl"),
+        ({"chunks": 0}, "bad_format"),
+        ({"size": 10**12}, "too_large"),
+    ],
+)
 def test_envelope_rejections(change, reason):
     d = Envelope.new("run1", 0, "task", "server", b"x").to_dict()
     d.update(change)
@@ -52,11 +55,13 @@ def test_envelope_missing_field_and_not_json():
         assert e.value.reason == "bad_format"
 
 
-
-@pytest.mark.parametrize("version, says", [
-    (1, "schema version 1, this side speaks 2; upgrade the sender"),
-    (3, "schema version 3, this side speaks 2; upgrade this side"),
-])
+@pytest.mark.parametrize(
+    "version, says",
+    [
+        (1, "schema version 1, this side speaks 2; upgrade the sender"),
+        (3, "schema version 3, this side speaks 2; upgrade this side"),
+    ],
+)
 def test_a_peer_of_another_schema_version_is_told_which_side_to_upgrade(version, says):
     assert (WIRE_SCHEMA_VERSION, SUPPORTED_SCHEMA_VERSIONS) == (2, (2,))
     d = {**Envelope.new("run1", 0, "result", "7", b"x", reply_to="ab" * 16).to_dict(), "schema_version": version}
@@ -83,8 +88,9 @@ def test_chunk_digests_and_their_root_by_hand():
 def test_a_large_payload_is_hashed_in_parallel_to_the_same_digests():
     payload = os.urandom(HASH_PARALLEL_MIN_BYTES + 12345)
     step = 100_000
-    assert chunk_digests(payload, step) == [hashlib.sha256(payload[i:i + step]).digest()
-                                            for i in range(0, len(payload), step)]
+    assert chunk_digests(payload, step) == [
+        hashlib.sha256(payload[i : i + step]).digest() for i in range(0, len(payload), step)
+    ]
 
 
 def test_the_digests_an_envelope_keeps_never_travel():

@@ -15,7 +15,7 @@ def mode(path) -> int:
 
 
 def test_writes_the_bytes_private_by_default_and_with_the_given_mode(tmp_path):
-    atomic_write(tmp_path / "a" / "secret", b"pw")       # the parent folder is created
+    atomic_write(tmp_path / "a" / "secret", b"pw")  # the parent folder is created
     atomic_write(tmp_path / "public", b"x", mode=0o644)
     assert (tmp_path / "a" / "secret").read_bytes() == b"pw" and mode(tmp_path / "a" / "secret") == 0o600
     assert mode(tmp_path / "public") == 0o644

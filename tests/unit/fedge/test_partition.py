@@ -121,8 +121,12 @@ def test_dirichlet_is_deterministic_and_skewed(y: np.ndarray) -> None:
         assert np.array_equal(sa.train, sb.train) and np.array_equal(sa.test, sb.test)
     assert min(len(s.train) + len(s.test) for s in a.clients) >= 10
     skewed = np.mean([len(set(y[s.train])) for s in a.clients])
-    flat = np.mean([len(set(y[s.train])) for s in make_partition(y, 10, PartitionConfig(
-        "dirichlet", 10, alpha=100.0, seed=7)).clients])
+    flat = np.mean(
+        [
+            len(set(y[s.train]))
+            for s in make_partition(y, 10, PartitionConfig("dirichlet", 10, alpha=100.0, seed=7)).clients
+        ]
+    )
     assert flat == 10 and skewed < 8
 
 
@@ -238,15 +242,15 @@ def test_max_samples_per_client_keeps_class_proportions(y: np.ndarray) -> None:
 
 def test_max_samples_per_client_with_dirichlet(y: np.ndarray) -> None:
     uncapped = make_partition(y, 10, PartitionConfig("dirichlet", 5, alpha=0.5, seed=2))
-    capped = make_partition(y, 10, PartitionConfig("dirichlet", 5, alpha=0.5, seed=2,
-                                                   max_samples_per_client=100))
+    capped = make_partition(y, 10, PartitionConfig("dirichlet", 5, alpha=0.5, seed=2, max_samples_per_client=100))
 
     for full, small in zip(uncapped.clients, capped.clients):
         assert len(small.train) + len(small.test) == 100
         assert set(y[small.train]) | set(y[small.test]) == set(y[full.train]) | set(y[full.test])
         assert set(small.train) <= set(full.train) | set(full.test)
         full_share = np.bincount(y[np.concatenate([full.train, full.test])], minlength=10) / (
-            len(full.train) + len(full.test))
+            len(full.train) + len(full.test)
+        )
         small_share = np.bincount(y[np.concatenate([small.train, small.test])], minlength=10) / 100
         assert np.abs(full_share - small_share).max() <= 0.02  # +-1 sample of 100 per class
 

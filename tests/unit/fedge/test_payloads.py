@@ -33,22 +33,29 @@ def code(res, expected):
 
 
 def test_a_reply_with_exactly_what_was_declared_passes():
-    expected = Expected(models={"local": SPEC}, tensors={"m": TensorSlot((2, 3)), "n": TensorSlot((4,), "int64")},
-                        records=("r",))
-    ok = reply(models={"local": weights(SPEC.with_origin("7"))}, tensors={"m": torch.ones(2, 3),
-               "n": torch.arange(4)}, records={"r": {"a": [1, 2.5, None, "x"]}})
+    expected = Expected(
+        models={"local": SPEC}, tensors={"m": TensorSlot((2, 3)), "n": TensorSlot((4,), "int64")}, records=("r",)
+    )
+    ok = reply(
+        models={"local": weights(SPEC.with_origin("7"))},
+        tensors={"m": torch.ones(2, 3), "n": torch.arange(4)},
+        records={"r": {"a": [1, 2.5, None, "x"]}},
+    )
     assert code(ok, expected) is None
 
 
-@pytest.mark.parametrize("res, why", [
-    (reply(tensors={"m": torch.ones(2, 3), "x": torch.ones(1)}), "payload"),     # undeclared tensor
-    (reply(), "payload"),                                                         # declared tensor missing
-    (reply(tensors={"m": torch.ones(3, 2)}), "tensors"),                          # shape
-    (reply(tensors={"m": torch.ones(2, 3, dtype=torch.float64)}), "tensors"),     # dtype
-    (reply(tensors={"m": torch.full((2, 3), math.nan)}), "tensors"),              # non-finite
-    (reply(tensors={"m": torch.ones(2, 3)}, records={"x": 1}), "payload"),        # undeclared record
-    (reply(tensors={"m": torch.ones(2, 3)}, models={"local": weights(SPEC)}), "payload"),  # undeclared model
-])
+@pytest.mark.parametrize(
+    "res, why",
+    [
+        (reply(tensors={"m": torch.ones(2, 3), "x": torch.ones(1)}), "payload"),  # undeclared tensor
+        (reply(), "payload"),  # declared tensor missing
+        (reply(tensors={"m": torch.ones(3, 2)}), "tensors"),  # shape
+        (reply(tensors={"m": torch.ones(2, 3, dtype=torch.float64)}), "tensors"),  # dtype
+        (reply(tensors={"m": torch.full((2, 3), math.nan)}), "tensors"),  # non-finite
+        (reply(tensors={"m": torch.ones(2, 3)}, records={"x": 1}), "payload"),  # undeclared record
+        (reply(tensors={"m": torch.ones(2, 3)}, models={"local": weights(SPEC)}), "payload"),  # undeclared model
+    ],
+)
 def test_anything_else_is_refused_with_its_reason(res, why):
     assert code(res, Expected(tensors={"m": TensorSlot((2, 3))})) == why
 
@@ -82,7 +89,9 @@ def test_weights_that_do_not_match_their_spec_are_refused():
 
 
 def test_reply_bytes_by_hand():
-    expected = Expected(models={"a": SPEC, "b": None}, tensors={"m": TensorSlot((2, 3)), "n": TensorSlot((4,), "int64")})
+    expected = Expected(
+        models={"a": SPEC, "b": None}, tensors={"m": TensorSlot((2, 3)), "n": TensorSlot((4,), "int64")}
+    )
     by_hand = model_bytes(SPEC) + C.ANY_MODEL_BYTES_PER_PARAM * PROFILE.max_params + 2 * 3 * 4 + 4 * 8
     assert expected.reply_bytes(PROFILE) == by_hand + C.REPLY_SLACK_BYTES
     assert model_bytes(SPEC) == sum(t.numel() * t.element_size() for t in build(SPEC).state_dict().values())

@@ -13,11 +13,22 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def tiny(channels: int = 4) -> ModelSpec:
-    return make_spec("tiny", (1, 8, 8), 3, [
-        ("conv", [L("conv2d", {"out_channels": channels, "kernel_size": 3, "padding": 1}), L("relu"),
-                  L("maxpool", {"kernel_size": 2})]),
-        ("fc", [L("flatten"), L("linear", {"out_features": 3})]),
-    ])
+    return make_spec(
+        "tiny",
+        (1, 8, 8),
+        3,
+        [
+            (
+                "conv",
+                [
+                    L("conv2d", {"out_channels": channels, "kernel_size": 3, "padding": 1}),
+                    L("relu"),
+                    L("maxpool", {"kernel_size": 2}),
+                ],
+            ),
+            ("fc", [L("flatten"), L("linear", {"out_features": 3})]),
+        ],
+    )
 
 
 def test_hand_computed_counts():
@@ -48,24 +59,30 @@ def test_final_shape_must_be_the_classes():
         make_spec("x", (1, 8, 8), 5, [("fc", [L("flatten"), L("linear", {"out_features": 3})])])
 
 
-@pytest.mark.parametrize("layer, message", [
-    (L("conv2d", {"out_channels": 2, "kernel_size": 11}), "kernel 11.*does not fit a spatial size of 8"),
-    (L("linear", {"out_features": 2}), "linear needs a 1-d input"),
-    (L("nonsense"), "unknown layer type 'nonsense'"),
-    (L("conv2d", {"kernel_size": 3}), "out_channels"),
-])
+@pytest.mark.parametrize(
+    "layer, message",
+    [
+        (L("conv2d", {"out_channels": 2, "kernel_size": 11}), "kernel 11.*does not fit a spatial size of 8"),
+        (L("linear", {"out_features": 2}), "linear needs a 1-d input"),
+        (L("nonsense"), "unknown layer type 'nonsense'"),
+        (L("conv2d", {"kernel_size": 3}), "out_channels"),
+    ],
+)
 def test_bad_layers_raise_spec_error_naming_the_block(layer, message):
     with pytest.raises(SpecError, match=message) as err:
         make_spec("x", (1, 8, 8), 2, [("first", [layer])])
     assert "'first'" in str(err.value)
 
 
-@pytest.mark.parametrize("text, message", [
-    ("{not json", "not valid JSON"),
-    ("[]", "must be a JSON object"),
-    (json.dumps({"schema": 99}), "unsupported spec schema 99"),
-    (json.dumps({"schema": 1, "name": "x"}), "missing or invalid field"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("{not json", "not valid JSON"),
+        ("[]", "must be a JSON object"),
+        (json.dumps({"schema": 99}), "unsupported spec schema 99"),
+        (json.dumps({"schema": 1, "name": "x"}), "missing or invalid field"),
+    ],
+)
 def test_malformed_json(text, message):
     with pytest.raises(SpecError, match=message):
         ModelSpec.from_json(text)
@@ -73,33 +90,53 @@ def test_malformed_json(text, message):
 
 def test_conv_stitch_is_small_and_resizes():
     # 64×16×16 → 32×8×8: a 1×1 conv (64·32 + 32 params), then parameter-free pooling.
-    spec = make_spec("s", (64, 16, 16), 2, [
-        ("stitch", [L("stitch", {"out_shape": [32, 8, 8]})]),
-        ("fc", [L("flatten"), L("linear", {"out_features": 2})]),
-    ])
+    spec = make_spec(
+        "s",
+        (64, 16, 16),
+        2,
+        [
+            ("stitch", [L("stitch", {"out_shape": [32, 8, 8]})]),
+            ("fc", [L("flatten"), L("linear", {"out_features": 2})]),
+        ],
+    )
     assert spec.blocks[0].params == 64 * 32 + 32
     assert spec.blocks[0].macs == 64 * 32 * 16 * 16
     module = build(spec)
     y = module.run_block(0, torch.randn(2, 64, 16, 16))
     assert y.shape == (2, 32, 8, 8) and bool((y >= 0).all())
-    up = build(make_spec("u", (8, 4, 4), 2, [("stitch", [L("stitch", {"out_shape": [8, 7, 7]})]),
-                                              ("fc", [L("flatten"), L("linear", {"out_features": 2})])]))
+    up = build(
+        make_spec(
+            "u",
+            (8, 4, 4),
+            2,
+            [
+                ("stitch", [L("stitch", {"out_shape": [8, 7, 7]})]),
+                ("fc", [L("flatten"), L("linear", {"out_features": 2})]),
+            ],
+        )
+    )
     assert up.run_block(0, torch.randn(1, 8, 4, 4)).shape == (1, 8, 7, 7)
 
 
 def test_linear_stitch_from_conv_map_to_vector():
-    spec = make_spec("s", (4, 2, 2), 2, [("stitch", [L("stitch", {"out_shape": [6]})]),
-                                         ("fc", [L("linear", {"out_features": 2})])])
+    spec = make_spec(
+        "s", (4, 2, 2), 2, [("stitch", [L("stitch", {"out_shape": [6]})]), ("fc", [L("linear", {"out_features": 2})])]
+    )
     assert spec.blocks[0].params == 16 * 6 + 6
     assert build(spec).run_block(0, torch.randn(3, 4, 2, 2)).shape == (3, 6)
 
 
 def test_residual_is_used_only_when_shapes_allow():
-    spec = make_spec("ir", (8, 4, 4), 2, [
-        ("keep", [L("inverted_residual", {"out_channels": 8, "hidden_channels": 16})]),
-        ("down", [L("inverted_residual", {"out_channels": 8, "hidden_channels": 16, "stride": 2})]),
-        ("fc", [L("flatten"), L("linear", {"out_features": 2})]),
-    ])
+    spec = make_spec(
+        "ir",
+        (8, 4, 4),
+        2,
+        [
+            ("keep", [L("inverted_residual", {"out_channels": 8, "hidden_channels": 16})]),
+            ("down", [L("inverted_residual", {"out_channels": 8, "hidden_channels": 16, "stride": 2})]),
+            ("fc", [L("flatten"), L("linear", {"out_features": 2})]),
+        ],
+    )
     module = build(spec)
     assert module.blocks[0][0].residual and not module.blocks[1][0].residual
     with torch.no_grad():

@@ -11,25 +11,37 @@ TASK = TrainTask(epochs=2, batch_size=16, lr=1e-3, seed=5, upload=True)
 
 def test_round_trip_and_defaults():
     config = TASK.to_config()
-    assert config == {"epochs": 2, "batch_size": 16, "lr": 1e-3, "seed": 5, "upload": True, "sgd_lr": C.SGD_LR,
-                      "sgd_momentum": C.SGD_MOMENTUM, "kd_lambda": C.KD_LAMBDA, "temperature": C.KD_TEMPERATURE}
+    assert config == {
+        "epochs": 2,
+        "batch_size": 16,
+        "lr": 1e-3,
+        "seed": 5,
+        "upload": True,
+        "sgd_lr": C.SGD_LR,
+        "sgd_momentum": C.SGD_MOMENTUM,
+        "kd_lambda": C.KD_LAMBDA,
+        "temperature": C.KD_TEMPERATURE,
+    }
     assert TrainTask.from_config(config) == TASK
     minimal = {"epochs": 2, "batch_size": 16, "lr": 1e-3, "seed": 5, "upload": True}
     assert TrainTask.from_config(minimal) == TASK
     assert TrainTask.from_config(minimal | {"lr": 1}).lr == 1.0  # a JSON integer is a valid float
 
 
-@pytest.mark.parametrize("change, match", [
-    ({"epochs": None}, "lacks 'epochs'"),
-    ({"epochs": 2.5}, "epochs=2.5 is not a valid int"),
-    ({"epochs": True}, "epochs=True is not a valid int"),
-    ({"upload": 1}, "upload=1 is not a valid bool"),
-    ({"lr": "0.1"}, "lr='0.1' is not a valid float"),
-    ({"lr": float("nan")}, "lr=nan is not a valid float"),
-    ({"epochs": 0}, "must be positive"),
-    ({"sgd_momentum": 1.0}, "sgd_momentum in"),
-    ({"bogus": 1}, r"unknown task config key\(s\) \['bogus'\]"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"epochs": None}, "lacks 'epochs'"),
+        ({"epochs": 2.5}, "epochs=2.5 is not a valid int"),
+        ({"epochs": True}, "epochs=True is not a valid int"),
+        ({"upload": 1}, "upload=1 is not a valid bool"),
+        ({"lr": "0.1"}, "lr='0.1' is not a valid float"),
+        ({"lr": float("nan")}, "lr=nan is not a valid float"),
+        ({"epochs": 0}, "must be positive"),
+        ({"sgd_momentum": 1.0}, "sgd_momentum in"),
+        ({"bogus": 1}, r"unknown task config key\(s\) \['bogus'\]"),
+    ],
+)
 def test_a_bad_config_names_the_key(change, match):
     config = TASK.to_config() | change
     config = {k: v for k, v in config.items() if v is not None}

@@ -41,22 +41,28 @@ def _blob(header: object, data: bytes = b"") -> bytes:
     return len(raw).to_bytes(8, "little") + raw + data
 
 
-@pytest.mark.parametrize("blob, says", [
-    (b"\x01\x00", "shorter than a safetensors header"),
-    ((100).to_bytes(8, "little") + b"{}", "exceeds the blob"),
-    (_blob(b"[1]"), "not a JSON object"),
-    (_blob(b"{" * 5), "not a JSON object"),
-    (_blob({"__metadata__": ["k"]}), "strings to strings"),
-    (_blob({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, bytes(8)), "invalid offset for tensor `a`"),
-    (_blob({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, bytes(8)), "file not fully covered"),
-    (_blob({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, bytes(4)), "needs 8 bytes"),
-    (_blob({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}}, bytes(4)), "0 <= start <= end"),
-    (_blob({"a": {"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}}, bytes(8)), "dtype 'C64'"),
-    (_blob({"a": {"dtype": "F32", "shape": [1.0], "data_offsets": [0, 4]}}, bytes(4)), "list of integers"),
-    (_blob({"a": {"dtype": "BOOL", "shape": [2], "data_offsets": [0, 2]}}, b"\x01\xff"), "other than 0 and 1"),
-    (_blob({"a": [0, 4]}, bytes(4)), "exactly"),
-    (_blob({"": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}, bytes(1)), "non-empty"),
-])
+@pytest.mark.parametrize(
+    "blob, says",
+    [
+        (b"\x01\x00", "shorter than a safetensors header"),
+        ((100).to_bytes(8, "little") + b"{}", "exceeds the blob"),
+        (_blob(b"[1]"), "not a JSON object"),
+        (_blob(b"{" * 5), "not a JSON object"),
+        (_blob({"__metadata__": ["k"]}), "strings to strings"),
+        (
+            _blob({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, bytes(8)),
+            "invalid offset for tensor `a`",
+        ),
+        (_blob({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, bytes(8)), "file not fully covered"),
+        (_blob({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, bytes(4)), "needs 8 bytes"),
+        (_blob({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}}, bytes(4)), "0 <= start <= end"),
+        (_blob({"a": {"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}}, bytes(8)), "dtype 'C64'"),
+        (_blob({"a": {"dtype": "F32", "shape": [1.0], "data_offsets": [0, 4]}}, bytes(4)), "list of integers"),
+        (_blob({"a": {"dtype": "BOOL", "shape": [2], "data_offsets": [0, 2]}}, b"\x01\xff"), "other than 0 and 1"),
+        (_blob({"a": [0, 4]}, bytes(4)), "exactly"),
+        (_blob({"": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}, bytes(1)), "non-empty"),
+    ],
+)
 def test_malformed_blobs_are_refused(blob, says):
     with pytest.raises(BlobError) as e:
         parse(blob)

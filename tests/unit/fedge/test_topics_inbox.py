@@ -44,6 +44,7 @@ def _inbox(limit=10_000):
     def accept(kind, client, env):
         seen.append((kind, client, env.msg_id))
         return limit
+
     return Inbox("r", accept), seen
 
 
@@ -56,13 +57,16 @@ def test_inbox_joins_chunks_once_and_counts_nothing_when_clean():
     assert not inbox.rejected and inbox.joiner.duplicates == len(parts)
 
 
-@pytest.mark.parametrize("topic, kwargs, reason", [
-    ("fedge/r/result/b", {}, "spoof"),  # a's envelope on b's topic
-    ("fedge/other/result/a", {}, "wrong_run"),
-    ("fedge/r/result/a", {"run": "other"}, "wrong_run"),
-    ("fedge/r/register/a", {}, "bad_format"),  # a result on the register topic
-    ("fedge/r/task/a", {}, "spoof"),  # downlink messages must come from the server
-])
+@pytest.mark.parametrize(
+    "topic, kwargs, reason",
+    [
+        ("fedge/r/result/b", {}, "spoof"),  # a's envelope on b's topic
+        ("fedge/other/result/a", {}, "wrong_run"),
+        ("fedge/r/result/a", {"run": "other"}, "wrong_run"),
+        ("fedge/r/register/a", {}, "bad_format"),  # a result on the register topic
+        ("fedge/r/task/a", {}, "spoof"),  # downlink messages must come from the server
+    ],
+)
 def test_inbox_rejections(topic, kwargs, reason):
     inbox, seen = _inbox()
     _, parts = _frames(**kwargs)
@@ -86,6 +90,7 @@ def test_inbox_expired_and_accept_refusal():
 
     def refuse(kind, client, env):
         raise WireError("stale_round", "old")
+
     inbox = Inbox("r", refuse)
     _, parts = _frames()
     assert inbox.receive("fedge/r/result/a", parts[0]) is None and inbox.rejected == {"stale_round": 1}

@@ -28,11 +28,14 @@ def test_missing_and_extra_keys(model):
         check_state(spec, state)
 
 
-@pytest.mark.parametrize("bad, message", [
-    (torch.zeros(1), r"shape \[1\], spec says \[16\]"),          # broadcastable, still rejected
-    (torch.zeros(16, dtype=torch.float64), "dtype torch.float64"),
-    (torch.tensor([float("nan")] + [0.0] * 15), "NaN or Inf"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (torch.zeros(1), r"shape \[1\], spec says \[16\]"),  # broadcastable, still rejected
+        (torch.zeros(16, dtype=torch.float64), "dtype torch.float64"),
+        (torch.tensor([float("nan")] + [0.0] * 15), "NaN or Inf"),
+    ],
+)
 def test_bad_tensor(model, bad, message):
     spec, state = model
     state = dict(state) | {"blocks.0.0.bias": bad}
@@ -52,11 +55,14 @@ def test_pickle_is_never_accepted(model, tmp_path):
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("blob, message", [
-    (b"abc", "shorter than a safetensors header"),
-    ((10**9).to_bytes(8, "little") + b"{}", "exceeds the blob"),
-    ((2).to_bytes(8, "little") + b"{}", "no 'fedge.spec' metadata"),
-])
+@pytest.mark.parametrize(
+    "blob, message",
+    [
+        (b"abc", "shorter than a safetensors header"),
+        ((10**9).to_bytes(8, "little") + b"{}", "exceeds the blob"),
+        ((2).to_bytes(8, "little") + b"{}", "no 'fedge.spec' metadata"),
+    ],
+)
 def test_malformed_blobs(blob, message):
     with pytest.raises(WeightsError, match=message):
         from_bytes(blob)

@@ -79,7 +79,7 @@ def test_stitch_weights_are_fresh_small_and_seeded(pools):
     assert sorted(keys) == ["blocks.1.0.proj.bias", "blocks.1.0.proj.weight"]
     assert all(torch.equal(a.state[k], b.state[k]) for k in a.state)
     assert not torch.equal(a.state[keys[1]], c.state[keys[1]])
-    bound = 1 / 16 ** 0.5  # U(±1/√fan_in), fan_in = 16 input channels of the 1×1 conv
+    bound = 1 / 16**0.5  # U(±1/√fan_in), fan_in = 16 input channels of the 1×1 conv
     assert a.state[keys[1]].abs().max() <= bound and a.state[keys[1]].dtype == torch.float32
 
 
@@ -139,8 +139,10 @@ def test_no_kept_candidate_breaks_the_eta_bound(pools, seed):
     client_name = names[int(rng.integers(len(names)))]
     client = create(client_name, SHAPE, 10)
     every = [b for blocks in pools.values() for b in blocks]
-    candidates = [[every[i] for i in sorted(rng.choice(len(every), size=int(rng.integers(1, 7)), replace=False))]
-                  for _ in range(30)]
+    candidates = [
+        [every[i] for i in sorted(rng.choice(len(every), size=int(rng.integers(1, 7)), replace=False))]
+        for _ in range(30)
+    ]
     candidates.append(pools[client_name])  # its own model: exactly |w|, kept for any η >= 0
     eta = float(rng.choice([0.0, 0.1, 0.5, 2.0, -0.5]))
     kept, rejected = filter_by_size(candidates, client, eta)

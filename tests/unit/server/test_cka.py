@@ -10,8 +10,15 @@ import torch
 from fedge.messages import Weights
 from fedge.spec import build
 from fedge.zoo import create
-from server.cka import (block_similarity, choose_method, cka_matrix, linear_cka, minibatch_block_similarity,
-                        minibatch_cka_matrix, unbiased_gram)
+from server.cka import (
+    block_similarity,
+    choose_method,
+    cka_matrix,
+    linear_cka,
+    minibatch_block_similarity,
+    minibatch_cka_matrix,
+    unbiased_gram,
+)
 from server.features import BlockFeatures, block_features
 
 pytestmark = pytest.mark.timeout(120)
@@ -137,8 +144,11 @@ def test_unbiased_gram_matches_song_et_al_formula() -> None:
     x, y = torch.randn(n, 4, generator=_gen(9)).double(), torch.randn(n, 3, generator=_gen(10)).double()
     k, lm = (x @ x.T).fill_diagonal_(0.0), (y @ y.T).fill_diagonal_(0.0)
     one = torch.ones(n, dtype=torch.float64)
-    expected = (torch.trace(k @ lm) + (one @ k @ one) * (one @ lm @ one) / ((n - 1) * (n - 2))
-                - 2 / (n - 2) * (one @ k @ lm @ one)) / (n * (n - 3))
+    expected = (
+        torch.trace(k @ lm)
+        + (one @ k @ one) * (one @ lm @ one) / ((n - 1) * (n - 2))
+        - 2 / (n - 2) * (one @ k @ lm @ one)
+    ) / (n * (n - 3))
     got = unbiased_gram(x, torch.float64) @ unbiased_gram(y, torch.float64) / (n * (n - 3))
     assert float(got) == pytest.approx(float(expected), rel=1e-9)
 
@@ -149,8 +159,9 @@ def test_unbiased_hsic_mean_matches_population_value() -> None:
     g, n, draws = _gen(11), 10, 4000
     x = torch.randn(draws, n, 3, generator=g, dtype=torch.float64)
     y = 0.5 * x + torch.randn(draws, n, 3, generator=g, dtype=torch.float64)
-    unbiased = torch.stack([unbiased_gram(a, torch.float64) @ unbiased_gram(b, torch.float64)
-                            for a, b in zip(x, y)]) / (n * (n - 3))
+    unbiased = torch.stack(
+        [unbiased_gram(a, torch.float64) @ unbiased_gram(b, torch.float64) for a, b in zip(x, y)]
+    ) / (n * (n - 3))
     xc, yc = x - x.mean(1, keepdim=True), y - y.mean(1, keepdim=True)
     biased = (xc.transpose(1, 2) @ yc).pow(2).sum((1, 2)) / (n - 1) ** 2
     se = float(unbiased.std()) / math.sqrt(draws)
@@ -164,7 +175,7 @@ def test_minibatch_cka_close_to_full_on_large_n() -> None:
     feats = [base @ torch.randn(8, d, generator=g) + torch.randn(4000, d, generator=g) for d in (4, 16, 32)]
     feats.append(torch.randn(4000, 8, generator=g))  # independent of the others: CKA ≈ 0
     full = cka_matrix(feats)
-    batches = ([f[s:s + 500] for f in feats] for s in range(0, 4000, 500))
+    batches = ([f[s : s + 500] for f in feats] for s in range(0, 4000, 500))
     mb = minibatch_cka_matrix(batches)
     assert torch.allclose(mb, full, atol=0.02)
     assert torch.allclose(mb.diagonal(), torch.ones(4), atol=1e-6)

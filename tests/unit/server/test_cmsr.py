@@ -67,24 +67,29 @@ def test_figure2_search_steps_stop_at_the_fourth_block():
 
 
 def test_figure2_with_max_anchor_gives_the_same_candidates():
-    by_seed = cmsr_candidates("1", 4, GROUPS, np.random.default_rng(5), CmsrOptions(anchor="max"),
-                              similarity=similar_to(w(4, 2)))
+    by_seed = cmsr_candidates(
+        "1", 4, GROUPS, np.random.default_rng(5), CmsrOptions(anchor="max"), similarity=similar_to(w(4, 2))
+    )
     assert by_seed == cmsr_candidates("1", 4, GROUPS, np.random.default_rng(SEED_PICKING_W42))
 
 
 def test_figure2_without_completion_stops_after_the_third_block():
-    candidates = cmsr_candidates("1", 4, GROUPS, np.random.default_rng(SEED_PICKING_W42),
-                                 CmsrOptions(completion=False))
-    assert paper(candidates) == [[(4, 2), (2, 3), (4, 4)], [(4, 2), (2, 3), (4, 5)],
-                                 [(4, 2), (3, 3), (4, 4)], [(4, 2), (3, 3), (4, 5)]]
+    candidates = cmsr_candidates("1", 4, GROUPS, np.random.default_rng(SEED_PICKING_W42), CmsrOptions(completion=False))
+    assert paper(candidates) == [
+        [(4, 2), (2, 3), (4, 4)],
+        [(4, 2), (2, 3), (4, 5)],
+        [(4, 2), (3, 3), (4, 4)],
+        [(4, 2), (3, 3), (4, 5)],
+    ]
 
 
 def test_dead_end_paths_are_completed_with_the_clients_own_blocks():
     # anchor w2,1 (index 1): C[2] = {w1,2 w2,2 w3,2 w2,3 w3,3} (q ← 2), C[3] = {w1,3 w4,4 w4,5}
     # (q ← 3), C[4] = {w1,4}. Only paths through w1,3 reach w1,4 by search; the others stop at
     # block 3 and are completed by w1,4. Paths pairing an index-3 block with w1,3 break the order.
-    candidates = cmsr_candidates("1", 4, GROUPS, np.random.default_rng(0), CmsrOptions(anchor="max"),
-                                 similarity=similar_to(w(2, 1)))
+    candidates = cmsr_candidates(
+        "1", 4, GROUPS, np.random.default_rng(0), CmsrOptions(anchor="max"), similarity=similar_to(w(2, 1))
+    )
     second = [(1, 2), (2, 2), (3, 2)]
     expected = []
     for b in second:
@@ -112,8 +117,9 @@ def test_order_constraint_holds_for_every_candidate(seed):
 
 
 def test_without_order_constraint_an_out_of_order_candidate_appears():
-    candidates = cmsr_candidates("1", 4, GROUPS, np.random.default_rng(SEED_PICKING_W42),
-                                 CmsrOptions(order_constraint=False))
+    candidates = cmsr_candidates(
+        "1", 4, GROUPS, np.random.default_rng(SEED_PICKING_W42), CmsrOptions(order_constraint=False)
+    )
     assert len(candidates) == 6 * 3 * 2  # the whole groups 2, 3 and 4 at blocks 2, 3 and 4
     assert [(4, 2), (4, 1), (1, 3), (4, 3)] in paper(candidates)
     assert all(len(c) == 4 and [GROUPS[k] for k in c] == [1, 2, 3, 4] for c in candidates)
@@ -127,21 +133,29 @@ def test_random_anchor_picks_the_clients_own_first_block_with_probability_one_ov
 
 
 def test_min_anchor_takes_a_smallest_index_block_itself_or_another_models_first():
-    anchors = {cmsr_candidates("1", 4, GROUPS, np.random.default_rng(s), CmsrOptions(anchor="min"))[0][0]
-               for s in range(40)}
+    anchors = {
+        cmsr_candidates("1", 4, GROUPS, np.random.default_rng(s), CmsrOptions(anchor="min"))[0][0] for s in range(40)
+    }
     assert anchors == {w(1, 1), w(2, 1), w(3, 1)}
 
 
 def test_max_anchor_takes_the_most_similar_other_block_and_needs_a_similarity():
     scores = {w(2, 1): 1.5, w(3, 1): 1.9, w(4, 2): 1.2, w(1, 1): 2.0}
-    candidates = cmsr_candidates("1", 4, GROUPS, np.random.default_rng(0), CmsrOptions(anchor="max"),
-                                 similarity=lambda key, first: scores[key])
+    candidates = cmsr_candidates(
+        "1", 4, GROUPS, np.random.default_rng(0), CmsrOptions(anchor="max"), similarity=lambda key, first: scores[key]
+    )
     assert {c[0] for c in candidates} == {w(3, 1)}
     with pytest.raises(ValueError, match="similarity"):
         cmsr_candidates("1", 4, GROUPS, np.random.default_rng(0), CmsrOptions(anchor="max"))
     with pytest.raises(ValueError, match="finite"):
-        cmsr_candidates("1", 4, GROUPS, np.random.default_rng(0), CmsrOptions(anchor="max"),
-                        similarity=lambda key, first: float("nan"))
+        cmsr_candidates(
+            "1",
+            4,
+            GROUPS,
+            np.random.default_rng(0),
+            CmsrOptions(anchor="max"),
+            similarity=lambda key, first: float("nan"),
+        )
 
 
 def big_pool(clients=8, depth=10, k=3, seed=0):
@@ -174,8 +188,9 @@ def test_max_candidates_keeps_a_distinct_subset_of_all_candidates():
 
 def test_huge_candidate_spaces_are_sampled_without_listing_them():
     groups = {(str(c), i): 0 for c in range(60) for i in range(40)}  # one group: ~60^39 paths
-    candidates = cmsr_candidates("0", 40, groups, np.random.default_rng(1), max_candidates=5,
-                                 options=CmsrOptions(order_constraint=False))
+    candidates = cmsr_candidates(
+        "0", 40, groups, np.random.default_rng(1), max_candidates=5, options=CmsrOptions(order_constraint=False)
+    )
     assert len(candidates) == 5 and all(len(c) == 40 for c in candidates)
 
 
@@ -204,8 +219,9 @@ def test_relative_index_compares_depth_normalised_positions():
     pick_b1 = CmsrOptions(anchor="max")
     sim = similar_to(("b", 1))
     raw = cmsr_candidates("a", 2, groups, np.random.default_rng(0), pick_b1, similarity=sim)
-    rel = cmsr_candidates("a", 2, groups, np.random.default_rng(0), CmsrOptions(anchor="max", index="relative"),
-                          similarity=sim)
+    rel = cmsr_candidates(
+        "a", 2, groups, np.random.default_rng(0), CmsrOptions(anchor="max", index="relative"), similarity=sim
+    )
     assert raw == [(("b", 1), ("b", 2)), (("b", 1), ("b", 3))]
     assert rel == [(("b", 1), ("b", 2)), (("b", 1), ("a", 1)), (("b", 1), ("b", 3))]
 

@@ -23,8 +23,14 @@ def check(res, task, expected=UPLOAD):
 
 
 def reply(**kw):
-    base = dict(client_id="0", round=3, type="train", num_examples=20, metrics={"train_loss": 0.5},
-                models={"local": Weights(SPEC, STATE)})
+    base = dict(
+        client_id="0",
+        round=3,
+        type="train",
+        num_examples=20,
+        metrics={"train_loss": 0.5},
+        models={"local": Weights(SPEC, STATE)},
+    )
     return Result(**(base | kw))
 
 
@@ -32,25 +38,38 @@ def test_a_good_reply_passes():
     assert check(reply(), TRAIN) is None
 
 
-@pytest.mark.parametrize("kw, task, code", [
-    ({"round": 2}, TRAIN, "no_open_task"),                        # stale round
-    ({"type": "evaluate"}, TRAIN, "no_open_task"),
-    ({}, None, "no_open_task"),
-    ({"num_examples": 0}, TRAIN, "num_examples"),
-    ({"num_examples": -5}, TRAIN, "num_examples"),
-    ({"num_examples": 3.7}, TRAIN, "num_examples"),
-    ({"num_examples": 10**12}, TRAIN, "num_examples"),
-    ({"metrics": {"train_loss": float("nan")}}, TRAIN, "metrics"),
-    ({"metrics": {"train_loss": "low"}}, TRAIN, "metrics"),
-    ({"models": {"local": Weights(create("cnn2", (1, 8, 8), 10), build(create("cnn2", (1, 8, 8), 10))
-                                  .state_dict())}}, TRAIN, "architecture"),
-    ({"models": {"local": Weights(SPEC, STATE | {"blocks.0.0.bias": torch.full((16,), float("inf"))})}},
-     TRAIN, "weights"),
-    ({"type": "evaluate", "num_examples": 5, "metrics": {"loss": 0.1}}, Task("evaluate", 3), "metrics"),
-    ({"models": {"local": Weights(SPEC, STATE), "extra": Weights(SPEC, STATE)}}, TRAIN, "payload"),
-    ({"models": {}}, TRAIN, "payload"),                           # the declared upload is missing
-    ({"tensors": {"x": torch.zeros(2)}}, TRAIN, "payload"),       # a tensor nobody asked for
-])
+@pytest.mark.parametrize(
+    "kw, task, code",
+    [
+        ({"round": 2}, TRAIN, "no_open_task"),  # stale round
+        ({"type": "evaluate"}, TRAIN, "no_open_task"),
+        ({}, None, "no_open_task"),
+        ({"num_examples": 0}, TRAIN, "num_examples"),
+        ({"num_examples": -5}, TRAIN, "num_examples"),
+        ({"num_examples": 3.7}, TRAIN, "num_examples"),
+        ({"num_examples": 10**12}, TRAIN, "num_examples"),
+        ({"metrics": {"train_loss": float("nan")}}, TRAIN, "metrics"),
+        ({"metrics": {"train_loss": "low"}}, TRAIN, "metrics"),
+        (
+            {
+                "models": {
+                    "local": Weights(create("cnn2", (1, 8, 8), 10), build(create("cnn2", (1, 8, 8), 10)).state_dict())
+                }
+            },
+            TRAIN,
+            "architecture",
+        ),
+        (
+            {"models": {"local": Weights(SPEC, STATE | {"blocks.0.0.bias": torch.full((16,), float("inf"))})}},
+            TRAIN,
+            "weights",
+        ),
+        ({"type": "evaluate", "num_examples": 5, "metrics": {"loss": 0.1}}, Task("evaluate", 3), "metrics"),
+        ({"models": {"local": Weights(SPEC, STATE), "extra": Weights(SPEC, STATE)}}, TRAIN, "payload"),
+        ({"models": {}}, TRAIN, "payload"),  # the declared upload is missing
+        ({"tensors": {"x": torch.zeros(2)}}, TRAIN, "payload"),  # a tensor nobody asked for
+    ],
+)
 def test_bad_replies_are_rejected_with_a_reason(kw, task, code):
     assert check(reply(**kw), task)[0] == code
 

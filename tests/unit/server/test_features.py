@@ -35,7 +35,11 @@ def test_cnn1_pooled_shapes_and_chaining() -> None:
     feats = block_features(w, x, batch_size=16)
     # cov1 (1,28,28)→(16,14,14), cov2 →(32,7,7), fc1 →(128,), fc2 →(10,): maps pool to C, vectors stay.
     assert [(tuple(f.inputs.shape), tuple(f.outputs.shape)) for f in feats] == [
-        ((64, 1), (64, 16)), ((64, 16), (64, 32)), ((64, 32), (64, 128)), ((64, 128), (64, 10))]
+        ((64, 1), (64, 16)),
+        ((64, 16), (64, 32)),
+        ((64, 32), (64, 128)),
+        ((64, 128), (64, 10)),
+    ]
     for f in feats:
         assert f.inputs.dtype == torch.float32 and f.inputs.device.type == "cpu"
     for a, b in zip(feats, feats[1:]):
@@ -66,7 +70,11 @@ def test_flatten_mode_keeps_whole_maps() -> None:
     w, x = _model("cnn1"), _public(8)
     feats = block_features(w, x, conv_features="flatten")
     assert [(f.inputs.shape[1], f.outputs.shape[1]) for f in feats] == [
-        (784, 16 * 14 * 14), (16 * 14 * 14, 32 * 7 * 7), (32 * 7 * 7, 128), (128, 10)]
+        (784, 16 * 14 * 14),
+        (16 * 14 * 14, 32 * 7 * 7),
+        (32 * 7 * 7, 128),
+        (128, 10),
+    ]
     assert torch.equal(feats[0].inputs, x.reshape(8, -1))
     pooled = block_features(w, x)
     assert torch.allclose(feats[1].outputs.reshape(8, 32, 49).mean(-1), pooled[1].outputs, atol=1e-6)

@@ -1,6 +1,5 @@
 """FedAvg's aggregation by hand, and its refusal of heterogeneous fleets."""
 
-
 import pytest
 import torch
 
@@ -52,9 +51,14 @@ def test_one_client_claiming_a_million_examples_gets_at_most_its_cap():
     spec = strategy.global_model.spec
     honest = {k: torch.ones_like(v) for k, v in strategy.global_model.state.items()}
     hostile = {k: torch.full_like(v, 101) for k, v in honest.items()}
-    strategy.aggregate(0, {"0": Result("0", 0, "train", 10, models={"local": Weights(spec, honest)}),
-                           "1": Result("1", 0, "train", 10, models={"local": Weights(spec, honest)}),
-                           "2": Result("2", 0, "train", 10**6, models={"local": Weights(spec, hostile)})})
+    strategy.aggregate(
+        0,
+        {
+            "0": Result("0", 0, "train", 10, models={"local": Weights(spec, honest)}),
+            "1": Result("1", 0, "train", 10, models={"local": Weights(spec, honest)}),
+            "2": Result("2", 0, "train", 10**6, models={"local": Weights(spec, hostile)}),
+        },
+    )
     w = strategy.global_model.state["blocks.0.0.weight"]
     assert torch.allclose(w, torch.full_like(w, 51.0))  # 0.25 * 1 + 0.25 * 1 + 0.5 * 101
     assert strategy.record(0, "2") == {"aggregation_share": 0.5}
@@ -69,7 +73,12 @@ def test_aggregate_weights_by_examples_and_tolerates_no_replies():
     spec = before.spec
     ones = {k: torch.ones_like(v) for k, v in before.state.items()}
     threes = {k: torch.full_like(v, 3) for k, v in before.state.items()}
-    strategy.aggregate(1, {"0": Result("0", 1, "train", 30, models={"local": Weights(spec, ones)}),
-                           "1": Result("1", 1, "train", 10, models={"local": Weights(spec, threes)})})
+    strategy.aggregate(
+        1,
+        {
+            "0": Result("0", 1, "train", 30, models={"local": Weights(spec, ones)}),
+            "1": Result("1", 1, "train", 10, models={"local": Weights(spec, threes)}),
+        },
+    )
     w = strategy.global_model.state["blocks.0.0.weight"]
     assert torch.allclose(w, torch.full_like(w, 1.5))

@@ -10,8 +10,17 @@ from torch.nn import functional as F
 from fedge.layers import LayerSpec as L
 from fedge.messages import Weights
 from fedge.spec import ModelSpec, Origin, build, make_block
-from server.finetune import (FinetuneConfig, augment, finetune_candidates, finetune_stitches, match_score,
-                             nt_xent, public_logits, select_teacher, stitch_blocks)
+from server.finetune import (
+    FinetuneConfig,
+    augment,
+    finetune_candidates,
+    finetune_stitches,
+    match_score,
+    nt_xent,
+    public_logits,
+    select_teacher,
+    stitch_blocks,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -31,8 +40,12 @@ def _stitch(i: int, in_shape: tuple, out_shape: tuple):
 def cand_spec(prefix_client: str = "a") -> ModelSpec:
     """prefix block (conv-BN-ReLU) | stitch | conv-BN-ReLU-pool-dropout | stitch | linear: stitches at 1, 3."""
     b0 = make_block("cov1", [_conv(MARK), L("bn2d"), L("relu")], IN, Origin("toy", prefix_client, 0))
-    b2 = make_block("cov2", [_conv(6), L("bn2d"), L("relu"), L("maxpool", {"kernel_size": 2}), L("dropout")],
-                    (5, 8, 8), Origin("toy", "b", 1))
+    b2 = make_block(
+        "cov2",
+        [_conv(6), L("bn2d"), L("relu"), L("maxpool", {"kernel_size": 2}), L("dropout")],
+        (5, 8, 8),
+        Origin("toy", "b", 1),
+    )
     b4 = make_block("fc", [L("linear", {"out_features": 3})], (12,), Origin("toy", "c", 3))
     return ModelSpec("cand", IN, 3, (b0, _stitch(1, (MARK, 8, 8), (5, 8, 8)), b2, _stitch(3, (6, 4, 4), (12,)), b4))
 
@@ -68,6 +81,7 @@ def equal_states(a: Weights, b: Weights, blocks: set[int] | None = None) -> bool
 
 
 # --- NT-Xent (Eq. 3) --------------------------------------------------------------------------
+
 
 def test_nt_xent_of_orthonormal_views_is_the_hand_value():
     e = torch.eye(2)
@@ -109,12 +123,13 @@ def test_nt_xent_rejects_mismatched_views_and_bad_tau():
 
 # --- augmentation -----------------------------------------------------------------------------
 
+
 def test_augment_is_a_replicate_padded_shift_and_deterministic_by_generator():
     x = torch.arange(2 * 1 * 5 * 5, dtype=torch.float32).reshape(2, 1, 5, 5)
     view = augment(x, torch.Generator().manual_seed(3), pad=1, noise_std=0.0)
     padded = F.pad(x, (1, 1, 1, 1), mode="replicate")
     for n in range(2):
-        shifts = [padded[n, :, dy:dy + 5, dx:dx + 5] for dy in range(3) for dx in range(3)]
+        shifts = [padded[n, :, dy : dy + 5, dx : dx + 5] for dy in range(3) for dx in range(3)]
         assert any(torch.equal(view[n], s) for s in shifts)
     again = augment(x, torch.Generator().manual_seed(3), pad=1, noise_std=0.0)
     assert torch.equal(view, again)
@@ -123,6 +138,7 @@ def test_augment_is_a_replicate_padded_shift_and_deterministic_by_generator():
 
 
 # --- fine-tuning (Eq. 2 / Eq. 3) --------------------------------------------------------------
+
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("labeled", [True, False])
@@ -184,6 +200,7 @@ def test_bad_inputs_raise_value_error():
 
 # --- shared prefixes --------------------------------------------------------------------------
 
+
 def count_prefix_samples(fn):
     """Run fn() and count the samples that went through the prefix conv (out_channels == MARK)."""
     seen = [0]
@@ -229,8 +246,9 @@ def test_prefixes_of_different_origin_or_weights_are_not_shared():
 def test_finetuning_is_deterministic_given_the_seed():
     cand = weights(cand_spec(), seed=1)
     x, _ = public()
-    runs = [finetune_stitches(cand, (1, 3), x, None, FinetuneConfig(labeled=False, epochs=1, seed=s))
-            for s in (5, 5, 6)]
+    runs = [
+        finetune_stitches(cand, (1, 3), x, None, FinetuneConfig(labeled=False, epochs=1, seed=s)) for s in (5, 5, 6)
+    ]
     assert equal_states(runs[0], runs[1])
     assert not equal_states(runs[0], runs[2])
 
@@ -247,6 +265,7 @@ def test_cuda_and_cpu_agree_up_to_float_tolerance(labeled):
 
 
 # --- matching (Eq. 4) -------------------------------------------------------------------------
+
 
 def test_match_score_hand_values():
     a = torch.tensor([[1.0, 0.0], [0.0, 2.0]])

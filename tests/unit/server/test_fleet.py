@@ -2,12 +2,13 @@
 offline clients, results that answer nothing, takeovers. Real brokers: tests/integration, tests/fault."""
 
 import pytest
-from helpers.fake_link import WAIT_S, FakeFederation, wait_until
 
 import server.fleet
 from edge_client.session import ClientStopped
 from fedge.messages import Task
 from server.fleet import reply_limit
+
+from helpers.fake_link import WAIT_S, FakeFederation, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,9 +1,10 @@
 """The Fleet's view of each client's connections (sessions): restarts, takeovers, late wills, bounded memory."""
 
 import pytest
-from helpers.fake_link import FakeBroker
 
 from server.fleet import MAX_REPLACED_SESSIONS, Fleet
+
+from helpers.fake_link import FakeBroker
 
 pytestmark = pytest.mark.timeout(30)
 

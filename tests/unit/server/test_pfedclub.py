@@ -5,10 +5,10 @@ import logging
 import pytest
 import torch
 
+from fedge.config import ConfigError
 from fedge.messages import ClientInfo, Result, Weights
 from fedge.spec import build
 from fedge.zoo import create
-from fedge.config import ConfigError
 from server.strategy import PublicData, StrategyConfig, StrategyError, create_strategy
 
 pytestmark = pytest.mark.timeout(120)
@@ -43,9 +43,9 @@ def test_first_participation_has_no_teacher_and_teachers_are_kept_until_next_sel
     s.aggregate(0, uploads(0, ["0", "1", "3"]))
     teacher = s.teachers["0"]
     s.plan(1, ["2", "3"])
-    s.aggregate(1, uploads(1, ["2", "3"]))      # rounds pass without client 0
+    s.aggregate(1, uploads(1, ["2", "3"]))  # rounds pass without client 0
     s.plan(2, ["1"])
-    s.aggregate(2, {})                          # client 1 was sent its teacher but did not reply
+    s.aggregate(2, {})  # client 1 was sent its teacher but did not reply
     task = s.plan(3, ["0", "2"])["0"]
     assert task.type == "kd_train" and task.models["teacher"] is teacher
     assert task.config["kd_lambda"] == pytest.approx(0.2)
@@ -69,8 +69,9 @@ def test_negative_eta_without_any_candidate_falls_back_to_no_teacher(caplog):
     assert record["teacher_fallback"] is True and record["teacher_params"] is None
 
 
-@pytest.mark.parametrize("ablation, index", [("max", "raw"), ("min", "raw"), ("noc", "raw"), ("nbc", "raw"),
-                                             ("none", "relative")])
+@pytest.mark.parametrize(
+    "ablation, index", [("max", "raw"), ("min", "raw"), ("noc", "raw"), ("nbc", "raw"), ("none", "relative")]
+)
 def test_ablations_and_index_modes_run(ablation, index):
     s = make("pfedclub", ablation=ablation, cmsr_index=index)
     s.aggregate(0, uploads(0, ["0", "1", "3"]))
