@@ -140,6 +140,7 @@ PBKDF2_SALT_BYTES = 12
 
 # MQTT connections and launchers.
 MQTT_QOS = 1  # at least once: receivers deduplicate by message id and chunk
+FRAME_QUEUE_LENGTH = 16  # received frames waiting to be checked; a full queue makes paho (and TCP) wait
 FLUSH_TIMEOUT_S = 5.0  # a disconnecting endpoint waits this long for its last messages to leave
 WILL_TTL_S = 365 * 24 * 3600.0  # a will is composed at connect time and may be published much later
 MAX_TTL_S = WILL_TTL_S  # the longest life an envelope may claim (a will's); longer, or not positive, is "bad_ttl"

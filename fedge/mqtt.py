@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import queue
 import random
 import ssl
 import threading
@@ -28,6 +29,7 @@ from fedge.codec import encode_status
 from fedge.constants import (
     CHUNK_SIZE,
     FLUSH_TIMEOUT_S,
+    FRAME_QUEUE_LENGTH,
     KEEPALIVE_S,
     MAX_CHUNK_BYTES,
     MAX_CLOCK_SKEW_S,
@@ -206,8 +208,9 @@ class Inbox:
 
 class Endpoint:
     """A paho client that keeps itself connected, re-subscribes on every connect, and publishes
-    fedge messages as QoS 1 chunk frames: the production fedge.link.Link. `on_frame(topic, bytes)` runs on
-    paho's network thread."""
+    fedge messages as QoS 1 chunk frames: the production fedge.link.Link. `on_frame(topic, bytes)` runs on one
+    worker thread, in arrival order, so that checking and hashing a frame overlaps paho reading the next; at most
+    FRAME_QUEUE_LENGTH frames wait for it (then paho's network thread waits too, and TCP slows the sender)."""
 
     def __init__(
         self,
@@ -229,6 +232,8 @@ class Endpoint:
         self.stopping = False
         self.last_sent: paho.MQTTMessageInfo | None = None
         self.refusals = 0  # connections closed before any CONNACK (a broker that does not speak v5 may do so)
+        self.frames: queue.Queue[tuple[str, bytes] | None] = queue.Queue(FRAME_QUEUE_LENGTH)
+        self.worker = threading.Thread(target=self._handle_frames, daemon=True, name=f"frames-{client_id}")
         self.client = self._make_client()
 
     def _make_client(self) -> paho.Client:
@@ -279,14 +284,20 @@ class Endpoint:
         client.reconnect_delay_set(RECONNECT_MIN_S * random.uniform(1.0, 4.0), RECONNECT_MAX_S)
 
     def _on_message(self, client: paho.Client, userdata: object, msg: paho.MQTTMessage) -> None:
-        try:
-            self.on_frame(msg.topic, msg.payload)
-        except Exception:  # never let a handler bug kill the network thread
-            log.exception("%s: handling a message on %s failed", self.client_id, msg.topic)
+        self.frames.put((msg.topic, msg.payload))
+
+    def _handle_frames(self) -> None:
+        while (item := self.frames.get()) is not None:
+            try:
+                self.on_frame(*item)
+            except Exception:  # never let a handler bug kill the worker
+                log.exception("%s: handling a message on %s failed", self.client_id, item[0])
 
     def start(self, timeout: float) -> None:
         """Connect (v5, else 3.1.1) and wait up to `timeout` s; refused credentials or TLS raise MqttError."""
         deadline = time.monotonic() + timeout
+        if not self.worker.is_alive():
+            self.worker.start()
         while True:
             try:
                 self.client.connect_async(self.broker.host, self.broker.port, self.keepalive)
@@ -353,6 +364,9 @@ class Endpoint:
         self.client.disconnect()
         self.client.loop_stop()
         self.connected.clear()
+        if self.worker.is_alive():  # paho delivers nothing more: let the worker finish what arrived, then end
+            self.frames.put(None)
+            self.worker.join(FLUSH_TIMEOUT_S)
 
 
 def connector(broker: Broker, keepalive: int = KEEPALIVE_S) -> Connect:
