@@ -1,4 +1,5 @@
-"""The kd_train task: CE + λ·KL(p_teacher ‖ p_student) (pFedClub Eq. 5), CE alone before the first teacher."""
+"""The kd_train task: CE + λ·KL(student ‖ teacher) (pFedClub Eq. 5, as fedge.distill reads it), CE alone before the
+first teacher."""
 
 import math
 
