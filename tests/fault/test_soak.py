@@ -28,7 +28,7 @@ from fedge.envelope import Envelope
 from fedge.messages import Task
 
 from helpers.brokers import TIMEOUT_S, protocol_of
-from helpers.federation import Federation, make_config, read_rows
+from helpers.federation import Federation, make_config, read_rows, wait_until
 from helpers.raw import padded_frame
 
 pytestmark = pytest.mark.timeout(240)
@@ -37,6 +37,7 @@ ATTACKER = "x"
 ROUNDS = 6
 MAX_FRAMES = 1500  # the flood's bound: about 1.5 GB through the broker at ~1 MiB a frame
 MAX_SECONDS = 60.0
+FIRST_FLOOD = 80  # frames of one whole flood (20 bursts) out before the clients start: a run takes seconds
 RSS_GROWTH_BOUND = 256 * 1024 * 1024  # the server may keep 16 MiB of the attacker's frames, plus data and models
 
 
@@ -47,6 +48,7 @@ class Attacker:
         self.fed, self.run = fed, fed.cfg.run_id
         self.stop = threading.Event()
         self.frames = 0
+        self.frames_out = 0  # frames paho has written to the socket (a whole flood at a time)
         self.will_connacks: list[int] = []
         self.thread = threading.Thread(target=self._attack, name="attacker", daemon=True)
 
@@ -99,8 +101,8 @@ class Attacker:
             if sock is not None:
                 sock.close()  # vanish: a broker that accepted the will publishes it now
 
-    def _flood(self, client: mqtt.Client) -> None:
-        """One burst of partial messages on the attacker's own uplink topics."""
+    def _flood(self, client: mqtt.Client) -> mqtt.MQTTMessageInfo:
+        """One burst of partial messages on the attacker's own uplink topics; returns the last one's publish."""
         for kind in ("register", "result", "status"):
             topic = topics.client_topic(self.run, kind, ATTACKER)
             # announces 10^6 one-byte chunks (never sent, so never hashed: the root is that of one byte)
@@ -108,8 +110,9 @@ class Attacker:
             client.publish(topic, padded_frame(million, 0, b""), qos=0)
             ones = {**million, "msg_id": uuid.uuid4().hex}
             for index in range(3):
-                client.publish(topic, padded_frame(ones, index, b"x"), qos=0)
+                sent = client.publish(topic, padded_frame(ones, index, b"x"), qos=0)
             self.frames += 4
+        return sent
 
     def _retained(self) -> None:
         """A retained publish on its own connection (Mosquitto, retain_available false, disconnects for it)."""
@@ -128,7 +131,9 @@ class Attacker:
             client, code = self._client()
             if code == 0:
                 for _ in range(20):
-                    self._flood(client)
+                    last = self._flood(client)
+                last.wait_for_publish(TIMEOUT_S)  # QoS 0 frames paho still holds would be lost at disconnect
+                self.frames_out = self.frames
             client.disconnect()
             client.loop_stop()
 
@@ -164,6 +169,7 @@ def test_a_federation_completes_while_one_authenticated_device_floods_and_forges
         time.sleep(0.5)
         baseline = min(samples)
         with Attacker(fed) as attacker:
+            wait_until(lambda: attacker.frames_out >= FIRST_FLOOD, TIMEOUT_S, "the attacker's first flood")
             clients = fed.start_clients([str(i) for i in range(cfg.clients)])
             assert server.wait(180) == 0, server.log()
         sampling.set()
