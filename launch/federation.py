@@ -21,7 +21,7 @@ from fedge.files import atomic_write
 from fedge.mqtt import Broker
 from launch.client import client_agents
 from launch.runs import default_out, load_partitioned
-from launch.server import make_strategy, resolve_options, serve
+from launch.server import make_strategy, serve
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +59,7 @@ def run_federation(cfg: RunConfig, progress: bool = True, processes: int | None 
     """`fedge run` over MQTT: the embedded broker with a password per client and topic ACLs, the server
     in this process, and the clients spread over `processes` OS processes (logs in out/clients-*.log)."""
     ids = [str(i) for i in range(cfg.clients)]
-    cfg = resolve_options(cfg)
-    preflight(cfg, ids)
+    preflight(cfg, ids)  # make_strategy checks the strategy's options, before any process starts
     users = generate_users(ids)
     processes = max(1, min(processes or min(os.cpu_count() or 1, 4), cfg.clients))
     threads = max(1, (os.cpu_count() or 1) // processes)
