@@ -1,11 +1,15 @@
-"""Where the pFedClub server step spends its time, against one client's local training time.
+"""pFedClub's and pFedHR's server step on the same uploads, side by side, against one client's local training.
 
     python bench/server_step.py [--dataset mnist-5k] [--active 5] [--local-epochs 10] [--device cpu]
+                                [--strategies pfedclub pfedhr] [--set pfedclub:max_candidates=0 ...]
 
-Zoo I, MNIST-size data: `--active` clients train briefly (so their features mean something), upload,
-and the server runs one pFedClub aggregation. Prints seconds per stage (features/CKA, grouping,
-candidate generation, stitch fine-tuning, matching), and each as a ratio to the mean wall time of one
-client's local training (`--local-epochs` epochs, the paper's 10 by default), all from this one run.
+Zoo I, MNIST-size data: `--active` clients train briefly (so their features mean something) and upload;
+then each strategy runs one aggregation on those same uploads. Prints seconds per stage (features/CKA,
+grouping, candidate generation, stitch fine-tuning, matching) for each strategy, the ratio of each
+strategy's total to the first one's, candidates generated and kept per client with seconds per kept
+candidate, and each total as a ratio to the mean wall time of one client's local training
+(`--local-epochs` epochs, the paper's 10 by default), all from this one run. With a cap on pFedClub's
+candidates it also prints what every candidate (Alg. 1 line 20) would cost at the measured seconds each.
 """
 
 from __future__ import annotations
@@ -32,6 +36,19 @@ from server.reassembly import STAGES  # noqa: E402
 from server.strategy import PublicData, create_strategy  # noqa: E402
 
 
+def parse_sets(items: list[str], strategies: list[str]) -> dict[str, dict[str, str]]:
+    """`strategy:key=value` (or `key=value` for every strategy) → options per strategy."""
+    out: dict[str, dict[str, str]] = {name: {} for name in strategies}
+    for item in items:
+        target, _, pair = item.rpartition(":")
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--set takes [strategy:]key=value, got {item!r}")
+        for name in [target] if target else strategies:
+            out[name][key] = value
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dataset", default="mnist-5k")
@@ -39,12 +56,14 @@ def main() -> None:
     p.add_argument("--active", type=int, default=5)
     p.add_argument("--clients", type=int, default=7)
     p.add_argument("--local-epochs", type=int, default=10)
-    p.add_argument("--strategy", default="pfedclub")
+    p.add_argument("--strategies", nargs="+", default=["pfedclub", "pfedhr"])
+    p.add_argument("--set", action="append", default=[], metavar="[STRATEGY:]KEY=VALUE", help="a strategy option")
     p.add_argument("--device", default="cpu")
     args = p.parse_args()
+    options = parse_sets(args.set, args.strategies)
     cfg = config_from(
         dict(
-            strategy=args.strategy,
+            strategy=args.strategies[0],
             dataset=args.dataset,
             data=args.data,
             zoo="I",
@@ -68,25 +87,48 @@ def main() -> None:
         train_seconds.append(time.perf_counter() - start)
         results[a.client_id] = Result(a.client_id, 0, "kd_train", len(a.data.y_train), {}, {"local": a.weights()})
     client = statistics.fmean(train_seconds)
-
-    x_public, y_public = ds.tensors(part.public)
-    strategy = create_strategy(args.strategy, strategy_config(cfg), PublicData(x_public, y_public))
-    strategy.setup({a.client_id: a.info() for a in agents})
-    strategy.plan(0, list(results))
-    start = time.perf_counter()
-    strategy.aggregate(0, results)
-    total = time.perf_counter() - start
-
     print(
-        f"\none client's local training ({args.local_epochs} epochs, mean of {len(agents)}): {client:.2f} s "
+        f"one client's local training ({args.local_epochs} epochs, mean of {len(agents)}): {client:.2f} s "
         f"(per model: {', '.join(f'{a.spec.name} {s:.1f}' for a, s in zip(agents, train_seconds))})"
     )
-    print(f"{'stage':12s} {'seconds':>9s} {'/ client training':>18s}")
+
+    x_public, y_public = ds.tensors(part.public)
+    totals, times, rows = {}, {}, {}
+    for name in args.strategies:
+        strategy = create_strategy(name, strategy_config(cfg), PublicData(x_public, y_public), options[name])
+        strategy.setup({a.client_id: a.info() for a in agents})
+        strategy.plan(0, list(results))
+        start = time.perf_counter()
+        strategy.aggregate(0, results)
+        totals[name] = time.perf_counter() - start
+        times[name] = dict(strategy.times)
+        rows[name] = {cid: strategy.record(0, cid) for cid in results}
+        print(f"{name} options: {strategy.options}")
+
+    first = args.strategies[0]
+    print(f"\n{'stage':12s}" + "".join(f"{n:>12s}" for n in args.strategies))
     for stage in STAGES:
-        print(f"{stage:12s} {strategy.times[stage]:9.2f} {strategy.times[stage] / client:17.2f}x")
-    print(f"{'total':12s} {total:9.2f} {total / client:17.2f}x")
-    candidates = [strategy.record(0, cid).get("candidates", 0) for cid in results]
-    print(f"candidates per client: {candidates}")
+        print(f"{stage:12s}" + "".join(f"{times[n][stage]:12.2f}" for n in args.strategies))
+    print(f"{'total (s)':12s}" + "".join(f"{totals[n]:12.2f}" for n in args.strategies))
+    print(f"{'/ ' + first:12s}" + "".join(f"{totals[n] / totals[first]:12.2f}" for n in args.strategies))
+    print(f"{'/ client':12s}" + "".join(f"{totals[n] / client:12.2f}" for n in args.strategies))
+    for name in args.strategies:
+        kept = [r.get("candidates", 0) for r in rows[name].values()]
+        generated = [r.get("candidates_total", r.get("candidates_generated")) for r in rows[name].values()]
+        trained = sum(kept) if name != "pfedhr" else max(kept, default=0)  # pFedHR's candidates are shared
+        fit = times[name]["finetune"] + times[name]["matching"] + times[name]["candidates"]
+        each = fit / trained if trained else float("nan")
+        print(f"\n{name}: candidates kept per client {kept}, generated {generated}")
+        print(f"  {trained} candidates built, fine-tuned and matched in {fit:.2f} s: {each:.3f} s per candidate")
+        if all(isinstance(g, int) for g in generated) and sum(generated) > trained:
+            print(
+                f"  every candidate (Alg. 1 line 20, {sum(generated):,}) at {each:.3f} s each would take "
+                f"{each * sum(generated):,.0f} s (an estimate from this run's seconds per candidate)"
+            )
+        for key in ("teacher_is_self", "teacher_fallback"):
+            count = sum(bool(r.get(key)) for r in rows[name].values())
+            if count:
+                print(f"  {key}: {count} of {len(rows[name])} clients")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
 """Candidate models from pool blocks: stitches where shapes differ, sizes from specs, the pFedClub+ size filter.
 
 A stitch is the registered `stitch` layer, ReLU(Wᵀx + b) (pFedHR §3.1.3, pFedClub §3.2.3), kept small
-(a 1×1 conv between feature maps); its parameters count in ModelSpec.params, hence in |w*|. Stitches
-are the only blocks trained during server fine-tuning; `assemble` says where they are.
+(a 1×1 conv between feature maps); its parameters count in ModelSpec.params, hence in |w*|. One goes at
+every seam between blocks that were not consecutive in one model (pFedHR §3.1.3: "any two consecutive
+layers in the candidate"), so Eq. (2) has something to train at every join; where the shapes already
+match it starts as the identity (W = I, b = 0). Stitches are the only blocks trained during server
+fine-tuning; `assemble` says where they are.
 """
 
 from __future__ import annotations
@@ -43,15 +46,25 @@ def stitch_block(number: int, in_shape: Shape, out_shape: Shape, logits: bool = 
     return make_block(f"stitch{number}", layers, tuple(in_shape), Origin(STITCH_MODEL, None, -1))
 
 
+def consecutive(a: Origin | None, b: Origin) -> bool:
+    """True when block b directly followed block a in one uploaded model (a None: b is a model's first block)."""
+    if b.model == STITCH_MODEL:
+        return False
+    if a is None:
+        return b.block == 0
+    return (a.model, a.client, a.block + 1) == (b.model, b.client, b.block)
+
+
 def candidate_spec(
     name: str, blocks: Sequence[Part], input_shape: Shape, num_classes: int
 ) -> tuple[ModelSpec, tuple[int, ...]]:
     """The stitched spec of `blocks` in order, and the positions of its stitch blocks; no tensors.
 
-    A stitch goes wherever consecutive shapes differ: model input vs the first block's in_shape,
-    between blocks, and the last out_shape vs (num_classes,); nowhere else. Pool blocks keep
-    their spec, with origin (model, client, index). Raises ValueError for no blocks and SpecError
-    for a shape no stitch can produce.
+    A stitch goes at every seam between blocks that were not consecutive in one uploaded model (the
+    model input counts as the block before each model's first block), and wherever consecutive shapes
+    differ, the last out_shape vs (num_classes,) included; nowhere else. Pool blocks keep their spec,
+    with origin (model, client, index). Raises ValueError for no blocks and SpecError for a shape no
+    stitch can produce.
     """
     if not blocks:
         raise ValueError(f"candidate {name!r} has no blocks; a candidate needs at least one")
@@ -60,7 +73,8 @@ def candidate_spec(
     stitches: list[int] = []
     shape = tuple(input_shape)
     for j, target in enumerate([s.in_shape for s in specs] + [(num_classes,)]):
-        if shape != tuple(target):
+        seam = j < len(specs) and not consecutive(specs[j - 1].origin if j else None, specs[j].origin)
+        if shape != tuple(target) or seam:
             stitches.append(len(out))
             out.append(stitch_block(len(stitches) - 1, shape, tuple(target), logits=j == len(specs)))
         if j < len(specs):
@@ -77,9 +91,14 @@ def stitched_params(blocks: Sequence[Part], input_shape: Shape, num_classes: int
 def init_stitch(block: BlockSpec, rng: np.random.Generator) -> State:
     """Fresh weights for a stitch block, drawn from `rng` (no global RNG).
 
-    PyTorch's default Linear/Conv2d initialisation: weight and bias ~ U(±1/√fan_in), fan_in =
-    the weight's in-features × kernel area. State keys are block-relative ("0.proj.weight").
+    A stitch whose in and out shapes match starts as the identity: W = I (a 1×1 conv or a square
+    linear map), b = 0, so ReLU(Wᵀx + b) passes a non-negative input through unchanged (a negative one,
+    e.g. a MobileNet linear bottleneck's, is clipped: the papers' stitch form). Others get PyTorch's
+    default Linear/Conv2d initialisation: weight and bias ~ U(±1/√fan_in), fan_in = the weight's
+    in-features × kernel area. State keys are block-relative ("0.proj.weight").
     """
+    if block.in_shape == block.out_shape:
+        return _identity(block)
     state: State = {}
     shape = block.in_shape
     for i, layer in enumerate(block.layers):
@@ -92,6 +111,23 @@ def init_stitch(block: BlockSpec, rng: np.random.Generator) -> State:
             bound = 1.0 / math.sqrt(fan_in)
             state[f"{i}.{key}"] = torch.from_numpy(rng.uniform(-bound, bound, size).astype(np.float32))
         shape = tuple(kind.out_shape(layer.args, shape))
+    return state
+
+
+def _identity(block: BlockSpec) -> State:
+    state: State = {}
+    for i, layer in enumerate(block.layers):
+        with torch.device("meta"):
+            shapes = {
+                k: tuple(v.shape)
+                for k, v in layer_type(layer.type).build(layer.args, block.in_shape).state_dict().items()
+            }
+        for key, size in shapes.items():
+            if key.endswith("weight"):
+                eye = torch.eye(size[0], size[1], dtype=torch.float32)
+                state[f"{i}.{key}"] = eye.reshape(size).clone()
+            else:
+                state[f"{i}.{key}"] = torch.zeros(size, dtype=torch.float32)
     return state
 
 
@@ -114,7 +150,7 @@ def assemble(
     return weights, stitches
 
 
-def _size_problems(spec: ModelSpec, client_params: int, eta: float | None, profile: DeviceProfile | None) -> list[str]:
+def size_problems(spec: ModelSpec, client_params: int, eta: float | None, profile: DeviceProfile | None) -> list[str]:
     problems = []
     if eta is not None and not within_size_bound(spec.params, client_params, eta):
         problems.append(
@@ -142,7 +178,7 @@ def filter_by_size(
     rejected: list[tuple[C, str]] = []
     for candidate in candidates:
         spec, _ = candidate_spec("candidate", candidate, client_spec.input_shape, client_spec.num_classes)
-        problems = _size_problems(spec, client_spec.params, eta, profile)
+        problems = size_problems(spec, client_spec.params, eta, profile)
         if problems:
             rejected.append((candidate, "; ".join(problems)))
         else:

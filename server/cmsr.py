@@ -10,8 +10,10 @@ What the paper leaves open, and what is chosen here (each is also said where it 
   *maximal* order-satisfying paths through the per-step sets C_m[r] (one block per step, strictly
   increasing indices, starting at the anchor); a path that dead-ends before the last searched step
   is kept and completed by Step 3 (lines 21-22 test the length per candidate, so lengths may differ);
-- the number of paths can explode (≈ G_k^{R_m}, §3.2.2): `max_candidates` keeps a uniform random
-  subset without replacement, drawn from `rng` (paths are counted and unranked, never all listed);
+- line 20 keeps every path; their number can explode (≈ G_k^{R_m}, §3.2.2: 3 to 56,378 per client
+  on five Zoo I uploads). An optional cap `max_candidates` is deterministic, never random (§3.2.2 names
+  random subsets as the naive solution CMSR replaces): the k paths whose blocks are most similar to the
+  client's own, position by position, by Eq. (1), found best-first without listing the rest;
 - ablation `max` (Table 3): the most similar block of the group *other than* B_m,1 itself (B_m,1
   is trivially the most similar to itself, which would make `max` the identity); ties → first in
   (index, client) order. Ablation `min`: the smallest index; ties (B_m,1 and other models' first
@@ -26,10 +28,13 @@ What the paper leaves open, and what is chosen here (each is also said where it 
 from __future__ import annotations
 
 import bisect
+import heapq
+import itertools
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -37,7 +42,7 @@ from server.blocks import Key
 
 Candidate = tuple[Key, ...]
 Position = Fraction | int
-Allow = Callable[[Key, Key], bool]  # allow(B_m,r, substitute): an extra constraint of the caller's
+Prune = Callable[[Candidate], bool]  # prune(prefix): True drops the prefix and all its extensions
 
 ANCHORS = ("random", "max", "min")
 INDEX_MODES = ("raw", "relative")
@@ -154,23 +159,18 @@ def search_steps(
     members: Mapping[int, Sequence[Key]],
     position: Mapping[Key, Position],
     order_constraint: bool = True,
-    allow: Allow | None = None,
 ) -> list[tuple[Key, ...]]:
     """Step 2 (pFedClub Alg. 1 lines 8-18): C_m[1] = (anchor,), then C_m[r] for r = 2.. while non-empty.
 
     C_m[r] holds the blocks u of B_m,r's group with position(u) > q (line 13), and q ← min over
     C_m[r] (line 18); the search stops at the first empty C_m[r] (lines 16-17). Without the order
-    constraint C_m[r] is B_m,r's whole group and the search never stops early. `allow(B_m,r, u)`,
-    if given, is an extra constraint on each substitution (§3.2.2: "can easily incorporate other
-    types of constraints"; pFedClub+ uses it for size).
+    constraint C_m[r] is B_m,r's whole group and the search never stops early.
     """
     steps: list[tuple[Key, ...]] = [(anchor,)]
     q = position[anchor]
     for key in own[1:]:
         group = members[groups[key]]
-        allowed = tuple(
-            k for k in group if (not order_constraint or position[k] > q) and (allow is None or allow(key, k))
-        )
+        allowed = tuple(k for k in group if not order_constraint or position[k] > q)
         if not allowed:
             break
         steps.append(allowed)
@@ -179,21 +179,38 @@ def search_steps(
 
 
 class _Paths:
-    """The maximal order-satisfying paths through `steps`, counted and unranked without listing them.
+    """The maximal order-satisfying paths through `steps`: counted, and listed best-first by an additive score.
 
     Each step is sorted by position, so a block's successors are a suffix of the next step and
     path counts are suffix sums: O(total blocks in the steps) work, however many paths there are.
+    `weights[r][j]` scores block j of step r; `ends[r]` scores a path that ends after step r (its
+    Step 3 completion). `best[r][j]` is the best score of any path continuing from block j of step r
+    (itself included), so a best-first search with it as the bound pops complete paths in exact
+    descending score order.
     """
 
-    def __init__(self, steps: Sequence[tuple[Key, ...]], position: Mapping[Key, Position], order: bool) -> None:
-        self.steps, self.order = steps, order
+    def __init__(
+        self,
+        steps: Sequence[tuple[Key, ...]],
+        position: Mapping[Key, Position],
+        order: bool,
+        weights: Sequence[Sequence[float]],
+        ends: Sequence[float],
+    ) -> None:
+        self.steps, self.order, self.weights = steps, order, weights
         self.pos = [[position[k] for k in step] for step in steps]
         self.suffix: list[list[int]] = [[] for _ in steps]
+        self.best: list[list[float]] = [[] for _ in steps]
+        top: list[float] = []  # top[i] = max(best[r + 1][i:]), for the step after the current one
         for r in range(len(steps) - 1, -1, -1):
             suffix = [0] * (len(steps[r]) + 1)
+            best = [0.0] * len(steps[r])
             for j in range(len(steps[r]) - 1, -1, -1):
-                suffix[j] = suffix[j + 1] + (self._after(r, self.pos[r][j]) or 1)
-            self.suffix[r] = suffix
+                after = self._after(r, self.pos[r][j])
+                suffix[j] = suffix[j + 1] + (after or 1)
+                best[j] = weights[r][j] + (top[self._start(r, self.pos[r][j])] if after else ends[r])
+            self.suffix[r], self.best[r] = suffix, best
+            top = list(itertools.accumulate(reversed(best), max))[::-1] + [-math.inf]
 
     def _start(self, r: int, pos: Position) -> int:
         """Index in step r + 1 of the first successor of a block at `pos` in step r."""
@@ -207,48 +224,91 @@ class _Paths:
     def total(self) -> int:
         return self.suffix[0][0]
 
-    def unrank(self, rank: int) -> Candidate:
-        """The rank-th path in lexicographic order of the steps' (position, client) order."""
-        path, r, pos = [self.steps[0][0]], 0, self.pos[0][0]
-        while self._after(r, pos):
-            j = self._start(r, pos)
-            while rank >= self.suffix[r + 1][j] - self.suffix[r + 1][j + 1]:
-                rank -= self.suffix[r + 1][j] - self.suffix[r + 1][j + 1]
-                j += 1
-            r, pos = r + 1, self.pos[r + 1][j]
-            path.append(self.steps[r][j])
-        return tuple(path)
+    def best_first(self, prune: Prune | None = None) -> Iterator[tuple[float, tuple[int, ...], Candidate]]:
+        """(score, step indices, path) of every maximal path, best score first; ties in lexicographic order.
+
+        `prune(prefix)` True drops the prefix and every path through it (it must be monotone: a pruned
+        prefix never has an acceptable extension). The heap holds at most (paths popped) x (largest step)
+        prefixes, so taking the first k costs O(k x depth x step width) however many paths exist.
+        """
+        heap: list[tuple[float, tuple[int, ...], float]] = [(-self.best[0][0], (0,), self.weights[0][0])]
+        while heap:
+            _, idx, score = heapq.heappop(heap)
+            r = len(idx) - 1
+            path = tuple(self.steps[i][j] for i, j in enumerate(idx))
+            if not self._after(r, self.pos[r][idx[-1]]):
+                yield self.best[r][idx[-1]] - self.weights[r][idx[-1]] + score, idx, path
+                continue
+            for j in range(self._start(r, self.pos[r][idx[-1]]), len(self.steps[r + 1])):
+                if prune is not None and prune(path + (self.steps[r + 1][j],)):
+                    continue
+                gained = score + self.weights[r + 1][j]
+                heapq.heappush(heap, (-(gained - self.weights[r + 1][j] + self.best[r + 1][j]), idx + (j,), gained))
 
 
-def _below(n: int, rng: np.random.Generator) -> int:
-    """A uniform integer in [0, n) for any Python int n >= 1 (rejection over 62-bit words)."""
-    if n <= 2**62:
-        return int(rng.integers(n))
-    bits = n.bit_length()
-    words = -(-bits // 62)
-    while True:
-        value = 0
-        for word in rng.integers(0, 2**62, size=words):
-            value = (value << 62) | int(word)
-        value >>= words * 62 - bits
-        if value < n:
-            return value
+@dataclass(frozen=True)
+class CmsrResult:
+    """One client's CMSR search: the candidates kept (in lexicographic step order), how many CMSR paths exist
+    in all (Alg. 1 line 20), how many were looked at and rejected by `accept`, and the Step 1 anchor."""
+
+    candidates: list[Candidate]
+    total: int
+    rejected: int
+    anchor: Key
 
 
-def sample_ranks(total: int, k: int, rng: np.random.Generator) -> list[int]:
-    """k distinct ranks out of range(total), uniform without replacement (Floyd's algorithm), sorted.
+def cmsr_search(
+    client: str,
+    num_blocks: int,
+    groups: Mapping[Key, int],
+    rng: np.random.Generator,
+    options: CmsrOptions = CmsrOptions(),
+    similarity: Callable[[Key, Key], float] | None = None,
+    max_candidates: int | None = None,
+    prune: Prune | None = None,
+    accept: Callable[[Candidate], bool] | None = None,
+) -> CmsrResult:
+    """Client m's CMSR candidates (pFedClub Alg. 1): block-key sequences, with the counts a run records.
 
-    All of range(total) when k >= total. Raises ValueError for k < 1 or total < 0.
+    Step 1 picks one anchor (lines 3-7) shared by all candidates; Step 2 builds C_m[2..] (lines
+    8-18); line 20 takes the maximal paths anchor → C_m[2] → ... with strictly increasing
+    positions; Step 3 (lines 21-22) appends the client's own B_m,j+1..R_m to a path of j < R_m
+    blocks. max_candidates None keeps every candidate (Alg. 1); a cap k keeps the k candidates with
+    the highest Σ_r sim(B_m,r, c_r) (Eq. (1), positions the candidate has): those most alike the client's
+    model block by block, found best-first without listing the others (ties: lexicographic order),
+    deterministic (the rng only draws the anchor). `prune(prefix)` (monotone) and `accept(candidate)` are
+    the caller's extra constraints (§3.2.2: "can easily incorporate other types of constraints";
+    pFedClub+ bounds the stitched size with them); a candidate `accept` refuses counts as rejected.
+
+    Raises ValueError when num_blocks < 1, when one of the client's blocks has no group or `groups` holds
+    client blocks beyond num_blocks, for a malformed key, max_candidates < 1, a cap without a similarity,
+    or anchor "max" without a (finite) similarity.
     """
-    if k < 1 or total < 0:
-        raise ValueError(f"need k >= 1 and total >= 0, got k={k}, total={total}")
-    if k >= total:
-        return list(range(total))
-    chosen: set[int] = set()
-    for j in range(total - k, total):
-        t = _below(j + 1, rng)
-        chosen.add(j if t in chosen else t)
-    return sorted(chosen)
+    if max_candidates is not None and max_candidates < 1:
+        raise ValueError(f"max_candidates must be >= 1 or None, got {max_candidates}")
+    if max_candidates is not None and similarity is None:
+        raise ValueError("a candidate cap ranks candidates by Eq. (1) and needs a similarity function")
+    own = _check_pool(client, num_blocks, groups)
+    position = block_positions(groups, options.index)
+    members = group_members(groups, position)
+    anchor = select_anchor(own[0], members[groups[own[0]]], position, rng, options.anchor, similarity)
+    steps = search_steps(own, anchor, groups, members, position, options.order_constraint)
+    sim = similarity if max_candidates is not None and similarity is not None else (lambda a, b: 0.0)
+    weights = [[sim(own[r], k) for k in step] for r, step in enumerate(steps)]
+    rest = [sim(k, k) for k in own] if options.completion else [0.0] * len(own)
+    ends = [math.fsum(rest[r + 1 :]) for r in range(len(steps))]
+    paths = _Paths(steps, position, options.order_constraint, weights, ends)
+    kept: list[tuple[tuple[int, ...], Candidate]] = []
+    rejected = 0
+    for _, idx, path in paths.best_first(prune):
+        candidate = path + tuple(own[len(path) :]) if options.completion else path
+        if accept is not None and not accept(candidate):
+            rejected += 1
+            continue
+        kept.append((idx, candidate))
+        if max_candidates is not None and len(kept) == max_candidates:
+            break
+    return CmsrResult([c for _, c in sorted(kept)], paths.total, rejected, anchor)
 
 
 def cmsr_candidates(
@@ -259,36 +319,6 @@ def cmsr_candidates(
     options: CmsrOptions = CmsrOptions(),
     similarity: Callable[[Key, Key], float] | None = None,
     max_candidates: int | None = None,
-    allow: Allow | None = None,
 ) -> list[Candidate]:
-    """Client m's CMSR candidates (pFedClub Alg. 1): block-key sequences, deduplicated, in rank order.
-
-    Step 1 picks one anchor (lines 3-7) shared by all candidates; Step 2 builds C_m[2..] (lines
-    8-18); line 20 enumerates the maximal paths anchor → C_m[2] → ... with strictly increasing
-    positions; Step 3 (lines 21-22) appends the client's own B_m,j+1..R_m to a path of j < R_m
-    blocks. `max_candidates` keeps a uniform subset without replacement drawn from `rng` (None:
-    all paths, which may be astronomically many for big pools). `allow(B_m,r, u)` restricts every
-    substitution, the anchor included (B_m,1 itself is always allowed). Output order: lexicographic in
-    each step's (position, client) order. The same arguments and rng state give the same list.
-
-    Raises ValueError when num_blocks < 1, when one of the client's blocks has no group or
-    `groups` holds client blocks beyond num_blocks, for a malformed key, max_candidates < 1, or
-    anchor "max" without a (finite) similarity.
-    """
-    if max_candidates is not None and max_candidates < 1:
-        raise ValueError(f"max_candidates must be >= 1 or None, got {max_candidates}")
-    own = _check_pool(client, num_blocks, groups)
-    position = block_positions(groups, options.index)
-    members = group_members(groups, position)
-    first_group = [k for k in members[groups[own[0]]] if k == own[0] or allow is None or allow(own[0], k)]
-    anchor = select_anchor(own[0], first_group, position, rng, options.anchor, similarity)
-    steps = search_steps(own, anchor, groups, members, position, options.order_constraint, allow)
-    paths = _Paths(steps, position, options.order_constraint)
-    ranks = range(paths.total) if max_candidates is None else sample_ranks(paths.total, max_candidates, rng)
-    out: dict[Candidate, None] = {}
-    for rank in ranks:
-        path = paths.unrank(rank)
-        if options.completion:
-            path = path + tuple(own[len(path) :])
-        out[path] = None
-    return list(out)
+    """The candidate list of `cmsr_search` (same arguments, same errors), in lexicographic step order."""
+    return cmsr_search(client, num_blocks, groups, rng, options, similarity, max_candidates).candidates

@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
-from device_profiles import fits, within_size_bound
+from device_profiles import DeviceProfile, fits, within_size_bound
 from fedge import constants as C
 from fedge.config import ConfigError
 from fedge.messages import Weights
 from fedge.seeding import derive_seed
-from server.assemble import assemble, filter_by_size
-from server.cmsr import CmsrOptions, cmsr_candidates
-from server.reassembly import Key, Pool, ReassemblyOptions, ReassemblyStrategy
+from fedge.spec import ModelSpec
+from server.assemble import STITCH_MODEL, assemble, candidate_spec, size_problems
+from server.cmsr import Candidate, CmsrOptions, CmsrResult, Prune, cmsr_search
+from server.finetune import best_match, public_logits
+from server.reassembly import Pool, ReassemblyOptions, ReassemblyStrategy
 from server.strategy import StrategyError, option, register_strategy
+
+Accept = Callable[[Candidate], bool]
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +45,20 @@ class PFedClubOptions(ReassemblyOptions):
         "CMSR's order constraint on raw block indices (raw, Alg. 1) or on "
         "index/depth (relative, for zoos of very different depths)",
     )
+    max_candidates: int = option(
+        C.MAX_CANDIDATES,
+        "0: every CMSR candidate (Alg. 1; up to tens of thousands per client); k: the k most similar to the "
+        "client's blocks by Eq. (1), deterministic (a cap for time and memory, not in the paper)",
+    )
+    exclude_self: bool = option(
+        False,
+        "drop the candidate identical to the client's own model (it wins Eq. (4) with cosine 1 when it exists)",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.max_candidates < 0:
+            raise ConfigError(f"max_candidates must be 0 (all) or a positive integer, got {self.max_candidates}")
         if self.ablation not in C.ABLATIONS:
             raise ConfigError(f"ablation must be one of {', '.join(C.ABLATIONS)}, got {self.ablation!r}")
         if self.cmsr_index not in ("raw", "relative"):
@@ -81,76 +97,96 @@ class PFedClub(ReassemblyStrategy):
 
     def make_teachers(self, rnd: int, pool: Pool) -> dict[str, tuple[Weights | None, dict[str, Any]]]:
         """Each uploader's teacher; a client whose candidates fail (e.g. diverge) gets none, the others go on."""
+        groups = {
+            "groups": len(set(pool.groups.values())),
+            "groups_after_kind_split": len(set(pool.kind_groups.values())),
+        }
         out = {}
         for cid in pool.uploads:
             try:
-                out[cid] = self.teacher_for(rnd, cid, pool)
+                teacher, info = self.teacher_for(rnd, cid, pool)
             except (ValueError, RuntimeError) as e:
                 log.error("round %d client %s: no teacher this round, building it failed: %s", rnd, cid, e)
-                out[cid] = (None, {"candidates": 0, "teacher_error": str(e)})
+                teacher, info = None, {"candidates": 0, "teacher_error": str(e)}
+            out[cid] = (teacher, groups | info)
         return out
 
-    def candidate_keys(self, rnd: int, cid: str, pool: Pool) -> list[tuple[tuple[str, int], ...]]:
-        """CMSR block sequences for one client; pFedClub+ keeps only those within η and the profile."""
+    def search(self, rnd: int, cid: str, pool: Pool) -> CmsrResult:
+        """CMSR for one client: all candidates, or the `max_candidates` most similar to its blocks (Eq. (1));
+        pFedClub+ keeps only complete stitched candidates within (1+η)|w| and the device profile."""
         own = pool.uploads[cid].spec
-        cap = self.options.max_candidates * (C.PLUS_OVERSAMPLE if self.size_bound else 1)
         rng = np.random.default_rng(derive_seed(self.config.seed, "cmsr", rnd, cid))
-        keys = cmsr_candidates(
+        prune = accept = None
+        if self.size_bound:
+            prune, accept = self.size_checks(pool, own, self.profiles[cid])
+        if self.options.exclude_self:
+            own_keys = tuple((cid, i) for i in range(len(own.blocks)))
+            accept = _both(accept, lambda keys: keys != own_keys)
+        return cmsr_search(
             cid,
             len(own.blocks),
             pool.kind_groups,
             rng,
             self.cmsr,
             similarity=pool.sim,
-            max_candidates=cap,
-            allow=self.block_budget(pool) if self.size_bound else None,
+            max_candidates=self.options.max_candidates or None,
+            prune=prune,
+            accept=accept,
         )
-        if not self.size_bound:
-            return keys
-        blocks = [[pool.blocks[k] for k in ks] for ks in keys]
-        kept, rejected = filter_by_size(blocks, own, self.options.eta, self.profiles[cid])
-        for _, reason in rejected[:3]:
-            log.debug("round %d client %s: candidate rejected: %s", rnd, cid, reason)
-        kept_keys = [tuple(b.key for b in bs) for bs in kept]
-        if len(kept_keys) > self.options.max_candidates:
-            pick = rng.choice(len(kept_keys), self.options.max_candidates, replace=False)
-            kept_keys = [kept_keys[i] for i in sorted(pick)]
-        return kept_keys
 
-    def block_budget(self, pool: Pool) -> Callable[[Key, Key], bool]:
-        """pFedClub+ inside Step 2: a substitute may have at most (1+η)× the parameters of the block it replaces,
-        so most paths can meet the whole-model bound; the exact bound is still checked after stitching."""
+    def size_checks(self, pool: Pool, own: ModelSpec, profile: DeviceProfile) -> tuple[Prune, Accept]:
+        """pFedClub+ (§4.4) on whole models: prune a prefix whose blocks and stitches alone already exceed
+        (1+η)|w| (completion only adds), accept a complete candidate whose stitched spec is within the bound
+        and fits the profile (params, MACs, memory)."""
+        eta = self.options.eta
 
-        def allow(own: Key, sub: Key) -> bool:
-            return within_size_bound(pool.blocks[sub].spec.params, pool.blocks[own].spec.params, self.options.eta)
+        def prune(prefix: Candidate) -> bool:
+            spec, _ = candidate_spec("prefix", [pool.blocks[k] for k in prefix], own.input_shape, own.num_classes)
+            return not within_size_bound(spec.params - _logits_stitch(spec), own.params, eta)
 
-        return allow
+        def accept(keys: Candidate) -> bool:
+            blocks = [pool.blocks[k] for k in keys]
+            spec, _ = candidate_spec("c", blocks, own.input_shape, own.num_classes)
+            return not size_problems(spec, own.params, eta, profile)
+
+        return prune, accept
 
     def teacher_for(self, rnd: int, cid: str, pool: Pool) -> tuple[Weights | None, dict[str, Any]]:
-        """CMSR candidates → stitched → fine-tuned → matched (Alg. 1, Eq. 2-4); or the fallback."""
+        """CMSR candidates → stitched → fine-tuned → matched (Alg. 1, Eq. 2-4), in chunks of
+        CANDIDATE_CHUNK so memory stays bounded however many candidates there are; or the fallback."""
         own = pool.uploads[cid]
         with self.stage("candidates"):
-            keys = self.candidate_keys(rnd, cid, pool)
-            rng = np.random.default_rng(derive_seed(self.config.seed, "stitch-init", rnd, cid))
-            candidates = [
-                assemble(
-                    f"teacher-{cid}-r{rnd}-{i}",
-                    [pool.blocks[k] for k in ks],
-                    own.spec.input_shape,
-                    own.spec.num_classes,
-                    rng,
-                )
-                for i, ks in enumerate(keys)
-            ]
-        if not candidates:
-            return self.fallback(rnd, cid, own)
-        tuned = self.finetune(rnd, cid, candidates)
-        teacher, scores = self.match(own, tuned)
-        return teacher, {
-            "candidates": len(candidates),
-            "match_score": max(s for s in scores if s == s),
-            "teacher_fallback": False,
+            found = self.search(rnd, cid, pool)
+        info: dict[str, Any] = {
+            "candidates_total": found.total,
+            "candidates": len(found.candidates),
+            "candidates_rejected": found.rejected,
+            "anchor": f"{pool.blocks[found.anchor].spec.origin.model}@{found.anchor[0]}:{found.anchor[1]}",
         }
+        if not found.candidates:
+            teacher, fallback = self.fallback(rnd, cid, own)
+            return teacher, info | fallback
+        with self.stage("matching"):
+            own_logits = public_logits([own], self.public.x, self.config.device)[0]
+        rng = np.random.default_rng(derive_seed(self.config.seed, "stitch-init", rnd, cid))
+        best: tuple[float, Weights, Candidate] | None = None
+        for start in range(0, len(found.candidates), C.CANDIDATE_CHUNK):
+            chunk = found.candidates[start : start + C.CANDIDATE_CHUNK]
+            with self.stage("candidates"):
+                candidates = [
+                    assemble(f"teacher-{cid}-r{rnd}-{start + i}", [pool.blocks[k] for k in ks], *own_io(own), rng)
+                    for i, ks in enumerate(chunk)
+                ]
+            tuned = self.finetune(rnd, cid, candidates)
+            with self.stage("matching"):
+                _, scores = best_match(own_logits, public_logits(tuned, self.public.x, self.config.device))
+            for keys, weights, score in zip(chunk, tuned, scores):
+                if math.isfinite(score) and (best is None or score > best[0]):  # ties: the earlier candidate
+                    best = (score, weights, keys)
+        assert best is not None  # best_match raises when no score of a chunk is finite
+        score, teacher, keys = best
+        own_keys = tuple((cid, i) for i in range(len(own.spec.blocks)))
+        return teacher, info | {"match_score": score, "teacher_fallback": False, "teacher_is_self": keys == own_keys}
 
     def fallback(self, rnd: int, cid: str, own: Weights) -> tuple[Weights | None, dict[str, Any]]:
         """No candidate (for pFedClub+: none within its bound and the profile): the client's own model is the
@@ -166,7 +202,22 @@ class PFedClub(ReassemblyStrategy):
             self.profiles[cid].name,
             "its own model is the teacher" if ok else "no teacher",
         )
-        return (own if ok else None), {"candidates": 0, "teacher_fallback": True}
+        return (own if ok else None), {"teacher_fallback": True, "teacher_is_self": ok}
+
+
+def own_io(own: Weights) -> tuple[tuple[int, ...], int]:
+    """The client model's input shape and number of classes: every candidate of its takes and gives the same."""
+    return own.spec.input_shape, own.spec.num_classes
+
+
+def _logits_stitch(spec: ModelSpec) -> int:
+    """Parameters of the stitch `candidate_spec` adds to map a prefix's output to the classes (0 if none)."""
+    last = spec.blocks[-1]
+    return last.params if last.origin.model == STITCH_MODEL and last.out_shape == (spec.num_classes,) else 0
+
+
+def _both(first: Accept | None, second: Accept) -> Accept:
+    return second if first is None else (lambda keys: first(keys) and second(keys))
 
 
 @register_strategy("pfedclub+", PFedClubPlusOptions)

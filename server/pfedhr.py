@@ -32,7 +32,7 @@ class PFedHR(ReassemblyStrategy):
                 pool.groups,
                 block_operations(blocks),
                 rng,
-                PFedHROptions(num_candidates=self.options.max_candidates),
+                PFedHROptions(),
                 classifier_keys(blocks),
             )
             candidates = [

@@ -29,7 +29,7 @@ from typing import Collection, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from fedge.constants import MAX_CANDIDATES, PFEDHR_ATTEMPTS_PER_CANDIDATE, PFEDHR_MAX_BLOCKS, PFEDHR_MIN_BLOCKS
+from fedge.constants import PFEDHR_ATTEMPTS_PER_CANDIDATE, PFEDHR_MAX_BLOCKS, PFEDHR_MIN_BLOCKS
 from fedge.spec import BlockSpec
 from server.blocks import Key, PoolBlock
 
@@ -49,7 +49,7 @@ class PFedHROptions:
     search stops after num_candidates * attempts_per_candidate walks.
     """
 
-    num_candidates: int = MAX_CANDIDATES
+    num_candidates: int = 4  # the authors' expected_num_models
     min_blocks: int = PFEDHR_MIN_BLOCKS
     max_blocks: int = PFEDHR_MAX_BLOCKS
     classifier_last: bool = True

@@ -82,12 +82,9 @@ class ReassemblyOptions(StrategyOptions):
     )
     kd_lambda: float = option(C.KD_LAMBDA, "λ of the clients' CE + λ·KL distillation (Eq. (5); paper: 0.2)")
     finetune_epochs: int = option(C.FINETUNE_EPOCHS, "epochs of stitch fine-tuning on the public data (paper: 3)")
-    max_candidates: int = option(
-        C.MAX_CANDIDATES, "candidate teachers built per client (pFedClub) or in the shared pool (pFedHR)"
-    )
 
     def __post_init__(self) -> None:
-        for name in ("clusters", "finetune_epochs", "max_candidates"):
+        for name in ("clusters", "finetune_epochs"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}")
         if not self.kd_lambda >= 0:
@@ -222,16 +219,25 @@ class ReassemblyStrategy(Strategy):
         return self.rows.pop((rnd, client), {})
 
     def summary(self) -> dict[str, Any]:
-        """ϕ per client (Eq. (6): mean over the rounds it got a teacher), mean teacher size and candidates."""
+        """Per client: ϕ (Eq. (6): mean over the rounds it got a teacher), ϕ without the fallback rounds (own model
+        as teacher, ϕ = 0; None if every round was one), how many rounds fell back and how many teachers were the
+        client's own model, mean teacher size, and mean candidates kept and (pFedClub) generated."""
 
-        def mean(cid: str, key: str) -> float:
-            return statistics.fmean(r[key] for r in self.history[cid])
+        def mean(rows: list[dict[str, Any]], key: str) -> float | None:
+            values = [r[key] for r in rows if r.get(key) is not None]
+            return statistics.fmean(values) if values else None
 
         cids = sorted(self.history, key=client_order)
+        rows = {c: self.history[c] for c in cids}
+        searched = {c: [r for r in rows[c] if not r.get("teacher_fallback")] for c in cids}
         return {
-            "phi": {c: mean(c, "phi") for c in cids},
-            "teacher_params": {c: mean(c, "teacher_params") for c in cids},
-            "candidates_per_client": {c: mean(c, "candidates") for c in cids},
+            "phi": {c: mean(rows[c], "phi") for c in cids},
+            "phi_without_fallback": {c: mean(searched[c], "phi") for c in cids},
+            "fallback_rounds": {c: sum(bool(r.get("teacher_fallback")) for r in rows[c]) for c in cids},
+            "teacher_is_self_rounds": {c: sum(bool(r.get("teacher_is_self")) for r in rows[c]) for c in cids},
+            "teacher_params": {c: mean(rows[c], "teacher_params") for c in cids},
+            "candidates_per_client": {c: mean(rows[c], "candidates") for c in cids},
+            "candidates_generated_per_client": {c: mean(rows[c], "candidates_total") for c in cids},
         }
 
     def final_models(self) -> dict[str, dict[str, Weights]]:

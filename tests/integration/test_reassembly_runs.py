@@ -21,11 +21,11 @@ def run(tmp_path, strategy, **kw):
         local_epochs=1,
         batch_size=32,
         finetune_epochs=1,
-        max_candidates=2,
         out=str(tmp_path / strategy),
         seed=1,
     )
-    summary = run_simulation(config_from(base | kw), progress=False)
+    cap = {"max_candidates": 2} if strategy.startswith("pfedclub") else {}
+    summary = run_simulation(config_from(base | cap | kw), progress=False)
     rows = [json.loads(line) for line in (tmp_path / strategy / "metrics.jsonl").read_text().splitlines()]
     return summary, [r for r in rows if r["trained"]]
 

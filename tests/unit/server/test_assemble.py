@@ -1,4 +1,4 @@
-"""Candidate assembly: stitches exactly where shapes differ, sizes from specs, the pFedClub+ η bound."""
+"""Candidate assembly: a stitch at every seam and where shapes differ, sizes from specs, the pFedClub+ η bound."""
 
 from fractions import Fraction
 
@@ -56,6 +56,37 @@ def test_stitches_go_exactly_where_shapes_differ(pools):
     assert weights.spec.blocks[1].params == 544 and weights.spec.blocks[4].params == 2080
     assert weights.spec.params == sum(b.spec.params for b in [c1[0], c4[2], c4[3], c1[2], c1[3]]) + 544 + 2080
     assert forward(weights).shape == (3, 10)
+
+
+def test_every_seam_between_blocks_of_different_models_gets_a_stitch_even_when_shapes_match(pools):
+    c2, c3 = pools["cnn2"], pools["cnn3"]
+    # cnn2.cov1 → (16,14,14) = cnn3.cov2's input; cnn3.cov2 → cnn3.cov3 consecutive; cnn3.cov3 (64,7,7) → cnn2.cov3
+    # wants (32,7,7): a stitch by shape. The first seam matches in shape and still gets an identity stitch.
+    blocks = [c2[0], c3[1], c3[2], c2[2], c2[3], c2[4]]
+    assert c2[0].spec.out_shape == c3[1].spec.in_shape
+    weights, stitches = assemble("seams", blocks, SHAPE, 10, np.random.default_rng(0))
+    assert [b.name for b in weights.spec.blocks] == ["cov1", "stitch0", "cov2", "cov3", "stitch1", "cov3", "fc1", "fc2"]
+    assert stitches == (1, 4)
+    identity = weights.state["blocks.1.0.proj.weight"]
+    assert torch.equal(identity[:, :, 0, 0], torch.eye(16)) and not weights.state["blocks.1.0.proj.bias"].any()
+    # ReLU(I·x + 0) on a ReLU block's output: the stitched pair computes exactly what the two blocks do alone
+    model = build(weights.spec).eval()
+    model.load_state_dict(weights.state)
+    x = torch.randn(4, *SHAPE, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model.run_block(1, model.run_block(0, x)), model.run_block(0, x))
+
+
+def test_a_models_own_blocks_out_of_order_or_skipped_are_seams_too(pools):
+    c3 = pools["cnn3"]
+    # cnn3.cov3 (64,7,7) → cnn3.cov4 is consecutive: none; skipping cov4 to cov5 needs (64,4,4) vs (64,7,7): a
+    # stitch by shape; starting at block 1 (not the model's first) stitches the input.
+    _, none = assemble("own", c3, SHAPE, 10, np.random.default_rng(0))
+    assert none == ()
+    weights, stitches = assemble("skip", [c3[0], c3[2]] + c3[3:], SHAPE, 10, np.random.default_rng(0))
+    assert stitches == (1,) and weights.spec.blocks[1].in_shape == (16, 14, 14)
+    _, late = assemble("late", c3[1:], SHAPE, 10, np.random.default_rng(0))
+    assert late == (0,)
 
 
 def test_stitches_at_the_input_and_before_the_classes(pools):

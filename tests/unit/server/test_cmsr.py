@@ -1,4 +1,4 @@
-"""CMSR (pFedClub Alg. 1) on hand-built pools: the Figure 2 walk-through, ablations, caps, edge cases."""
+"""CMSR (pFedClub Alg. 1) on hand-built pools: the Figure 2 walk-through, ablations, the deterministic cap."""
 
 from collections import Counter
 from fractions import Fraction
@@ -10,8 +10,8 @@ from server.cmsr import (
     CmsrOptions,
     block_positions,
     cmsr_candidates,
+    cmsr_search,
     group_members,
-    sample_ranks,
     search_steps,
 )
 
@@ -127,7 +127,7 @@ def test_without_order_constraint_an_out_of_order_candidate_appears():
 
 def test_random_anchor_picks_the_clients_own_first_block_with_probability_one_over_group_size():
     rng = np.random.default_rng(123)
-    anchors = Counter(cmsr_candidates("1", 4, GROUPS, rng, max_candidates=1)[0][0] for _ in range(4000))
+    anchors = Counter(cmsr_search("1", 4, GROUPS, rng).anchor for _ in range(4000))
     assert set(anchors) == set(FIGURE2[1])
     assert abs(anchors[w(1, 1)] / 4000 - 0.25) < 0.03
 
@@ -167,39 +167,90 @@ def big_pool(clients=8, depth=10, k=3, seed=0):
 
 
 def test_same_seed_same_candidates_and_other_seeds_differ():
-    groups = big_pool()
-    runs = [cmsr_candidates("0", 10, groups, np.random.default_rng(s), max_candidates=25) for s in (1, 1, 6)]
-    assert runs[0] == runs[1]
-    assert len(runs[0]) == 25 and len(runs[2]) == 25  # both seeds' anchors leave millions of paths
-    assert runs[0] != runs[2]
-
-
-def test_max_candidates_keeps_a_distinct_subset_of_all_candidates():
     groups = big_pool(clients=4, depth=6)
+    runs = [cmsr_candidates("0", 6, groups, np.random.default_rng(s)) for s in (1, 1, 0)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]  # another anchor
+
+
+def test_every_candidate_is_kept_and_counted_without_a_cap():
+    # Alg. 1 line 20 keeps all; the issue measured 4 random ones of up to 4,806 kept before.
+    groups = big_pool(clients=4, depth=6)
+    result = cmsr_search("0", 6, groups, np.random.default_rng(3), CmsrOptions(anchor="min"))
+    assert result.total == len(result.candidates) == len(set(result.candidates)) > 30
+    assert result.rejected == 0
+
+
+def block_sim(groups):
+    """An Eq. (1)-like similarity: 2 for a block with itself, else higher for closer depth in the same group."""
+    return lambda a, b: 2.0 if a == b else (groups[a] == groups[b]) / (1 + abs(a[1] - b[1])) + int(b[0]) / 100
+
+
+def test_a_cap_keeps_the_candidates_most_similar_to_the_clients_blocks():
+    groups = big_pool(clients=4, depth=6)
+    sim = block_sim(groups)
     options = CmsrOptions(anchor="min")
     everything = cmsr_candidates("0", 6, groups, np.random.default_rng(3), options)
-    assert len(everything) > 30
-    capped = cmsr_candidates("0", 6, groups, np.random.default_rng(3), options, max_candidates=30)
-    assert len(capped) == 30 == len(set(capped))
-    assert set(capped) <= set(everything)
-    assert capped == [c for c in everything if c in set(capped)]  # same (rank) order
-    assert cmsr_candidates("0", 6, groups, np.random.default_rng(3), options, max_candidates=10**6) == everything
+
+    def score(candidate):
+        return sum(sim(("0", r), k) for r, k in enumerate(candidate))
+
+    capped = cmsr_search("0", 6, groups, np.random.default_rng(3), options, similarity=sim, max_candidates=7)
+    assert capped.total == len(everything) and len(capped.candidates) == 7
+    best = sorted(everything, key=score, reverse=True)
+    assert sorted(map(score, capped.candidates), reverse=True) == pytest.approx([score(c) for c in best[:7]])
+    assert capped.candidates == [c for c in everything if c in set(capped.candidates)]  # listed in step order
+    again = cmsr_search("0", 6, groups, np.random.default_rng(3), options, similarity=sim, max_candidates=7)
+    assert again == capped  # deterministic: no random subset
+    uncapped = cmsr_search("0", 6, groups, np.random.default_rng(3), options, similarity=sim, max_candidates=10**6)
+    assert uncapped.candidates == everything
 
 
-def test_huge_candidate_spaces_are_sampled_without_listing_them():
-    groups = {(str(c), i): 0 for c in range(60) for i in range(40)}  # one group: ~60^39 paths
-    candidates = cmsr_candidates(
-        "0", 40, groups, np.random.default_rng(1), max_candidates=5, options=CmsrOptions(order_constraint=False)
+def test_figure2_cap_prefers_substitutes_similar_to_the_blocks_they_replace():
+    # Of Figure 2's four candidates, the one through w3,3 and w4,5 is the most alike client 1's blocks.
+    liked = {w(3, 3): 1.0, w(4, 5): 1.0}
+    result = cmsr_search(
+        "1",
+        4,
+        GROUPS,
+        np.random.default_rng(SEED_PICKING_W42),
+        similarity=lambda own, sub: liked.get(sub, 0.5),
+        max_candidates=1,
     )
-    assert len(candidates) == 5 and all(len(c) == 40 for c in candidates)
+    assert paper(result.candidates) == [[(4, 2), (3, 3), (4, 5), (1, 4)]] and result.total == 4
 
 
-def test_sample_ranks_is_uniform_and_distinct():
-    rng = np.random.default_rng(0)
-    counts = Counter(r for _ in range(3000) for r in sample_ranks(10, 3, rng))
-    assert set(counts) == set(range(10)) and all(abs(n / 3000 - 0.3) < 0.04 for n in counts.values())
-    big = sample_ranks(10**40, 50, rng)
-    assert len(set(big)) == 50 and max(big) < 10**40 and big == sorted(big)
+def test_constraints_prune_prefixes_and_reject_candidates():
+    never_w23 = cmsr_search("1", 4, GROUPS, np.random.default_rng(SEED_PICKING_W42), prune=lambda p: w(2, 3) in p)
+    assert paper(never_w23.candidates) == [[(4, 2), (3, 3), (4, 4), (1, 4)], [(4, 2), (3, 3), (4, 5), (1, 4)]]
+    only_w44 = cmsr_search(
+        "1",
+        4,
+        GROUPS,
+        np.random.default_rng(SEED_PICKING_W42),
+        accept=lambda c: w(4, 4) in c,
+        max_candidates=1,
+        similarity=lambda own, sub: 0.0,
+    )
+    assert paper(only_w44.candidates) == [[(4, 2), (2, 3), (4, 4), (1, 4)]]
+    assert only_w44.rejected == 0 and only_w44.total == 4  # w2,3-w4,4 comes first in step order: nothing refused
+    last = cmsr_search("1", 4, GROUPS, np.random.default_rng(SEED_PICKING_W42), accept=lambda c: w(3, 3) in c)
+    assert last.rejected == 2 and len(last.candidates) == 2
+
+
+def test_huge_candidate_spaces_are_capped_without_listing_them():
+    groups = {(str(c), i): 0 for c in range(60) for i in range(40)}  # one group: ~60^39 paths
+    result = cmsr_search(
+        "0",
+        40,
+        groups,
+        np.random.default_rng(1),
+        CmsrOptions(order_constraint=False),
+        similarity=lambda own, sub: float(own == sub),
+        max_candidates=5,
+    )
+    assert len(result.candidates) == 5 and all(len(c) == 40 for c in result.candidates)
+    assert result.total == 2400**39
 
 
 def test_one_client_pool_yields_its_own_model():
@@ -236,5 +287,7 @@ def test_bad_input_is_refused():
         cmsr_candidates("1", 3, GROUPS, rng)
     with pytest.raises(ValueError, match="max_candidates"):
         cmsr_candidates("1", 4, GROUPS, rng, max_candidates=0)
+    with pytest.raises(ValueError, match="similarity"):
+        cmsr_candidates("1", 4, GROUPS, rng, max_candidates=2)
     with pytest.raises(ValueError, match="anchor"):
         CmsrOptions(anchor="best")

@@ -1,4 +1,4 @@
-"""pFedClub's server half: teachers kept between selections, pFedClub+ bound and fallback, ablations."""
+"""pFedClub's server half: teachers kept, pFedClub+ bound on whole models and fallback, records, ablations."""
 
 import logging
 
@@ -6,9 +6,12 @@ import pytest
 import torch
 
 from fedge.config import ConfigError
+from fedge.layers import LayerSpec as L
 from fedge.messages import ClientInfo, Result, Weights
-from fedge.spec import build
+from fedge.spec import build, make_spec
 from fedge.zoo import create
+from server.assemble import candidate_spec
+from server.reassembly import Pool
 from server.strategy import PublicData, StrategyConfig, StrategyError, create_strategy
 
 pytestmark = pytest.mark.timeout(120)
@@ -88,3 +91,96 @@ def test_unknown_ablation_and_missing_public_data_are_refused():
     s = create_strategy("pfedclub", CONFIG)
     with pytest.raises(StrategyError, match="public samples"):
         s.setup({"0": ClientInfo("0", spec("0"), "rpi-4", 20, 5)})
+
+
+# A hand-built pool of two three-block linear models on (1,3,3) inputs, block i of both in group i:
+# a: 9·2+2 = 20, 2·40+40 = 120, 40·10+10 = 410 params (550); b: 9·40+40 = 400, 40·2+2 = 82, 2·10+10 = 30 (512).
+TINY = PublicData(torch.randn(16, 1, 3, 3, generator=torch.Generator().manual_seed(1)), torch.arange(16) % 10)
+
+
+def tiny(name, widths):
+    blocks = [("b0", [L("flatten"), L("linear", {"out_features": widths[0]})])]
+    blocks += [(f"b{i}", [L("linear", {"out_features": w})]) for i, w in enumerate(widths[1:], 1)]
+    return make_spec(name, (1, 3, 3), widths[-1], blocks).with_origin(name)
+
+
+TINY_SPECS = {"a": tiny("a", [2, 40, 10]), "b": tiny("b", [40, 2, 10])}
+
+
+def tiny_strategy(name, **options):
+    s = create_strategy(name, CONFIG, TINY, {"finetune_epochs": 1, "max_candidates": 0} | options)
+    s.setup({cid: ClientInfo(cid, sp, "jetson-orin-nano", 20, 5) for cid, sp in TINY_SPECS.items()})
+    return s
+
+
+def tiny_pool(similarity=None):
+    torch.manual_seed(0)
+    uploads = {cid: Weights(sp, build(sp).state_dict()) for cid, sp in TINY_SPECS.items()}
+    labels = torch.tensor([0, 1, 2, 0, 1, 2])  # blocks a0 a1 a2 b0 b1 b2
+    return Pool(uploads, torch.eye(6) * 2 if similarity is None else similarity, labels)
+
+
+def rounds_with_anchor(s, cid, pool, anchor):
+    return [rnd for rnd in range(40) if s.search(rnd, cid, pool).anchor == anchor]
+
+
+def test_pfedclub_plus_bounds_whole_stitched_models_not_blocks():
+    # Client a, η = 0: with anchor b0 (400 params in place of a0's 20) the whole model b = 512 <= 550 is kept;
+    # a per-block budget would have refused b0 as an anchor at all.
+    pool = tiny_pool()
+    s = tiny_strategy("pfedclub+", eta=0.0)
+    rnd = rounds_with_anchor(s, "a", pool, ("b", 0))[0]
+    found = s.search(rnd, "a", pool)
+    assert (("b", 0), ("b", 1), ("b", 2)) in found.candidates
+    for keys in found.candidates:
+        spec, _ = candidate_spec("c", [pool.blocks[k] for k in keys], (1, 3, 3), 10)
+        assert spec.params <= TINY_SPECS["a"].params
+    assert found.total == 4 and len(found.candidates) == 1  # the other three are pruned as prefixes already too big
+
+
+def test_pfedclub_plus_takes_the_same_random_anchor_as_pfedclub():
+    pool = tiny_pool()
+    club, plus = tiny_strategy("pfedclub"), tiny_strategy("pfedclub+", eta=0.0)
+    anchors = [club.search(rnd, "a", pool).anchor for rnd in range(20)]
+    assert anchors == [plus.search(rnd, "a", pool).anchor for rnd in range(20)]
+    assert set(anchors) == {("a", 0), ("b", 0)}  # Step 1 stays the paper's random pick from the whole group
+
+
+def test_every_candidate_is_built_and_the_counts_are_recorded():
+    s = make("pfedclub", max_candidates=0)
+    s.aggregate(0, uploads(0, ["0", "1", "3"]))
+    for cid in ("0", "1", "3"):
+        row = s.record(0, cid)
+        assert row["candidates"] == row["candidates_total"] >= 1 and row["candidates_rejected"] == 0
+        assert 1 <= row["groups"] <= row["groups_after_kind_split"]
+        assert row["anchor"].count("@") == 1
+    capped = make("pfedclub", max_candidates=1)
+    capped.aggregate(0, uploads(0, ["0", "1", "3"]))
+    assert all(capped.record(0, cid)["candidates"] == 1 for cid in ("0", "1", "3"))
+
+
+def test_a_teacher_identical_to_the_clients_model_is_counted_and_can_be_excluded():
+    pool = tiny_pool()
+    s = tiny_strategy("pfedclub")
+    rnd = rounds_with_anchor(s, "a", pool, ("a", 0))[0]
+    own = (("a", 0), ("a", 1), ("a", 2))
+    assert own in s.search(rnd, "a", pool).candidates
+    teacher, info = s.teacher_for(rnd, "a", pool)
+    assert info["teacher_is_self"] is True and info["match_score"] == pytest.approx(1.0)
+    assert teacher.spec.blocks == pool.uploads["a"].spec.blocks
+    excluding = tiny_strategy("pfedclub", exclude_self=True)
+    assert own not in excluding.search(rnd, "a", pool).candidates
+    _, info = excluding.teacher_for(rnd, "a", pool)
+    assert info["teacher_is_self"] is False
+
+
+def test_summary_reports_phi_with_and_without_fallback_rounds():
+    s = make("pfedclub+", eta=0.0)
+    s.history["0"] = [
+        {"phi": 0.0, "teacher_params": 10, "candidates": 0, "teacher_fallback": True, "teacher_is_self": True},
+        {"phi": -0.5, "teacher_params": 5, "candidates": 3, "candidates_total": 9, "teacher_fallback": False},
+    ]
+    summary = s.summary()
+    assert summary["phi"]["0"] == pytest.approx(-0.25) and summary["phi_without_fallback"]["0"] == pytest.approx(-0.5)
+    assert summary["fallback_rounds"]["0"] == 1 and summary["teacher_is_self_rounds"]["0"] == 1
+    assert summary["candidates_generated_per_client"]["0"] == 9
