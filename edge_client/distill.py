@@ -8,31 +8,26 @@ import time
 from edge_client.agent import ClientAgent, TaskError, register_task
 from edge_client.tasks import train_config, train_settings
 from edge_client.training import Distillation
-from fedge import constants as C
 from fedge.distill import check_kd_settings
 from fedge.messages import Result, Task
 
 log = logging.getLogger(__name__)
 
 
-def kd_settings(task: Task) -> tuple[float, float]:
-    """(λ, T) of the KL term of pFedClub Eq. (5) from task.config `kd_lambda` and `temperature` (both
-    optional; λ = 0.2 as in pFedClub §4.1, T = 1). A non-numeric value, λ < 0, T ≤ 0, or a non-finite value
-    raises TaskError.
+def kd_settings(task: Task) -> tuple[float, float, str]:
+    """(λ, T, KL direction) of pFedClub Eq. (5) from the task's config (fedge.tasks.TrainTask: kd_lambda 0.2 as
+    in pFedClub §4.1, temperature 1 and kd_direction "teacher_student" unless given). A bad config (a
+    non-numeric or non-finite value, an unknown direction), λ < 0 or T ≤ 0 raises TaskError.
     """
+    t = train_settings(task)
     try:
-        lam = float(task.config.get("kd_lambda", C.KD_LAMBDA))
-        temperature = float(task.config.get("temperature", C.KD_TEMPERATURE))
-    except (TypeError, ValueError) as e:
-        raise TaskError(f"task {task.type} of round {task.round}: bad kd_lambda or temperature: {e}") from None
-    try:
-        check_kd_settings(lam, temperature)
+        check_kd_settings(t.kd_lambda, t.temperature, t.kd_direction)
     except ValueError as e:
         raise TaskError(f"task {task.type}: {e}") from None
-    return lam, temperature
+    return t.kd_lambda, t.temperature, t.kd_direction
 
 
-def _teacher_distillation(agent: ClientAgent, task: Task, lam: float, temperature: float) -> Distillation:
+def _teacher_distillation(agent: ClientAgent, task: Task, settings: tuple[float, float, str]) -> Distillation:
     """The teacher's logits on the client's training data, by the client's runtime (eager, or the teacher's
     ExecuTorch inference program)."""
     weights = task.models["teacher"]
@@ -47,24 +42,26 @@ def _teacher_distillation(agent: ClientAgent, task: Task, lam: float, temperatur
         logits = agent.trainer.teacher_logits(weights, agent.data.x_train)
     except ValueError as e:
         raise TaskError(f"client {agent.client_id}: {e}") from None
-    return Distillation(logits, lam, temperature)
+    return Distillation(logits, *settings)
 
 
 @register_task("kd_train")
 def kd_train_task(agent: ClientAgent, task: Task) -> Result:
-    """Train the own model with CE + λ·KL(student ‖ teacher) (pFedClub Eq. (5)), CE alone without a teacher,
-    on the client's runtime (eager Adam, or SGD through the ExecuTorch training program).
+    """Train the own model with CE + λ·KL (pFedClub Eq. (5); KL(teacher ‖ student) unless kd_direction is
+    "student_teacher"), CE alone without a teacher, on the client's runtime (eager Adam, or SGD through the
+    ExecuTorch training program).
 
     The teacher (task.models["teacher"], optional: absent at a client's first participation) is any
     architecture with the client's input shape and classes. Config: the `train` keys (epochs, batch_size,
-    lr, seed), optional kd_lambda (0.2), temperature (1.0), upload. Bad config or a teacher that does not
-    fit raises TaskError. Metrics: train_loss (total), kd_loss (mean KL of the last epoch; 0 without a
-    teacher), train_seconds (teacher inference included). Uploads `local` weights when config `upload` is true.
+    lr, seed), optional kd_lambda (0.2), temperature (1.0), kd_direction ("teacher_student"), upload. Bad
+    config or a teacher that does not fit raises TaskError. Metrics: train_loss (total), kd_loss (mean KL of
+    the last epoch; 0 without a teacher), train_seconds (teacher inference included). Uploads `local` weights
+    when config `upload` is true.
     """
     cfg = train_config(agent, task)
-    lam, temperature = kd_settings(task)
+    settings = kd_settings(task)
     start = time.perf_counter()
-    distill = _teacher_distillation(agent, task, lam, temperature) if "teacher" in task.models else None
+    distill = _teacher_distillation(agent, task, settings) if "teacher" in task.models else None
     if distill is None:
         log.debug("client %s round %d: no teacher yet, training with CE only", agent.client_id, task.round)
     stats = agent.trainer.fit(agent.model, agent.data.x_train, agent.data.y_train, cfg, distill)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from edge_client.training import Distillation, TrainConfig, TrainStats, check_distillation
+from fedge.constants import KD_DIRECTION
 from fedge.distill import check_kd_settings
 from fedge.executorch_program import (
     ProgramError,
@@ -47,6 +48,7 @@ class ProgramSession(Protocol):
         teacher_logits: torch.Tensor,
         kd_lambda: float,
         temperature: float,
+        direction: str,
         optimizer: Any,
     ) -> tuple[float, float, float]: ...
 
@@ -84,17 +86,19 @@ class TrainingSession:
         teacher_logits: torch.Tensor,
         kd_lambda: float,
         temperature: float,
+        direction: str = KD_DIRECTION,
         optimizer: Any = None,
     ) -> tuple[float, float, float]:
         """One forward-backward (and an optimizer step if given) on a batch of exactly the exported size;
-        returns (loss, CE, KL). Invalid λ or T, or another batch size, raise ProgramError."""
+        returns (loss, CE, KL). Invalid λ, T or direction, or another batch size, raise ProgramError."""
         try:
-            check_kd_settings(kd_lambda, temperature)
+            check_kd_settings(kd_lambda, temperature, direction)
         except ValueError as e:
             raise ProgramError(str(e)) from None
         if len(x) != self.program.batch_size:
             raise ProgramError(f"the training program takes batches of {self.program.batch_size}, got {len(x)}")
-        out = self.module.forward_backward("forward", train_inputs(x, y, teacher_logits, kd_lambda, temperature))
+        inputs = train_inputs(x, y, teacher_logits, kd_lambda, temperature, direction)
+        out = self.module.forward_backward("forward", inputs)
         if optimizer is not None:
             optimizer.step(self.module.named_gradients())
         return float(out[0]), float(out[1]), float(out[2])
@@ -141,9 +145,10 @@ class ExecuTorchTrainer:
     def fit(
         self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig, kd: Distillation | None = None
     ) -> TrainStats:
-        """Train `model` in place with SGD (cfg.sgd_lr, cfg.sgd_momentum) on CE + λ·KL (pFedClub Eq. (5)) through
-        the program; the same contract as edge_client.training.fit (ValueError on empty data, bad teacher
-        logits or divergence). Without a teacher λ = 0 and the teacher input is zeros, so the update is CE's."""
+        """Train `model` in place with SGD (cfg.sgd_lr, cfg.sgd_momentum) on CE + λ·KL (pFedClub Eq. (5), the KL
+        in kd.kd_direction: the program takes either as an input) through the program; the same contract as
+        edge_client.training.fit (ValueError on empty data, bad teacher logits or divergence). Without a teacher
+        λ = 0 and the teacher input is zeros, so the update is CE's."""
         if len(x) == 0:
             raise ValueError("no training data")
         if kd is not None:
@@ -153,14 +158,16 @@ class ExecuTorchTrainer:
         params = dict(model.named_parameters())
         session.load({k: p.detach() for k, p in params.items()})
         opt = session.optimizer(cfg.sgd_lr, cfg.sgd_momentum)
-        lam, temperature = (kd.kd_lambda, kd.temperature) if kd is not None else (0.0, 1.0)
+        lam, temperature, direction = (
+            (kd.kd_lambda, kd.temperature, kd.kd_direction) if kd is not None else (0.0, 1.0, KD_DIRECTION)
+        )
         teacher = kd.teacher_logits if kd is not None else torch.zeros(len(x), self.spec.num_classes)
         gen = torch.Generator().manual_seed(cfg.seed)
         stats = TrainStats(math.nan, math.nan, 0.0)
         for _ in range(cfg.epochs):
             sums, count = [0.0, 0.0, 0.0], 0
             for idx in epoch_batches(len(x), batch, gen):
-                terms = session.step(x[idx], y[idx], teacher[idx], lam, temperature, opt)
+                terms = session.step(x[idx], y[idx], teacher[idx], lam, temperature, direction, opt)
                 sums = [s + t * len(idx) for s, t in zip(sums, terms)]
                 count += len(idx)
             stats = TrainStats(sums[0] / count, sums[1] / count, sums[2] / count if kd is not None else 0.0)

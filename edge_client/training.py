@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedge.constants import EVAL_BATCH_SIZE, KD_LAMBDA, KD_TEMPERATURE, SGD_LR, SGD_MOMENTUM
+from fedge.constants import EVAL_BATCH_SIZE, KD_DIRECTION, KD_LAMBDA, KD_TEMPERATURE, SGD_LR, SGD_MOMENTUM
 from fedge.distill import check_kd_settings, kd_kl, kd_terms
 from fedge.messages import Weights
 from fedge.weights import load_module
@@ -33,12 +33,14 @@ class Distillation:
     """A distillation target for `fit`: the teacher's logits on every training sample (row i ↔ x[i]).
 
     `kd_lambda` is λ of pFedClub Eq. (5) / pFedHR Eq. (6) (the papers use 0.2); `temperature` T softens
-    both distributions (1.0 = the papers' plain softmax).
+    both distributions (1.0 = the papers' plain softmax); `kd_direction` orders the KL (fedge.distill.kd_kl:
+    "teacher_student" = KL(teacher ‖ student), or "student_teacher").
     """
 
     teacher_logits: torch.Tensor
     kd_lambda: float = KD_LAMBDA
     temperature: float = KD_TEMPERATURE
+    kd_direction: str = KD_DIRECTION
 
 
 @dataclass(frozen=True)
@@ -59,10 +61,10 @@ def train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig) 
 
 
 def check_distillation(kd: Distillation, x: torch.Tensor) -> None:
-    """ValueError unless the teacher logits match the data and λ, T are valid."""
+    """ValueError unless the teacher logits match the data and λ, T and the direction are valid."""
     if kd.teacher_logits.dim() != 2 or len(kd.teacher_logits) != len(x):
         raise ValueError(f"teacher logits must be (num_samples={len(x)}, classes), got {list(kd.teacher_logits.shape)}")
-    check_kd_settings(kd.kd_lambda, kd.temperature)
+    check_kd_settings(kd.kd_lambda, kd.temperature, kd.kd_direction)
 
 
 def fit(
@@ -72,7 +74,8 @@ def fit(
 
     Without `kd` (or with λ = 0) the updates are exactly those of plain CE training; the KL is then
     still measured (without gradient) when teacher logits are given. Raises ValueError when the data
-    are empty, the teacher logits do not match the data, λ < 0, T ≤ 0, or the loss becomes non-finite.
+    are empty, the teacher logits do not match the data, λ < 0, T ≤ 0, an unknown KL direction, or the loss
+    becomes non-finite.
     """
     if len(x) == 0:
         raise ValueError("no training data")
@@ -89,13 +92,15 @@ def fit(
             opt.zero_grad(set_to_none=True)
             logits = model(x[idx])
             if kd is not None and kd.kd_lambda > 0:
-                loss, ce, kl = kd_terms(logits, y[idx], kd.teacher_logits[idx], kd.kd_lambda, kd.temperature)
+                loss, ce, kl = kd_terms(
+                    logits, y[idx], kd.teacher_logits[idx], kd.kd_lambda, kd.temperature, kd.kd_direction
+                )
             else:
                 loss = ce = F.cross_entropy(logits, y[idx])
                 kl = torch.zeros(())
                 if kd is not None:
                     with torch.no_grad():
-                        kl = kd_kl(logits, kd.teacher_logits[idx], kd.temperature)
+                        kl = kd_kl(logits, kd.teacher_logits[idx], kd.temperature, kd.kd_direction)
             loss.backward()
             opt.step()
             total += float(loss.detach()) * len(idx)

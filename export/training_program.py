@@ -1,7 +1,7 @@
 """ExecuTorch training programs (experimental ExecuTorch API): the student wrapped so forward(x, y, teacher_logits,
-λ, T) returns (CE + λ·KL, CE, KL, logits), the layers the portable training kernels get wrong or lack rewritten
-into exact equivalents, then _export_forward_backward → to_edge → to_executorch with the weights in a separate
-.ptd. A program is trusted only after the gradient-parity check (export.parity)."""
+λ, T, w) returns (CE + λ·KL, CE, KL, logits), w picking the KL's direction; the layers the portable training
+kernels get wrong or lack rewritten into exact equivalents, then _export_forward_backward → to_edge → to_executorch
+with the weights in a separate .ptd. A program is trusted only after the gradient-parity check (export.parity)."""
 
 from __future__ import annotations
 
@@ -125,7 +125,8 @@ def check_trainable(spec: ModelSpec) -> None:
 
 
 class KDTrainer(nn.Module):
-    """forward(x, y, teacher_logits, λ, T) → (CE + λ·KL, CE, KL, logits), loss first as ExecuTorch training needs."""
+    """forward(x, y, teacher_logits, λ, T, w) → (CE + λ·KL, CE, KL, logits), loss first as ExecuTorch training
+    needs; w is the KL's direction as a 0-dim weight (fedge.distill.kd_kl), so one program serves both."""
 
     def __init__(self, student: nn.Module) -> None:
         super().__init__()
@@ -138,9 +139,10 @@ class KDTrainer(nn.Module):
         teacher_logits: torch.Tensor,
         kd_lambda: torch.Tensor,
         temperature: torch.Tensor,
+        kd_direction: torch.Tensor,
     ):
         logits = self.student(x)
-        loss, ce, kl = kd_terms(logits, y, teacher_logits, kd_lambda, temperature)
+        loss, ce, kl = kd_terms(logits, y, teacher_logits, kd_lambda, temperature, kd_direction)
         return loss, ce.detach(), kl.detach(), logits.detach()
 
 
@@ -158,7 +160,7 @@ def _refuse_bad_ops(spec: ModelSpec, ep: torch.export.ExportedProgram) -> None:
 
 def export_training(spec: ModelSpec, state: State, batch_size: int = 32) -> TrainingProgram:
     """An ExecuTorch training program (forward + backward, fixed `batch_size`) of CE + λ·KL for `spec`, in the
-    trainable form (pools rewritten, no dropout).
+    trainable form (pools rewritten, no dropout); λ, T and the KL's direction are inputs.
 
     The .pte holds the program and the .ptd the weights (`state`), via ExecuTorch's external mutable
     weights. Raises ExportError for BatchNorm, a pool without an exact rewrite, a bad batch size, weights that do not

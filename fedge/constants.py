@@ -53,6 +53,9 @@ PFEDCLUB_PLUS_ETA = 0.1
 MAX_CANDIDATES = 16  # pFedClub's cap on a client's CMSR candidates (0: all; see server/cmsr.py)
 ABLATIONS = ("none", "max", "min", "noc", "nbc")
 KD_TEMPERATURE = 1.0
+# The KL of Eq. (5): "teacher_student" = KL(p_teacher ‖ q_student), "student_teacher" = KL(q_student ‖ p_teacher).
+KD_DIRECTIONS = ("teacher_student", "student_teacher")
+KD_DIRECTION = "teacher_student"  # Eq. (5)'s order is ambiguous; DML [36] and the authors' code target the teacher
 FINETUNE_BATCH_SIZE = 64  # the authors used 8; 64 keeps CPU fine-tuning tolerable
 AUGMENT_CROP_PAD = 2  # NT-Xent views (Eq. 3): shift by up to ±2 px ...
 AUGMENT_NOISE_STD = 0.1  # ... and add Gaussian noise (no paper value: ours)

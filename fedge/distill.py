@@ -1,5 +1,5 @@
-"""The distillation loss CE + λ·KL of pFedClub Eq. (5) and the validity of λ and T: one definition for the eager
-client (edge_client.training) and the ExecuTorch training program (export.training_program)."""
+"""The distillation loss CE + λ·KL of pFedClub Eq. (5) and the validity of λ, T and the KL's direction: one
+definition for the eager client (edge_client.training) and the ExecuTorch training program (export.training_program)."""
 
 from __future__ import annotations
 
@@ -8,26 +8,42 @@ import math
 import torch
 from torch.nn import functional as F
 
-from fedge.constants import KD_TEMPERATURE
+from fedge.constants import KD_DIRECTION, KD_DIRECTIONS, KD_TEMPERATURE
 
 
-def check_kd_settings(kd_lambda: float, temperature: float) -> None:
-    """ValueError unless λ is finite and >= 0 (0 = plain CE) and the temperature T is finite and > 0."""
+def check_kd_settings(kd_lambda: float, temperature: float, direction: str = KD_DIRECTION) -> None:
+    """ValueError unless λ is finite and >= 0 (0 = plain CE), the temperature T is finite and > 0, and the
+    direction is one of KD_DIRECTIONS."""
     if not (math.isfinite(kd_lambda) and kd_lambda >= 0):
         raise ValueError(f"kd_lambda must be a finite number >= 0, got {kd_lambda}")
     if not (math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    direction_weight(direction)
+
+
+def direction_weight(direction: str) -> float:
+    """The training program's `kd_direction` input: 1.0 for "teacher_student", 0.0 for "student_teacher";
+    ValueError naming the valid directions otherwise."""
+    if direction not in KD_DIRECTIONS:
+        raise ValueError(f"kd_direction must be one of {', '.join(KD_DIRECTIONS)}, got {direction!r}")
+    return 1.0 if direction == "teacher_student" else 0.0
 
 
 def kd_kl(
-    student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float | torch.Tensor = KD_TEMPERATURE
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    temperature: float | torch.Tensor = KD_TEMPERATURE,
+    direction: str | torch.Tensor = KD_DIRECTION,
 ) -> torch.Tensor:
-    """KL(q_student ‖ p_teacher) of softmax(logits / T), averaged over the batch, times T² (Hinton et al.).
+    """The KL of pFedClub Eq. (5) / pFedHR Eq. (6) between p_teacher and q_student = softmax(logits / T),
+    averaged over the batch, times T² (Hinton et al.).
 
-    pFedClub Eq. (5) writes KL(β_m(x), β̂_m(x)) with the student first; we read it literally as
-    D_KL(student ‖ teacher), as issue 3 states. (Deep Mutual Learning [36], which the paper cites,
-    uses the reverse direction; swapping the two log-probabilities below gives it.) T may be a 0-dim
-    tensor. Shapes must be equal (never broadcast), else ValueError.
+    direction "teacher_student" (the default): KL(p_teacher ‖ q_student), the teacher's distribution as the
+    target; "student_teacher": KL(q_student ‖ p_teacher), Eq. (5) read literally (student first). Eq. (5)'s
+    notation is ambiguous; the method it follows (Deep Mutual Learning [36]) and the authors' code use the
+    teacher as the target, hence the default. The training program passes a 0-dim tensor w instead
+    (direction_weight: 1 or 0) and gets w·KL(p ‖ q) + (1 − w)·KL(q ‖ p), so one program serves both. T may be a
+    0-dim tensor. Unequal shapes (never broadcast) or an unknown direction raise ValueError.
     """
     if student_logits.shape != teacher_logits.shape:
         raise ValueError(
@@ -36,6 +52,13 @@ def kd_kl(
         )
     log_q = F.log_softmax(student_logits / temperature, dim=1)
     log_p = F.log_softmax(teacher_logits / temperature, dim=1)
+    # F.kl_div(a, b, log_target=True) is KL(b ‖ a)
+    if isinstance(direction, torch.Tensor):
+        kl_pq = F.kl_div(log_q, log_p, reduction="batchmean", log_target=True)
+        kl_qp = F.kl_div(log_p, log_q, reduction="batchmean", log_target=True)
+        return (direction * kl_pq + (1 - direction) * kl_qp) * temperature**2
+    if direction_weight(direction):
+        return F.kl_div(log_q, log_p, reduction="batchmean", log_target=True) * temperature**2
     return F.kl_div(log_p, log_q, reduction="batchmean", log_target=True) * temperature**2
 
 
@@ -45,12 +68,14 @@ def kd_terms(
     teacher_logits: torch.Tensor,
     kd_lambda: float | torch.Tensor,
     temperature: float | torch.Tensor,
+    direction: str | torch.Tensor = KD_DIRECTION,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(CE + λ·KL, CE, KL) of pFedClub Eq. (5), KL as in `kd_kl`. λ and T may be 0-dim tensors (the training
-    program takes them as inputs, so one program serves every round); λ = 0 gives plain CE. Bad shapes raise
-    ValueError (kd_kl); λ and T are not checked here (check_kd_settings)."""
+    """(CE + λ·KL, CE, KL) of pFedClub Eq. (5), KL as in `kd_kl` (direction included). λ, T and the direction
+    may be 0-dim tensors (the training program takes them as inputs, so one program serves every round); λ = 0
+    gives plain CE. Bad shapes or an unknown direction raise ValueError (kd_kl); λ and T are not checked here
+    (check_kd_settings)."""
     ce = F.cross_entropy(logits, y)
-    kl = kd_kl(logits, teacher_logits, temperature)
+    kl = kd_kl(logits, teacher_logits, temperature, direction)
     return ce + kd_lambda * kl, ce, kl
 
 
@@ -60,6 +85,7 @@ def kd_loss(
     teacher_logits: torch.Tensor,
     kd_lambda: float | torch.Tensor,
     temperature: float | torch.Tensor,
+    direction: str | torch.Tensor = KD_DIRECTION,
 ) -> torch.Tensor:
     """CE + λ·KL of pFedClub Eq. (5) (see kd_terms)."""
-    return kd_terms(logits, y, teacher_logits, kd_lambda, temperature)[0]
+    return kd_terms(logits, y, teacher_logits, kd_lambda, temperature, direction)[0]

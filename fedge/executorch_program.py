@@ -2,8 +2,9 @@
 runtime (edge_client/) that steps it. Its inputs and outputs, the dense tensor layout the runtime needs, and
 loading it with parameter handles by the student's own names.
 
-The program is the student wrapped so forward(x, y, teacher_logits, λ, T) returns (CE + λ·KL, CE, KL, logits)
-(fedge.distill.kd_terms), with forward and backward in one method and the weights in a separate .ptd.
+The program is the student wrapped so forward(x, y, teacher_logits, λ, T, w) returns (CE + λ·KL, CE, KL, logits)
+(fedge.distill.kd_terms; w picks the KL's direction), with forward and backward in one method and the weights in a
+separate .ptd.
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ from typing import Any
 
 import torch
 
+from fedge.constants import KD_DIRECTION
+from fedge.distill import direction_weight
 from fedge.errors import UserError
 from fedge.files import atomic_write
 from fedge.weights import State
 
 # The training program's positional inputs and user outputs (the runtime appends gradients and parameters).
-TRAIN_INPUTS = ("input", "labels", "teacher_logits", "kd_lambda", "temperature")
+TRAIN_INPUTS = ("input", "labels", "teacher_logits", "kd_lambda", "temperature", "kd_direction")
 TRAIN_OUTPUTS = ("loss", "ce", "kl", "logits")
 STUDENT = "student"  # the training wrapper's attribute holding the model: the prefix of the program's parameter names
 
@@ -33,7 +36,8 @@ class ProgramError(UserError, ValueError):
 class TrainingProgram:
     """A joint forward-backward program (.pte) and its trainable weights kept apart from it (.ptd).
 
-    Inputs TRAIN_INPUTS: float32 (B, C, H, W), int64 (B,), float32 (B, classes), float32 λ and T (0-dim);
+    Inputs TRAIN_INPUTS: float32 (B, C, H, W), int64 (B,), float32 (B, classes), float32 λ, T and the KL's
+    direction w (0-dim; fedge.distill.direction_weight: 1 = KL(teacher ‖ student), 0 = KL(student ‖ teacher));
     user outputs TRAIN_OUTPUTS. `batch_size` B is fixed at export. The program holds no weights: a new
     round's weights replace the .ptd (or are copied into the loaded parameters), the program stays.
     """
@@ -54,13 +58,15 @@ class TrainingProgram:
 
 
 def zero_train_inputs(batch_size: int, input_shape: tuple[int, ...], num_classes: int) -> tuple[torch.Tensor, ...]:
-    """The program's inputs for a batch of zeros with λ = 0 and T = 1 (plain CE): to trace it, and its first run."""
+    """The program's inputs for a batch of zeros with λ = 0, T = 1 and the default direction (plain CE): to trace
+    it, and its first run."""
     return (
         torch.zeros(batch_size, *input_shape),
         torch.zeros(batch_size, dtype=torch.long),
         torch.zeros(batch_size, num_classes),
         torch.tensor(0.0),
         torch.tensor(1.0),
+        torch.tensor(direction_weight(KD_DIRECTION)),
     )
 
 
@@ -74,15 +80,22 @@ def dense(x: torch.Tensor) -> torch.Tensor:
 
 
 def train_inputs(
-    x: torch.Tensor, y: torch.Tensor, teacher_logits: torch.Tensor, kd_lambda: float, temperature: float
+    x: torch.Tensor,
+    y: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    kd_lambda: float,
+    temperature: float,
+    direction: str,
 ) -> tuple[torch.Tensor, ...]:
-    """The program's inputs (TRAIN_INPUTS) for one batch, laid out as the runtime reads them."""
+    """The program's inputs (TRAIN_INPUTS) for one batch, laid out as the runtime reads them; an unknown
+    direction raises ValueError."""
     return (
         dense(x),
         dense(y.to(torch.long)),
         dense(teacher_logits),
         torch.tensor(float(kd_lambda)),
         torch.tensor(float(temperature)),
+        torch.tensor(direction_weight(direction)),
     )
 
 

@@ -20,7 +20,7 @@ class TaskConfigError(ValueError):
 class TrainTask:
     """Settings of local training (the `train` and `kd_train` tasks): epochs, batch size, Adam's lr (torch
     runtime), SGD's lr and momentum (executorch runtime), the run seed, whether to upload the trained model, and,
-    for distillation, λ and T of pFedClub Eq. (5)."""
+    for distillation, λ, T and the KL's direction of pFedClub Eq. (5) (fedge.distill.kd_kl)."""
 
     epochs: int
     batch_size: int
@@ -31,6 +31,7 @@ class TrainTask:
     sgd_momentum: float = C.SGD_MOMENTUM
     kd_lambda: float = C.KD_LAMBDA
     temperature: float = C.KD_TEMPERATURE
+    kd_direction: str = C.KD_DIRECTION
 
     def __post_init__(self) -> None:
         if (
@@ -42,6 +43,10 @@ class TrainTask:
         ):
             raise TaskConfigError(
                 f"epochs, batch_size, lr and sgd_lr must be positive and sgd_momentum in [0, 1), got {self}"
+            )
+        if self.kd_direction not in C.KD_DIRECTIONS:
+            raise TaskConfigError(
+                f"kd_direction must be one of {', '.join(C.KD_DIRECTIONS)}, got {self.kd_direction!r}"
             )
 
     def to_config(self) -> dict[str, Any]:

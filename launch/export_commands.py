@@ -136,16 +136,18 @@ def _export_pte_train(weights: Any, out: Path, sample: Any, metadata: dict[str, 
     x = _batch_of(sample, b)
     y = torch.arange(b) % spec.num_classes
     teacher = 3 * torch.randn(b, spec.num_classes, generator=torch.Generator().manual_seed(0))
-    lam, temperature = cfg.get("options", {}).get("kd_lambda", C.KD_LAMBDA), C.KD_TEMPERATURE
-    report = gradient_parity(spec, weights.state, x, y, teacher, lam, temperature, program)
+    options = cfg.get("options", {})
+    lam, temperature = options.get("kd_lambda", C.KD_LAMBDA), C.KD_TEMPERATURE
+    direction = options.get("kd_direction", C.KD_DIRECTION)
+    report = gradient_parity(spec, weights.state, x, y, teacher, lam, temperature, program, direction)
     if not report.passed:
         raise ExportError(
             f"{spec.name!r}: the training program fails gradient parity on real inputs (worst relative "
             f"gradient error {report.worst:.2g}); it is not written"
         )
     pte, ptd = program.write(out)
-    shapes = [[b, *spec.input_shape], [b], [b, spec.num_classes], [], []]
-    dtypes = ["float32", "int64", "float32", "float32", "float32"]
+    shapes = [[b, *spec.input_shape], [b], [b, spec.num_classes], [], [], []]
+    dtypes = ["float32", "int64", "float32", "float32", "float32", "float32"]
     manifest = _manifest(
         out,
         weights,
@@ -163,6 +165,7 @@ def _export_pte_train(weights: Any, out: Path, sample: Any, metadata: dict[str, 
             "parameters": {f"student.{k}": list(v.shape) for k, v in weights.state.items()},
             "kd_lambda": lam,
             "temperature": temperature,
+            "kd_direction": direction,
             "optimizer": "SGD",
             "sgd_lr": cfg.get("sgd_lr", C.SGD_LR),
             "sgd_momentum": cfg.get("sgd_momentum", C.SGD_MOMENTUM),

@@ -81,6 +81,12 @@ class ReassemblyOptions(StrategyOptions):
         "unlabeled (NT-Xent on two augmented views, Eq. (3))",
     )
     kd_lambda: float = option(C.KD_LAMBDA, "λ of the clients' CE + λ·KL distillation (Eq. (5); paper: 0.2)")
+    kd_direction: str = option(
+        C.KD_DIRECTION,
+        "the KL of Eq. (5): teacher_student = KL(teacher ‖ student), the teacher's distribution as the target "
+        "(Deep Mutual Learning [36] and the authors' code), or student_teacher = KL(student ‖ teacher), "
+        "Eq. (5) read literally",
+    )
     finetune_epochs: int = option(C.FINETUNE_EPOCHS, "epochs of stitch fine-tuning on the public data (paper: 3)")
 
     def __post_init__(self) -> None:
@@ -91,6 +97,8 @@ class ReassemblyOptions(StrategyOptions):
             raise ConfigError(f"kd_lambda must be >= 0, got {self.kd_lambda}")
         if self.public not in ("labeled", "unlabeled"):
             raise ConfigError(f"public must be labeled or unlabeled, got {self.public!r}")
+        if self.kd_direction not in C.KD_DIRECTIONS:
+            raise ConfigError(f"kd_direction must be one of {', '.join(C.KD_DIRECTIONS)}, got {self.kd_direction!r}")
 
 
 class ReassemblyStrategy(Strategy):
@@ -124,7 +132,8 @@ class ReassemblyStrategy(Strategy):
 
     def plan(self, rnd: int, active: Sequence[str]) -> dict[str, Task]:
         """kd_train for every active client, with the teacher kept from its last selection (pFedClub §3.3)."""
-        config = self.train_task(upload=True, kd_lambda=self.options.kd_lambda).to_config()
+        kd = {"kd_lambda": self.options.kd_lambda, "kd_direction": self.options.kd_direction}
+        config = self.train_task(upload=True, **kd).to_config()
         self.sent = set(active)
         return {
             cid: Task("kd_train", rnd, config, {"teacher": self.teachers[cid]} if cid in self.teachers else {})

@@ -88,9 +88,10 @@ class Strategy:
         """Called once with the registered fleet; raise StrategyError if the fleet does not fit."""
         self.clients = dict(clients)
 
-    def train_task(self, upload: bool, **distillation: float) -> TrainTask:
+    def train_task(self, upload: bool, **distillation: float | str) -> TrainTask:
         """The settings of a local-training task from the run's keys (epochs, batch, Adam's lr, the executorch
-        runtime's SGD lr and momentum, seed), whether to upload the model, and λ/T for a kd_train task."""
+        runtime's SGD lr and momentum, seed), whether to upload the model, and λ/T/KL direction for a kd_train
+        task."""
         c = self.config
         return TrainTask(
             epochs=c.local_epochs,

@@ -1,5 +1,5 @@
-"""The kd_train task: CE + λ·KL(student ‖ teacher) (pFedClub Eq. 5, as fedge.distill reads it), CE alone before the
-first teacher."""
+"""The kd_train task: CE + λ·KL (pFedClub Eq. 5; KL(teacher ‖ student) by default, KL(student ‖ teacher) when the
+task asks for the literal reading), CE alone before the first teacher."""
 
 import math
 
@@ -81,7 +81,8 @@ def test_first_participation_without_teacher_is_plain_ce_training():
     assert "local" not in agent().handle(Task("kd_train", 1, {**BASE, "upload": False})).models
 
 
-def test_loss_on_one_batch_is_ce_plus_lambda_kl_by_hand():
+@pytest.mark.parametrize("direction", [None, "teacher_student", "student_teacher"])
+def test_loss_on_one_batch_is_ce_plus_lambda_kl_by_hand(direction):
     client = agent(8)
     student0 = build(client.spec)
     student0.load_state_dict(client.model.state_dict())
@@ -94,8 +95,9 @@ def test_loss_on_one_batch_is_ce_plus_lambda_kl_by_hand():
         p = torch.softmax(t_module.eval()(x), 1)  # teacher in eval mode: dropout off
     q = torch.softmax(s, 1)
     ce = -sum(math.log(float(q[i, y[i]])) for i in range(8)) / 8
-    kl = sum(float(q[i, c]) * math.log(float(q[i, c]) / float(p[i, c])) for i in range(8) for c in range(3)) / 8
-    cfg = {**BASE, "epochs": 1, "batch_size": 8, "kd_lambda": 0.2}
+    a, b = (q, p) if direction == "student_teacher" else (p, q)  # KL(a ‖ b); no direction: the default
+    kl = sum(float(a[i, c]) * math.log(float(a[i, c]) / float(b[i, c])) for i in range(8) for c in range(3)) / 8
+    cfg = {**BASE, "epochs": 1, "batch_size": 8, "kd_lambda": 0.2} | ({"kd_direction": direction} if direction else {})
     result = client.handle(Task("kd_train", 2, cfg, {"teacher": t}))
     assert result.metrics["kd_loss"] == pytest.approx(kl, rel=1e-5)
     assert result.metrics["train_loss"] == pytest.approx(ce + 0.2 * kl, rel=1e-5)
@@ -133,6 +135,7 @@ def test_temperature_is_read_and_changes_the_update():
         {"kd_lambda": float("nan")},
         {"temperature": 0.0},
         {"temperature": None},
+        {"kd_direction": "reverse"},
         {"epochs": 0},
     ],
 )

@@ -12,6 +12,7 @@ from edge_client.training import Distillation, TrainConfig, predict
 from export.parity import gated_training_program
 from export.pte import teacher_logits_pte
 from fedge.config import ConfigError, RunConfig
+from fedge.constants import KD_DIRECTION
 from fedge.data import load_dataset
 from fedge.distill import kd_loss
 from fedge.messages import Task, Weights
@@ -52,11 +53,11 @@ def eager_sgd(spec, state, x, y, cfg: TrainConfig, batch: int, kd: Distillation 
     opt = torch.optim.SGD(model.parameters(), lr=cfg.sgd_lr, momentum=cfg.sgd_momentum)
     gen = torch.Generator().manual_seed(cfg.seed)
     teacher = kd.teacher_logits if kd else torch.zeros(len(x), spec.num_classes)
-    lam, temperature = (kd.kd_lambda, kd.temperature) if kd else (0.0, 1.0)
+    lam, temperature, direction = (kd.kd_lambda, kd.temperature, kd.kd_direction) if kd else (0.0, 1.0, KD_DIRECTION)
     for _ in range(cfg.epochs):
         for idx in epoch_batches(len(x), batch, gen):
             opt.zero_grad()
-            kd_loss(model(x[idx]), y[idx], teacher[idx], lam, temperature).backward()
+            kd_loss(model(x[idx]), y[idx], teacher[idx], lam, temperature, direction).backward()
             opt.step()
     return {k: v.detach() for k, v in model.state_dict().items()}
 
@@ -69,15 +70,16 @@ def test_epoch_batches_are_full_and_cover_every_sample():
     assert max(seen.bincount().tolist()) == 2
 
 
-@pytest.mark.parametrize("teacher", [False, True])
-def test_executorch_training_equals_eager_sgd_on_the_same_batches(digits, teacher):
+@pytest.mark.parametrize("direction", [None, "teacher_student", "student_teacher"])  # None: no teacher
+def test_executorch_training_equals_eager_sgd_on_the_same_batches(digits, direction):
     # prepare: cnn2 (max-pools, rewritten in the program), 40 digits in batches of 16 (the last one filled up)
     x, y = digits
     spec = create("cnn2", SHAPE, CLASSES)
     state = init(spec)
     cfg = TrainConfig(epochs=2, batch_size=16, lr=1e-3, seed=5, sgd_lr=0.05, sgd_momentum=0.9)
+    teacher = direction is not None
     kd = (
-        Distillation(3 * torch.randn(len(x), CLASSES, generator=torch.Generator().manual_seed(1)), 0.5, 2.0)
+        Distillation(3 * torch.randn(len(x), CLASSES, generator=torch.Generator().manual_seed(1)), 0.5, 2.0, direction)
         if teacher
         else None
     )

@@ -39,6 +39,8 @@ def test_cli_exports_a_students_training_program_an_app_can_step(run_dir, tmp_pa
     manifest = json.loads((tmp_path / "client1-student-train.json").read_text())
     assert manifest["program"] == "client1-student-train.pte" and manifest["weights"] == "client1-student-train.ptd"
     assert [i["name"] for i in manifest["inputs"]] == list(TRAIN_INPUTS) and manifest["batch_size"] == 32
+    assert manifest["inputs"][5] == {"name": "kd_direction", "dtype": "float32", "shape": []}
+    assert manifest["kd_direction"] == "teacher_student"
     module = TrainingModule(
         _load_for_executorch(str(tmp_path / manifest["program"]), str(tmp_path / manifest["weights"]))
     )

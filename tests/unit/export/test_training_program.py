@@ -88,6 +88,7 @@ def test_the_program_keeps_the_weights_apart_and_loads_from_files_like_an_app(tm
             torch.zeros(8, 10),
             torch.tensor(0.2),
             torch.tensor(1.0),
+            torch.tensor(1.0),  # kd_direction: KL(teacher ‖ student)
         ),
     )
     # assert: other weights give the same program, byte for byte, and another .ptd; the loaded weights are the

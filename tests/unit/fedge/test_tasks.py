@@ -21,6 +21,7 @@ def test_round_trip_and_defaults():
         "sgd_momentum": C.SGD_MOMENTUM,
         "kd_lambda": C.KD_LAMBDA,
         "temperature": C.KD_TEMPERATURE,
+        "kd_direction": "teacher_student",
     }
     assert TrainTask.from_config(config) == TASK
     minimal = {"epochs": 2, "batch_size": 16, "lr": 1e-3, "seed": 5, "upload": True}
@@ -39,6 +40,8 @@ def test_round_trip_and_defaults():
         ({"lr": float("nan")}, "lr=nan is not a valid float"),
         ({"epochs": 0}, "must be positive"),
         ({"sgd_momentum": 1.0}, "sgd_momentum in"),
+        ({"kd_direction": "reverse"}, "kd_direction must be one of teacher_student, student_teacher, got 'reverse'"),
+        ({"kd_direction": 1}, "kd_direction=1 is not a valid str"),
         ({"bogus": 1}, r"unknown task config key\(s\) \['bogus'\]"),
     ],
 )
@@ -47,6 +50,14 @@ def test_a_bad_config_names_the_key(change, match):
     config = {k: v for k, v in config.items() if v is not None}
     with pytest.raises(TaskConfigError, match=match):
         TrainTask.from_config(config)
+
+
+def test_the_kl_direction_round_trips():
+    literal = TrainTask(epochs=2, batch_size=16, lr=1e-3, seed=5, upload=True, kd_direction="student_teacher")
+    assert literal.to_config()["kd_direction"] == "student_teacher"
+    assert TrainTask.from_config(literal.to_config()) == literal
+    with pytest.raises(TaskConfigError, match="teacher_student, student_teacher"):
+        TrainTask(epochs=2, batch_size=16, lr=1e-3, seed=5, upload=True, kd_direction="literal")
 
 
 def test_a_config_that_is_not_an_object_is_refused():

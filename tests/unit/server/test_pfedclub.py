@@ -9,6 +9,7 @@ from fedge.config import ConfigError
 from fedge.layers import LayerSpec as L
 from fedge.messages import ClientInfo, Result, Weights
 from fedge.spec import build, make_spec
+from fedge.tasks import TrainTask
 from fedge.zoo import create
 from server.assemble import candidate_spec
 from server.reassembly import Pool
@@ -53,6 +54,17 @@ def test_first_participation_has_no_teacher_and_teachers_are_kept_until_next_sel
     assert task.type == "kd_train" and task.models["teacher"] is teacher
     assert task.config["kd_lambda"] == pytest.approx(0.2)
     assert "1" not in s.teachers
+
+
+@pytest.mark.parametrize("name", ["pfedclub", "pfedhr"])
+def test_the_kd_train_task_carries_the_kl_direction_option(name):
+    default = make(name).plan(0, ["0"])["0"]
+    literal = make(name, kd_direction="student_teacher").plan(0, ["0"])["0"]
+    assert default.config["kd_direction"] == "teacher_student"
+    assert literal.config["kd_direction"] == "student_teacher"
+    assert TrainTask.from_config(literal.config).kd_direction == "student_teacher"
+    with pytest.raises(ConfigError, match="kd_direction must be one of teacher_student, student_teacher"):
+        make(name, kd_direction="reverse")
 
 
 def test_pfedclub_plus_teachers_respect_eta_and_profile():
