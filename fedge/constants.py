@@ -60,9 +60,6 @@ FINETUNE_BATCH_SIZE = 64  # the authors used 8; 64 keeps CPU fine-tuning tolerab
 AUGMENT_CROP_PAD = 2  # NT-Xent views (Eq. 3): shift by up to ±2 px ...
 AUGMENT_NOISE_STD = 0.1  # ... and add Gaussian noise (no paper value: ours)
 CANDIDATE_CHUNK = 32  # pFedClub builds, fine-tunes and matches a client's candidates this many at a time
-PFEDHR_MIN_BLOCKS = 4  # pFedHR candidate lengths and attempts (the authors' sample_models(4, 6, ...))
-PFEDHR_MAX_BLOCKS = 6
-PFEDHR_ATTEMPTS_PER_CANDIDATE = 50
 
 # Block features, CKA and grouping.
 FEATURE_BATCH_SIZE = 256

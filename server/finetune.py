@@ -267,6 +267,46 @@ def finetune_stitches(
     return finetune_candidates([(candidate, tuple(trainable_blocks))], x_public, y_public, cfg, device)[0]
 
 
+def finetune_model(
+    model: Weights,
+    x_public: torch.Tensor,
+    y_public: torch.Tensor | None,
+    cfg: FinetuneConfig = FinetuneConfig(),
+    device: Device = "cpu",
+) -> Weights:
+    """A copy of a whole model with all parameters fine-tuned on public data (pFedHR §3.1.3, before Eq. (5)).
+
+    Adam, train mode, cfg.epochs passes: CE on y_public if cfg.labeled (as Eq. (2)), else NT-Xent on the
+    logits of two augmented views (Eq. (3); y_public is never read). Each pass splits a cfg.seed permutation
+    into equal batches of at most cfg.batch_size (no one-sample tail for BatchNorm). Views and dropout come
+    from cfg.seed with the global RNG forked and restored, so the copy is deterministic. `model` is never
+    changed; the copy comes back on the CPU. Bad input or divergence raises as finetune_candidates does.
+    """
+    _check_public(model.spec, x_public, y_public, cfg)
+    x = x_public.to(device)
+    y = y_public.to(device) if cfg.labeled and y_public is not None else None
+    gen = torch.Generator().manual_seed(cfg.seed)
+    with torch.random.fork_rng():  # building the module and dropout draw from the global generator
+        torch.manual_seed(cfg.seed)
+        module = load_module(model.spec, model.state, device).train()
+        opt = torch.optim.Adam(module.parameters(), lr=cfg.lr)
+        for _ in range(cfg.epochs):
+            perm = torch.randperm(len(x), generator=gen)
+            for idx in perm.tensor_split(-(-len(x) // cfg.batch_size)):
+                idx = idx.to(x.device)
+                if y is not None:
+                    loss = F.cross_entropy(module(x[idx]), y[idx])
+                else:
+                    views = torch.cat([augment(x[idx], gen, cfg.crop_pad, cfg.noise_std) for _ in range(2)])
+                    loss = nt_xent(*module(views).chunk(2), cfg.tau)
+                if not torch.isfinite(loss):
+                    raise ValueError(f"fine-tuning model {model.spec.name!r} diverged: loss is {float(loss)}")
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+    return Weights(model.spec, {k: v.detach().to("cpu").clone() for k, v in module.state_dict().items()})
+
+
 # --- matching (Eq. 4) -------------------------------------------------------------------------
 
 

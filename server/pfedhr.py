@@ -1,4 +1,4 @@
-"""pFedHR (NeurIPS 2023): one shared pool of rule-checked candidates (its Alg. 1), matched to each client."""
+"""pFedHR (NeurIPS 2023): one shared pool of candidates from its Alg. 1, matched to each client (Eq. (5))."""
 
 from __future__ import annotations
 
@@ -6,12 +6,14 @@ import logging
 from typing import Any
 
 import numpy as np
+import torch
 
+from fedge import constants as C
 from fedge.messages import Weights
 from fedge.seeding import derive_seed
 from server.assemble import assemble
-from server.finetune import best_match, public_logits
-from server.pfedhr_candidates import PFedHROptions, block_operations, classifier_keys, pfedhr_candidates
+from server.finetune import FinetuneConfig, best_match, finetune_model, public_logits
+from server.pfedhr_candidates import block_operations, depth_order, pfedhr_candidates
 from server.reassembly import Pool, ReassemblyOptions, ReassemblyStrategy
 from server.strategy import register_strategy
 
@@ -20,36 +22,64 @@ log = logging.getLogger(__name__)
 
 @register_strategy("pfedhr", ReassemblyOptions)
 class PFedHR(ReassemblyStrategy):
-    """Candidates R1–R4 over all uploaded blocks, stitched and fine-tuned once; each client takes the one whose
-    logits match its own best (Eq. (4) of pFedClub, pFedHR's §3.2 selection). Sizes are not controlled."""
+    """Alg. 1 over all uploaded blocks (groups in depth order, `depth_order`) → stitched candidates shared by all
+    clients → each client takes the candidate whose logits are most cosine-similar (Eq. (5)) to those of a copy of
+    its model fine-tuned, all parameters, on the public data (§3.1.3). Candidates, as for pFedClub, train only their
+    stitches (pFedClub Eq. (2), or Eq. (3) unlabeled). The copy serves only the matching: the uploaded model, and
+    what the client gets, are untouched. M is what Alg. 1 finds (possibly 0: no teachers); sizes are not controlled.
+    """
 
     def make_teachers(self, rnd: int, pool: Pool) -> dict[str, tuple[Weights | None, dict[str, Any]]]:
+        """The shared candidates, then each uploader's best match; a client whose match fails gets no teacher."""
         any_spec = next(iter(pool.uploads.values())).spec
         with self.stage("candidates"):
-            rng = np.random.default_rng(derive_seed(self.config.seed, "pfedhr", rnd))
-            blocks = list(pool.blocks.values())
-            keys = pfedhr_candidates(
-                pool.groups,
-                block_operations(blocks),
-                rng,
-                PFedHROptions(),
-                classifier_keys(blocks),
-            )
+            search = pfedhr_candidates(depth_order(pool.groups), block_operations(pool.blocks.values()))
+            rng = np.random.default_rng(derive_seed(self.config.seed, "pfedhr", rnd))  # stitch weights only
             candidates = [
                 assemble(
                     f"pfedhr-r{rnd}-{i}", [pool.blocks[k] for k in ks], any_spec.input_shape, any_spec.num_classes, rng
                 )
-                for i, ks in enumerate(keys)
+                for i, ks in enumerate(search.candidates)
             ]
+        log.info(
+            "round %d: pFedHR Alg. 1 built %d candidates (one per block), %d failed R3, %d failed R4, kept M = %d",
+            rnd,
+            search.generated,
+            search.failed_r3,
+            search.failed_r4,
+            len(candidates),
+        )
+        info = {"candidates": len(candidates), "candidates_generated": search.generated}
         if not candidates:
             log.warning("round %d: pFedHR found no candidate passing R1-R4; clients keep training without one", rnd)
-            return {cid: (None, {"candidates": 0}) for cid in pool.uploads}
+            return {cid: (None, dict(info)) for cid in pool.uploads}
         tuned = self.finetune(rnd, "shared", candidates)
-        with self.stage("matching"):  # every candidate's logits once, then each client's own (Eq. (4))
+        with self.stage("matching"):
             tuned_logits = public_logits(tuned, self.public.x, self.config.device)
-            own_logits = public_logits(list(pool.uploads.values()), self.public.x, self.config.device)
-        out = {}
-        for cid, logits in zip(pool.uploads, own_logits):
-            best, scores = best_match(logits, tuned_logits)
-            out[cid] = (tuned[best], {"candidates": len(candidates), "match_score": scores[best]})
+        out: dict[str, tuple[Weights | None, dict[str, Any]]] = {}
+        for cid, own in pool.uploads.items():
+            try:
+                logits = self.finetuned_logits(rnd, cid, own)
+                with self.stage("matching"):
+                    best, scores = best_match(logits, tuned_logits)
+            except (ValueError, RuntimeError) as e:  # e.g. its copy diverged: the other clients go on
+                log.error("round %d client %s: no teacher this round, matching failed: %s", rnd, cid, e)
+                out[cid] = (None, info | {"teacher_error": str(e)})
+                continue
+            out[cid] = (tuned[best], info | {"match_score": scores[best]})
         return out
+
+    def finetuned_logits(self, rnd: int, cid: str, own: Weights) -> torch.Tensor:
+        """Logits on the public data of a copy of `own` fine-tuned, all parameters, for finetune_epochs (§3.1.3:
+        CE if the public data are labeled, NT-Xent on two views if not); `own` stays as uploaded."""
+        cfg = FinetuneConfig(
+            epochs=self.options.finetune_epochs,
+            lr=C.DEFAULT_LR,
+            tau=C.NT_XENT_TAU,
+            labeled=self.public.y is not None,
+            seed=derive_seed(self.config.seed, "finetune-client", rnd, cid) % 2**31,
+        )
+        with self.stage("finetune"):
+            copy = finetune_model(own, self.public.x, self.public.y, cfg, self.config.device)
+        with self.stage("matching"):
+            return public_logits([copy], self.public.x, self.config.device)[0]

@@ -1,4 +1,4 @@
-"""pFedHR's reassembly candidate search (its Alg. 1, rules R1-R4) as a seeded sampler over block keys.
+"""pFedHR's reassembly candidate search: its Alg. 1, a deterministic greedy scan under rules R1-R4.
 
 Layer-wise decomposition (pFedHR §3.1.2) is `server.blocks.split_blocks`: a "layer" here is one
 block of a client's spec, as pFedHR §4.2 itself builds blocks ("Conv" = conv + pool + BN + ReLU,
@@ -6,30 +6,33 @@ block of a client's spec, as pFedHR §4.2 itself builds blocks ("Conv" = conv + 
 Each block gets an operation type from its output: a feature map (C, H, W) is "conv", a vector is
 "fc", so O = {conv, fc} and the operation order of R2 is conv → fc.
 
-What the paper leaves open, and what is chosen here:
-- Alg. 1 lines 8-14 scan the groups in label order 1..K and take every pair that passes R1-R2,
-  which ties the candidates to arbitrary K-means labels and yields one fixed set; here each
-  extension step draws uniformly from all pool blocks that pass R1-R2 (the same rules), starting
-  from every eligible pair in turn (lines 2-7, in an rng-shuffled order), so the pool is diverse
-  and reproducible from `rng`. Lines 15-19 (R3, R4) are then checked as written.
-- M (the number of candidates) and the lengths are not fixed by the paper; the defaults follow
-  the authors' code (`sample_models(min_layers=4, max_layers=6, expected=4)`): M = 4, 4-6 blocks.
-- `classifier_last` (on by default; not a pFedHR rule): the last block must be some client's
-  classifier (the last block of its model). Otherwise the final stitch, ReLU(Wᵀx + b), would clip
-  the logits at zero.
-- R1 compares raw block indices, like the paper; R4 counts the group labels present in `groups`
-  (an empty K-means cluster has no label there). When the rules cannot be met (e.g. K >
-  max_blocks) the result is empty, as the supplement says Alg. 1 may return an empty C_t.
+Alg. 1 as written (`pfedhr_candidates`): for each group k = 1..K and each layer-operation pair q of
+G_k (lines 2-7), c_q starts as [q]; then for k' = 1..K the pairs of G_k' are scanned in order and
+every pair passing R1 (block index larger than that of the last block added) and R2 (never fc
+followed by conv) is appended (lines 8-14); c_q is kept if R3 (its operation types are all of the
+pool's) and R4 (it uses all K groups) hold (lines 15-19). Every c_q begins with its own pair, so the
+kept candidates are distinct without deduplication. M is whatever remains (§3.1.1: "not a fixed
+number"), possibly 0 (the supplement: a large K can leave C_t empty). There is no random choice.
+
+Where the paper is silent, our choices:
+- groups are scanned in ascending label order; K-means labels are arbitrary, so the strategy first
+  renumbers them by `depth_order` (mean relative depth of their blocks: the scan runs input → output);
+- pairs inside a group are scanned by (block index, client id in numeric order);
+- k' runs over all K groups, k itself included (the box loops k' = 1..K);
+- K in R4 is the number of group labels present in `groups` (an empty K-means cluster has none);
+- R1 compares raw block indices, like the paper.
+No rule asks for a classifier last: a candidate ending in a hidden fc block gets a final stitch to
+the classes, which has no ReLU (`server.assemble`).
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import defaultdict
 from dataclasses import dataclass
-from typing import Collection, Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
-import numpy as np
-
-from fedge.constants import PFEDHR_ATTEMPTS_PER_CANDIDATE, PFEDHR_MAX_BLOCKS, PFEDHR_MIN_BLOCKS
+from fedge.messages import client_order
 from fedge.spec import BlockSpec
 from server.blocks import Key, PoolBlock
 
@@ -40,26 +43,14 @@ OPERATION_ORDER: tuple[str, ...] = (CONV, FC)  # R2: an fc block is never follow
 
 
 @dataclass(frozen=True)
-class PFedHROptions:
-    """pFedHR candidate search settings; invalid values raise ValueError.
+class CandidateSearch:
+    """What one run of Alg. 1 did: the kept candidates C_t (M = len(candidates)), in scan order, and how
+    many c_q it built (one per layer-operation pair) and dropped at R3 and at R4 (R3 is checked first)."""
 
-    num_candidates: M, the most candidates returned (authors' code: 4); min_blocks, max_blocks:
-    candidate length bounds (authors' code: 4 and 6); classifier_last: the last block must be a
-    classifier (ours, see the module docstring); attempts_per_candidate: sampling budget, the
-    search stops after num_candidates * attempts_per_candidate walks.
-    """
-
-    num_candidates: int = 4  # the authors' expected_num_models
-    min_blocks: int = PFEDHR_MIN_BLOCKS
-    max_blocks: int = PFEDHR_MAX_BLOCKS
-    classifier_last: bool = True
-    attempts_per_candidate: int = PFEDHR_ATTEMPTS_PER_CANDIDATE
-
-    def __post_init__(self) -> None:
-        if self.num_candidates < 1 or self.attempts_per_candidate < 1:
-            raise ValueError(f"num_candidates and attempts_per_candidate must be >= 1, got {self}")
-        if not 1 <= self.min_blocks <= self.max_blocks:
-            raise ValueError(f"need 1 <= min_blocks <= max_blocks, got {self.min_blocks}, {self.max_blocks}")
+    candidates: tuple[Candidate, ...]
+    generated: int
+    failed_r3: int
+    failed_r4: int
 
 
 def operation_of(spec: BlockSpec) -> str:
@@ -72,42 +63,22 @@ def block_operations(blocks: Iterable[PoolBlock]) -> dict[Key, str]:
     return {b.key: operation_of(b.spec) for b in blocks}
 
 
-def classifier_keys(blocks: Iterable[PoolBlock]) -> frozenset[Key]:
-    """The last block of every client's model (the block that outputs its logits)."""
-    last: dict[str, int] = {}
-    for b in blocks:
-        last[b.client] = max(last.get(b.client, -1), b.index)
-    return frozenset(last.items())
+def depth_order(groups: Mapping[Key, int]) -> dict[Key, int]:
+    """The groups renumbered 0..K-1 by the mean relative depth of their blocks (ours: the paper's "1..K"
+    has no order, K-means labels are arbitrary); ties keep the old label order.
 
-
-def rule_violation(
-    candidate: Sequence[Key],
-    groups: Mapping[Key, int],
-    operations: Mapping[Key, str],
-    options: PFedHROptions = PFedHROptions(),
-    classifiers: Collection[Key] | None = None,
-) -> str | None:
-    """The first rule `candidate` breaks ("R1".."R4", "length", "classifier"), or None if it passes all.
-
-    R1 (Alg. 1 line 10): strictly increasing block indices; R2 (line 11): operation types in
-    OPERATION_ORDER; R3 (line 16): every operation type of the pool present; R4 (line 17): every
-    group label of the pool present. "classifier" is checked only when options.classifier_last and
-    `classifiers` is given. A key missing from `groups` or `operations` raises KeyError.
+    A block's relative depth is (index + 0.5) / depth of its model, the depth being one more than the
+    largest index of that client in `groups` (the strategy passes every block of every upload).
     """
-    if not options.min_blocks <= len(candidate) <= options.max_blocks:
-        return "length"
-    rank = [OPERATION_ORDER.index(operations[k]) for k in candidate]
-    if any(b[1] <= a[1] for a, b in zip(candidate, candidate[1:])):
-        return "R1"
-    if any(b < a for a, b in zip(rank, rank[1:])):
-        return "R2"
-    if {operations[k] for k in candidate} != set(operations[k] for k in groups):
-        return "R3"
-    if {groups[k] for k in candidate} != set(groups.values()):
-        return "R4"
-    if options.classifier_last and classifiers is not None and candidate[-1] not in classifiers:
-        return "classifier"
-    return None
+    depth: dict[str, int] = defaultdict(int)
+    for client, index in groups:
+        depth[client] = max(depth[client], index + 1)
+    members: dict[int, list[float]] = defaultdict(list)
+    for (client, index), label in groups.items():
+        members[label].append((index + 0.5) / depth[client])
+    ranked = sorted(members, key=lambda label: (statistics.fmean(members[label]), label))
+    new = {label: i for i, label in enumerate(ranked)}
+    return {key: new[label] for key, label in groups.items()}
 
 
 def _check(groups: Mapping[Key, int], operations: Mapping[Key, str]) -> None:
@@ -119,61 +90,42 @@ def _check(groups: Mapping[Key, int], operations: Mapping[Key, str]) -> None:
         raise ValueError(f"unknown operation types {unknown}; pFedHR rule R2 orders {OPERATION_ORDER}")
 
 
-def _walk(
-    start: Key,
-    keys: Sequence[Key],
-    rank: Mapping[Key, int],
-    length: int,
-    rng: np.random.Generator,
-    classifiers: Collection[Key] | None,
-) -> Candidate:
-    """Extend `start` (Alg. 1 lines 8-14) by uniform draws among blocks passing R1 and R2.
+def _scan_order(groups: Mapping[Key, int]) -> list[Key]:
+    """All pairs in Alg. 1's order: groups by ascending label, inside a group by (block index, client)."""
+    return sorted(groups, key=lambda k: (groups[k], k[1], client_order(k[0])))
 
-    With `classifiers`, the block at position `length` must be one, and a classifier ends the walk.
-    """
+
+def _extend(start: Key, order: Sequence[Key], rank: Mapping[Key, int]) -> Candidate:
+    """Alg. 1 lines 8-14: append every pair of `order` that passes R1 (index) and R2 (operation order)."""
     path = [start]
-    while len(path) < length and not (classifiers is not None and path[-1] in classifiers):
+    for key in order:
         last = path[-1]
-        nxt = [k for k in keys if k[1] > last[1] and rank[k] >= rank[last]]
-        if classifiers is not None and len(path) == length - 1:
-            nxt = [k for k in nxt if k in classifiers]
-        if not nxt:
-            break
-        path.append(nxt[int(rng.integers(len(nxt)))])
+        if key[1] > last[1] and rank[key] >= rank[last]:
+            path.append(key)
     return tuple(path)
 
 
-def pfedhr_candidates(
-    groups: Mapping[Key, int],
-    operations: Mapping[Key, str],
-    rng: np.random.Generator,
-    options: PFedHROptions = PFedHROptions(),
-    classifiers: Collection[Key] | None = None,
-) -> list[Candidate]:
-    """Up to M distinct candidates passing R1-R4 (pFedHR Alg. 1), shared by all clients of the round.
+def pfedhr_candidates(groups: Mapping[Key, int], operations: Mapping[Key, str]) -> CandidateSearch:
+    """pFedHR Alg. 1 over the pool: one c_q per pair, kept if it passes R3 and R4; shared by all clients.
 
-    Starts are the pool blocks whose operation type comes first in the pool's order (no other
-    start can pass R2 and R3), visited in an rng-shuffled cycle; each walk draws a target length
-    in [min_blocks, max_blocks], extends by `_walk`, and is kept if `rule_violation` passes it
-    and it is new. Pass `classifiers` (see `classifier_keys`) to apply options.classifier_last.
-    Returns [] for an empty pool or when no walk within the budget passes. Deterministic given
-    the rng state. Raises ValueError for a grouped block without an operation type or an
-    operation type outside OPERATION_ORDER.
+    `groups` maps every pool block to its group label (scanned in ascending label order: pass it through
+    `depth_order` first for the depth order), `operations` every block to "conv" or "fc". Deterministic:
+    the result depends only on the two mappings' contents, not on their insertion order. An empty pool
+    gives no candidates. Raises ValueError for a grouped block without an operation type or an operation
+    type outside OPERATION_ORDER.
     """
     _check(groups, operations)
-    if not groups:
-        return []
-    keys = sorted(groups, key=lambda k: (k[1], k[0]))
-    rank = {k: OPERATION_ORDER.index(operations[k]) for k in keys}
-    first = min(rank.values())
-    starts = [keys[i] for i in rng.permutation(len(keys)) if rank[keys[i]] == first]
-    heads = classifiers if options.classifier_last else None
-    found: dict[Candidate, None] = {}
-    for attempt in range(options.num_candidates * options.attempts_per_candidate):
-        length = int(rng.integers(options.min_blocks, options.max_blocks + 1))
-        path = _walk(starts[attempt % len(starts)], keys, rank, length, rng, heads)
-        if rule_violation(path, groups, operations, options, heads) is None:
-            found[path] = None
-            if len(found) == options.num_candidates:
-                break
-    return list(found)
+    order = _scan_order(groups)
+    rank = {k: OPERATION_ORDER.index(operations[k]) for k in order}
+    all_operations, all_groups = {operations[k] for k in order}, set(groups.values())
+    kept: list[Candidate] = []
+    failed_r3 = failed_r4 = 0
+    for start in order:  # lines 2-7: every pair of G_1, then of G_2, ...
+        candidate = _extend(start, order, rank)
+        if {operations[k] for k in candidate} != all_operations:  # line 16, R3
+            failed_r3 += 1
+        elif {groups[k] for k in candidate} != all_groups:  # line 17, R4
+            failed_r4 += 1
+        else:
+            kept.append(candidate)
+    return CandidateSearch(tuple(kept), len(order), failed_r3, failed_r4)

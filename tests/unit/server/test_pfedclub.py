@@ -28,7 +28,8 @@ def spec(cid):
 
 
 def make(name, **options):
-    s = create_strategy(name, CONFIG, PUBLIC, {"finetune_epochs": 1, "max_candidates": 2} | options)
+    cap = {"max_candidates": 2} if name.startswith("pfedclub") else {}
+    s = create_strategy(name, CONFIG, PUBLIC, {"finetune_epochs": 1} | cap | options)
     s.setup({cid: ClientInfo(cid, spec(cid), "rpi-4", 20, 5) for cid in MODELS})
     return s
 

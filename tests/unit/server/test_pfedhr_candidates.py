@@ -1,120 +1,135 @@
-"""pFedHR candidate search (its Alg. 1): every candidate passes R1-R4, over many seeds and real zoo pools."""
+"""pFedHR candidate search (its Alg. 1): hand-derived scans, R3/R4 rejections, determinism, real zoo pools."""
+
+import random
 
 import numpy as np
 import pytest
 
 from server.blocks import split_blocks
-from server.pfedhr_candidates import (
-    PFedHROptions,
-    block_operations,
-    classifier_keys,
-    operation_of,
-    pfedhr_candidates,
-    rule_violation,
-)
+from server.pfedhr_candidates import CandidateSearch, block_operations, depth_order, operation_of, pfedhr_candidates
 
 pytestmark = pytest.mark.timeout(120)
+CONV, FC = "conv", "fc"
 
 
-@pytest.fixture(scope="module")
-def uploads(zoo_uploads):
-    return zoo_uploads
+def keys(text):
+    """ "a0 b2" → (("a", 0), ("b", 2))."""
+    return tuple((k[0], int(k[1:])) for k in text.split())
 
 
-def random_pool(uploads, rng, k=4):
-    """2-6 clients with random zoo models, split into blocks; groups follow depth with random shifts."""
-    names = sorted(uploads)
-    pool = []
-    for c in range(int(rng.integers(2, 7))):
-        pool += split_blocks(f"c{c}", uploads[names[int(rng.integers(len(names)))]])
-    depth = {b.client: b.index + 1 for b in pool}
-    if rng.random() < 0.5:
-        groups = {b.key: min(k - 1, int(k * b.index / depth[b.client] + rng.random() * 0.8)) for b in pool}
-    else:
-        groups = {b.key: int(rng.integers(k)) for b in pool}
-    return pool, groups
+def pool(spec):
+    """{"a0": (group, op), ...} → (groups, operations) keyed by (client, index)."""
+    groups = {keys(k)[0]: g for k, (g, _) in spec.items()}
+    return groups, {keys(k)[0]: op for k, (_, op) in spec.items()}
 
 
-def check_rules(candidate, pool, groups, options):
-    """R1-R4 and the length / classifier constraints, checked from the specs independently."""
-    spec = {b.key: b.spec for b in pool}
-    last = {b.client: max(x.index for x in pool if x.client == b.client) for b in pool}
-    assert options.min_blocks <= len(candidate) <= options.max_blocks
-    assert all(a[1] < b[1] for a, b in zip(candidate, candidate[1:])), "R1 layer order"
-    kinds = ["conv" if len(spec[k].out_shape) == 3 else "fc" for k in candidate]
-    assert kinds == sorted(kinds, key=["conv", "fc"].index), "R2 conv before fc"
-    assert set(kinds) == {"conv", "fc"}, "R3 all operation types"
-    assert {groups[k] for k in candidate} == set(groups.values()), "R4 all groups"
-    assert candidate[-1][1] == last[candidate[-1][0]], "ends with a classifier"
-    assert spec[candidate[-1]].out_shape == (10,)
+# a: conv fc; b: conv conv fc; c: conv conv conv conv fc
+HAND = {
+    "a0": (0, CONV), "b0": (0, CONV), "c0": (0, CONV),
+    "a1": (1, FC), "b1": (1, CONV), "c1": (1, CONV), "c2": (1, CONV),
+    "b2": (2, FC), "c3": (2, CONV), "c4": (2, FC),
+}  # fmt: skip
 
 
-def test_operation_types_from_shapes(uploads):
-    ops = [operation_of(b.spec) for b in split_blocks("a", uploads["cnn1"])]
-    assert ops == ["conv", "conv", "fc", "fc"]
-    blocks = split_blocks("a", uploads["mobilenet_v2"])
-    assert classifier_keys(blocks) == frozenset({("a", len(blocks) - 1)})
+def test_hand_built_pool_gives_exactly_the_scan_of_alg_1():
+    # Scan order (groups 0, 1, 2; inside a group by (index, client)): a0 b0 c0 | a1 b1 c1 c2 | b2 c3 c4.
+    # start a0: a1 (idx 1 > 0, conv → fc); b1 c1 R1; c2 R2 (conv after fc); b2 (idx 2, fc); c3 R2; c4 → a0 a1 b2 c4
+    # start b0, c0: the same tail → b0 a1 b2 c4, c0 a1 b2 c4
+    # start a1 (fc): b2 c4 → a1 b2 c4, only fc: R3
+    # start b1 (conv, idx 1): c2 c3 c4 → b1 c2 c3 c4, groups {1, 2}: R4; c1 likewise: R4
+    # start c2: c3 c4 → groups {1, 2}: R4; b2: c4 → R3; c3: c4 → groups {2}: R4; c4 alone: R3
+    groups, ops = pool(HAND)
+    search = pfedhr_candidates(groups, ops)
+    assert search == CandidateSearch(
+        candidates=(keys("a0 a1 b2 c4"), keys("b0 a1 b2 c4"), keys("c0 a1 b2 c4")),
+        generated=10,
+        failed_r3=3,
+        failed_r4=4,
+    )
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_every_candidate_satisfies_r1_to_r4_on_random_zoo_pools(uploads, seed):
-    rng = np.random.default_rng(seed)
-    pool, groups = random_pool(uploads, rng)
-    options = PFedHROptions(num_candidates=6)
-    candidates = pfedhr_candidates(groups, block_operations(pool), rng, options, classifier_keys(pool))
-    assert len(candidates) == len(set(candidates)) <= 6
-    for candidate in candidates:
-        check_rules(candidate, pool, groups, options)
+def test_the_scan_includes_groups_before_the_start_and_r4_drops_a_candidate_missing_a_group():
+    # a: conv fc; b: conv fc. G0 = a0 a1, G1 = b0 b1; order a0 a1 | b0 b1.
+    # a0: a1 → (a0, a1) has both operations but only group 0: R4. a1, b1: fc alone: R3.
+    # b0 (in G1): the scan starts again at G0 (k' = 1..K) and takes a1 → (b0, a1): kept.
+    groups, ops = pool({"a0": (0, CONV), "a1": (0, FC), "b0": (1, CONV), "b1": (1, FC)})
+    assert pfedhr_candidates(groups, ops) == CandidateSearch((keys("b0 a1"),), 4, 2, 1)
 
 
-def test_pools_yield_candidates_most_of_the_time(uploads):
-    found = 0
-    for seed in range(40):
-        rng = np.random.default_rng(seed)
-        pool, groups = random_pool(uploads, rng)
-        found += bool(pfedhr_candidates(groups, block_operations(pool), rng, PFedHROptions(), classifier_keys(pool)))
-    assert found >= 30
+def test_r3_drops_a_candidate_missing_an_operation_even_when_it_uses_every_group():
+    # a: conv conv; b: one fc block. G0 = a0 b0, G1 = a1; order a0 b0 a1.
+    # a0: b0 R1, a1 → (a0, a1): groups {0, 1} but no fc: R3. b0: a1 is conv after fc (R2) → (b0): R3. a1: R3.
+    groups, ops = pool({"a0": (0, CONV), "b0": (0, FC), "a1": (1, CONV)})
+    assert pfedhr_candidates(groups, ops) == CandidateSearch((), 3, 3, 0)
 
 
-def test_same_rng_same_candidates(uploads):
-    pool, groups = random_pool(uploads, np.random.default_rng(3))
-    ops, heads = block_operations(pool), classifier_keys(pool)
-    runs = [pfedhr_candidates(groups, ops, np.random.default_rng(s), PFedHROptions(), heads) for s in (9, 9, 10)]
-    assert runs[0] == runs[1] and len(runs[0]) == 4
-    assert runs[0] != runs[2]
+def test_more_groups_than_any_candidate_can_use_gives_no_candidates():
+    # indices 0..3 only, so a candidate has at most 4 blocks (R1) but there are K = 5 groups (R4)
+    groups, ops = pool({"a0": (0, CONV), "a1": (1, CONV), "a2": (2, CONV), "a3": (3, FC), "b0": (4, CONV)})
+    search = pfedhr_candidates(groups, ops)
+    assert search.candidates == () and search.failed_r4 > 0
+    assert pfedhr_candidates({}, {}) == CandidateSearch((), 0, 0, 0)
 
 
-def test_hand_made_pool():
-    # model a: conv conv fc fc; model b: conv fc. Groups: early convs 0, late conv 1, fcs 2.
-    ops = {("a", 0): "conv", ("a", 1): "conv", ("a", 2): "fc", ("a", 3): "fc", ("b", 0): "conv", ("b", 1): "fc"}
-    groups = {("a", 0): 0, ("b", 0): 0, ("a", 1): 1, ("a", 2): 2, ("a", 3): 2, ("b", 1): 2}
-    options = PFedHROptions(num_candidates=10, min_blocks=3, max_blocks=4)
-    heads = frozenset({("a", 3), ("b", 1)})
-    candidates = pfedhr_candidates(groups, ops, np.random.default_rng(0), options, heads)
-    # R4 needs a,1 (alone in group 1), R1 then needs an index-0 conv first and indices > 1 after;
-    # a classifier last leaves a,3 (b,1 has index 1): x, a1, [a2,] a3 for x in {a0, b0}.
-    expected = [(x, ("a", 1)) + mid + (("a", 3),) for x in (("a", 0), ("b", 0)) for mid in ((("a", 2),), ())]
-    assert sorted(candidates) == sorted(expected)
-    assert rule_violation((("a", 0), ("a", 1), ("b", 1)), groups, ops, options, heads) == "R1"
-    assert rule_violation((("a", 0), ("a", 2), ("a", 3)), groups, ops, options, heads) == "R4"
-    assert rule_violation((("a", 0), ("a", 1), ("a", 2)), groups, ops, options, heads) == "classifier"
-    ops_bad = {**ops, ("a", 2): "conv", ("a", 1): "fc"}
-    assert rule_violation((("a", 0), ("a", 1), ("a", 2), ("a", 3)), groups, ops_bad, options, heads) == "R2"
-    convs_only = (("a", 0), ("a", 1))
-    assert rule_violation(convs_only, groups, ops, PFedHROptions(min_blocks=2), None) == "R3"
+def test_same_input_same_output_whatever_the_dict_order():
+    groups, ops = pool(HAND)
+    items = list(groups.items())
+    random.Random(4).shuffle(items)
+    shuffled = dict(items)
+    assert pfedhr_candidates(groups, ops) == pfedhr_candidates(groups, ops) == pfedhr_candidates(shuffled, ops)
 
 
-def test_too_many_groups_for_the_length_gives_no_candidates():
-    ops = {("a", i): "conv" if i < 3 else "fc" for i in range(6)}
-    groups = {("a", i): i for i in range(6)}  # K = 6 > max_blocks = 4: R4 cannot hold
-    assert pfedhr_candidates(groups, ops, np.random.default_rng(0), PFedHROptions(max_blocks=4)) == []
-    assert pfedhr_candidates({}, {}, np.random.default_rng(0)) == []
+def test_numeric_client_order_inside_a_group():
+    # clients "10" and "2" both have a conv at index 1 in G1: "2" comes first (numeric order), so it is taken
+    groups, ops = pool({"x0": (0, CONV), "x2": (2, FC)})
+    groups |= {("10", 1): 1, ("2", 1): 1}
+    ops |= {("10", 1): CONV, ("2", 1): CONV}
+    assert pfedhr_candidates(groups, ops).candidates == ((("x", 0), ("2", 1), ("x", 2)),)
+
+
+def test_depth_order_numbers_groups_from_input_to_output():
+    # relative depths (index + 0.5) / depth: a (4 blocks) .125 .375 .625 .875; b (2 blocks) .25 .75
+    # label 7 = {a0, a1}: .25; label 3 = {a2, b0}: .4375; label 5 = {a3, b1}: .8125 → 7, 3, 5 become 0, 1, 2
+    labels = dict(zip(keys("a0 a1 a2 a3 b0 b1"), (7, 7, 3, 5, 3, 5)))
+    assert depth_order(labels) == dict(zip(keys("a0 a1 a2 a3 b0 b1"), (0, 0, 1, 2, 1, 2)))
+    tie = dict(zip(keys("a0 a1 b0 b1"), (9, 4, 4, 9)))  # both labels have mean depth .5: the lower label first
+    assert depth_order(tie) == dict(zip(keys("a0 a1 b0 b1"), (1, 0, 0, 1)))
+    assert depth_order({}) == {}
 
 
 def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="no operation type"):
-        pfedhr_candidates({("a", 0): 0}, {}, np.random.default_rng(0))
+        pfedhr_candidates({("a", 0): 0}, {})
     with pytest.raises(ValueError, match="unknown operation"):
-        pfedhr_candidates({("a", 0): 0}, {("a", 0): "pool"}, np.random.default_rng(0))
-    with pytest.raises(ValueError, match="min_blocks"):
-        PFedHROptions(min_blocks=5, max_blocks=4)
+        pfedhr_candidates({("a", 0): 0}, {("a", 0): "pool"})
+
+
+def test_operation_types_from_shapes(zoo_uploads):
+    assert [operation_of(b.spec) for b in split_blocks("a", zoo_uploads["cnn1"])] == [CONV, CONV, FC, FC]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_every_candidate_satisfies_r1_to_r4_on_random_zoo_pools(zoo_uploads, seed):
+    """2-6 clients with random zoo models and random groups; the rules checked from the specs independently."""
+    rng = np.random.default_rng(seed)
+    names = sorted(zoo_uploads)
+    blocks = [b for c in range(int(rng.integers(2, 7))) for b in split_blocks(str(c), zoo_uploads[rng.choice(names)])]
+    groups = depth_order({b.key: int(rng.integers(4)) for b in blocks})
+    spec = {b.key: b.spec for b in blocks}
+    search = pfedhr_candidates(groups, block_operations(blocks))
+    assert search.generated == len(blocks) == len(search.candidates) + search.failed_r3 + search.failed_r4
+    assert len(set(search.candidates)) == len(search.candidates)
+    for candidate in search.candidates:
+        assert all(a[1] < b[1] for a, b in zip(candidate, candidate[1:])), "R1 layer order"
+        kinds = [CONV if len(spec[k].out_shape) == 3 else FC for k in candidate]
+        assert kinds == sorted(kinds, key=[CONV, FC].index), "R2 conv before fc"
+        assert set(kinds) == {CONV, FC}, "R3 all operation types"
+        assert {groups[k] for k in candidate} == set(groups.values()), "R4 all groups"
+
+
+def test_depth_ordered_cnn_pool_yields_candidates(zoo_uploads):
+    blocks = [b for c, name in enumerate(("cnn1", "cnn2", "cnn3")) for b in split_blocks(str(c), zoo_uploads[name])]
+    depth = {b.client: b.index + 1 for b in blocks}
+    groups = {b.key: int(4 * b.index / depth[b.client]) for b in blocks}  # 4 groups by relative depth
+    search = pfedhr_candidates(depth_order(groups), block_operations(blocks))
+    assert {c[0] for c in search.candidates} >= {("0", 0), ("1", 0), ("2", 0)}  # each model's first block starts one
