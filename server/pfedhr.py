@@ -3,24 +3,41 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from fedge import constants as C
+from fedge.config import ConfigError
 from fedge.messages import Weights
 from fedge.seeding import derive_seed
 from server.assemble import assemble
 from server.finetune import FinetuneConfig, best_match, finetune_model, public_logits
-from server.pfedhr_candidates import block_operations, depth_order, pfedhr_candidates
+from server.pfedhr_candidates import SCANS, block_operations, depth_order, pfedhr_candidates
 from server.reassembly import Pool, ReassemblyOptions, ReassemblyStrategy
-from server.strategy import register_strategy
+from server.strategy import option, register_strategy
 
 log = logging.getLogger(__name__)
 
 
-@register_strategy("pfedhr", ReassemblyOptions)
+@dataclass(frozen=True)
+class PFedHROptions(ReassemblyOptions):
+    """pFedHR's options: the shared ones, plus how Alg. 1's scan reads lines 9-14."""
+
+    scan: str = option(
+        "first",
+        "Alg. 1 lines 9-14: each group gives its first pair passing R1-R2 (first) or every such pair (every)",
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.scan not in SCANS:
+            raise ConfigError(f"scan must be one of {', '.join(SCANS)}, got {self.scan!r}")
+
+
+@register_strategy("pfedhr", PFedHROptions)
 class PFedHR(ReassemblyStrategy):
     """Alg. 1 over all uploaded blocks (groups in depth order, `depth_order`) → stitched candidates shared by all
     clients → each client takes the candidate whose logits are most cosine-similar (Eq. (5)) to those of a copy of
@@ -33,7 +50,9 @@ class PFedHR(ReassemblyStrategy):
         """The shared candidates, then each uploader's best match; a client whose match fails gets no teacher."""
         any_spec = next(iter(pool.uploads.values())).spec
         with self.stage("candidates"):
-            search = pfedhr_candidates(depth_order(pool.groups), block_operations(pool.blocks.values()))
+            search = pfedhr_candidates(
+                depth_order(pool.groups), block_operations(pool.blocks.values()), self.options.scan
+            )
             rng = np.random.default_rng(derive_seed(self.config.seed, "pfedhr", rnd))  # stitch weights only
             candidates = [
                 assemble(

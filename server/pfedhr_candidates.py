@@ -7,12 +7,19 @@ Each block gets an operation type from its output: a feature map (C, H, W) is "c
 "fc", so O = {conv, fc} and the operation order of R2 is conv → fc.
 
 Alg. 1 as written (`pfedhr_candidates`): for each group k = 1..K and each layer-operation pair q of
-G_k (lines 2-7), c_q starts as [q]; then for k' = 1..K the pairs of G_k' are scanned in order and
-every pair passing R1 (block index larger than that of the last block added) and R2 (never fc
-followed by conv) is appended (lines 8-14); c_q is kept if R3 (its operation types are all of the
-pool's) and R4 (it uses all K groups) hold (lines 15-19). Every c_q begins with its own pair, so the
-kept candidates are distinct without deduplication. M is whatever remains (§3.1.1: "not a fixed
-number"), possibly 0 (the supplement: a large K can leave C_t empty). There is no random choice.
+G_k (lines 2-7), c_q starts as [q]; then for k' = 1..K the pairs of G_k' are checked in order against
+R1 (block index larger than that of the last block added) and R2 (never fc followed by conv), and a
+passing pair is appended (lines 8-14); c_q is kept if R3 (its operation types are all of the pool's)
+and R4 (it uses all K groups) hold (lines 15-19). Lines 9-14 ("check a pair from G_k' ... if True,
+add the pair ...; move to the next pair") read two ways, both offered (`scan`):
+- "first" (default): each G_k' gives the first pair that passes, then the scan moves to G_k'+1, so a
+  candidate has at most K + 1 blocks, like the 5-layer candidate of the supplement's Fig. 7 (K = 4)
+  and the authors' 4-6 block candidates;
+- "every": each G_k' gives every pair that passes. Greedy on depth, it exhausts the deep blocks early:
+  on Zoo I digits runs it kept 0 of 18 and 1 of 24 candidates, so most rounds have no teacher.
+Every c_q begins with its own pair, so the kept candidates are distinct without deduplication. M is
+whatever remains (§3.1.1: "not a fixed number"), possibly 0 (the supplement: a large K can leave C_t
+empty). There is no random choice.
 
 Where the paper is silent, our choices:
 - groups are scanned in ascending label order; K-means labels are arbitrary, so the strategy first
@@ -95,25 +102,36 @@ def _scan_order(groups: Mapping[Key, int]) -> list[Key]:
     return sorted(groups, key=lambda k: (groups[k], k[1], client_order(k[0])))
 
 
-def _extend(start: Key, order: Sequence[Key], rank: Mapping[Key, int]) -> Candidate:
-    """Alg. 1 lines 8-14: append every pair of `order` that passes R1 (index) and R2 (operation order)."""
-    path = [start]
+def _extend(start: Key, order: Sequence[Key], rank: Mapping[Key, int], groups: Mapping[Key, int] | None) -> Candidate:
+    """Alg. 1 lines 8-14: append the pairs of `order` that pass R1 (index) and R2 (operation order); with
+    `groups`, only the first such pair of each group (scan "first"), else every one (scan "every")."""
+    path, done = [start], set()
     for key in order:
         last = path[-1]
+        if groups is not None and groups[key] in done:
+            continue
         if key[1] > last[1] and rank[key] >= rank[last]:
             path.append(key)
+            if groups is not None:
+                done.add(groups[key])
     return tuple(path)
 
 
-def pfedhr_candidates(groups: Mapping[Key, int], operations: Mapping[Key, str]) -> CandidateSearch:
+SCANS = ("first", "every")
+
+
+def pfedhr_candidates(groups: Mapping[Key, int], operations: Mapping[Key, str], scan: str = "first") -> CandidateSearch:
     """pFedHR Alg. 1 over the pool: one c_q per pair, kept if it passes R3 and R4; shared by all clients.
 
     `groups` maps every pool block to its group label (scanned in ascending label order: pass it through
     `depth_order` first for the depth order), `operations` every block to "conv" or "fc". Deterministic:
     the result depends only on the two mappings' contents, not on their insertion order. An empty pool
-    gives no candidates. Raises ValueError for a grouped block without an operation type or an operation
-    type outside OPERATION_ORDER.
+    gives no candidates. `scan` is how many pairs each group G_k' gives (module docstring). Raises ValueError
+    for a grouped block without an operation type, an operation type outside OPERATION_ORDER, or an unknown
+    scan.
     """
+    if scan not in SCANS:
+        raise ValueError(f"scan must be one of {SCANS}, got {scan!r}")
     _check(groups, operations)
     order = _scan_order(groups)
     rank = {k: OPERATION_ORDER.index(operations[k]) for k in order}
@@ -121,7 +139,7 @@ def pfedhr_candidates(groups: Mapping[Key, int], operations: Mapping[Key, str]) 
     kept: list[Candidate] = []
     failed_r3 = failed_r4 = 0
     for start in order:  # lines 2-7: every pair of G_1, then of G_2, ...
-        candidate = _extend(start, order, rank)
+        candidate = _extend(start, order, rank, groups if scan == "first" else None)
         if {operations[k] for k in candidate} != all_operations:  # line 16, R3
             failed_r3 += 1
         elif {groups[k] for k in candidate} != all_groups:  # line 17, R4

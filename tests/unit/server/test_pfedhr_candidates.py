@@ -31,7 +31,22 @@ HAND = {
 }  # fmt: skip
 
 
-def test_hand_built_pool_gives_exactly_the_scan_of_alg_1():
+def test_hand_built_pool_gives_exactly_the_first_pair_per_group_scan_of_alg_1():
+    # Scan order a0 b0 c0 | a1 b1 c1 c2 | b2 c3 c4; each group gives its first pair passing R1-R2.
+    # start a0: G0 none (index 0); G1 a1 (conv → fc); G2 b2 → a0 a1 b2, kept; b0 and c0 likewise.
+    # a1 (fc): G1's c2 is conv after fc (R2); G2 b2 → a1 b2: fc only, R3.
+    # b1, c1: G1 c2, G2 c3 (b2's index 2 is not > 2) → conv only, R3. c2: c3 → R3. b2: c4 → R3 (c3: R2).
+    # c3: c4 → groups {2}: R4. c4 alone: R3.
+    groups, ops = pool(HAND)
+    assert pfedhr_candidates(groups, ops) == CandidateSearch(
+        candidates=(keys("a0 a1 b2"), keys("b0 a1 b2"), keys("c0 a1 b2")),
+        generated=10,
+        failed_r3=6,
+        failed_r4=1,
+    )
+
+
+def test_hand_built_pool_gives_exactly_the_every_pair_scan_of_alg_1():
     # Scan order (groups 0, 1, 2; inside a group by (index, client)): a0 b0 c0 | a1 b1 c1 c2 | b2 c3 c4.
     # start a0: a1 (idx 1 > 0, conv → fc); b1 c1 R1; c2 R2 (conv after fc); b2 (idx 2, fc); c3 R2; c4 → a0 a1 b2 c4
     # start b0, c0: the same tail → b0 a1 b2 c4, c0 a1 b2 c4
@@ -39,7 +54,7 @@ def test_hand_built_pool_gives_exactly_the_scan_of_alg_1():
     # start b1 (conv, idx 1): c2 c3 c4 → b1 c2 c3 c4, groups {1, 2}: R4; c1 likewise: R4
     # start c2: c3 c4 → groups {1, 2}: R4; b2: c4 → R3; c3: c4 → groups {2}: R4; c4 alone: R3
     groups, ops = pool(HAND)
-    search = pfedhr_candidates(groups, ops)
+    search = pfedhr_candidates(groups, ops, scan="every")
     assert search == CandidateSearch(
         candidates=(keys("a0 a1 b2 c4"), keys("b0 a1 b2 c4"), keys("c0 a1 b2 c4")),
         generated=10,
