@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.compare import hardware  # noqa: E402
 from edge_client.training import TrainConfig, train  # noqa: E402
 from fedge.config import config_from  # noqa: E402
+from fedge.constants import DEFAULT_WIDTHS, WIDTHS  # noqa: E402
 from fedge.data import load_dataset  # noqa: E402
 from fedge.messages import Result  # noqa: E402
 from fedge.partition import make_partition  # noqa: E402
@@ -41,6 +42,7 @@ def main() -> None:
     p.add_argument("--local-epochs", type=int, default=10)
     p.add_argument("--strategy", default="pfedclub")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--widths", choices=WIDTHS, default=DEFAULT_WIDTHS, help="zoo width preset (fedge/zoo.py)")
     args = p.parse_args()
     cfg = config_from(
         dict(
@@ -48,6 +50,7 @@ def main() -> None:
             dataset=args.dataset,
             data=args.data,
             zoo="I",
+            widths=args.widths,
             clients=args.clients,
             active=args.active,
             device=args.device,
