@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fedge import zoo  # noqa: E402
+from fedge.constants import DEFAULT_WIDTHS, WIDTHS  # noqa: E402
 from fedge.messages import Weights  # noqa: E402
 from fedge.spec import build  # noqa: E402
 from server.cka import block_similarity, choose_method, linear_cka  # noqa: E402
@@ -56,10 +57,10 @@ def hardware() -> str:
     )
 
 
-def models() -> list[Weights]:
+def models(widths: str) -> list[Weights]:
     out = []
     for i, name in enumerate(MODELS):
-        spec = zoo.create(name, (1, 28, 28), 10)
+        spec = zoo.create(name, (1, 28, 28), 10, widths)
         torch.manual_seed(i)
         out.append(Weights(spec, build(spec).state_dict()))
     return out
@@ -143,11 +144,12 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--budget", type=float, default=4.0, help="seconds per naive-loop measurement")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--widths", choices=WIDTHS, default=DEFAULT_WIDTHS, help="zoo width preset (fedge/zoo.py)")
     args = parser.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     print(hardware())
-    weights = models()
+    weights = models(args.widths)
     print(
         f"models: {', '.join(MODELS)} → B = {sum(len(w.spec.blocks) for w in weights)} blocks, "
         f"{len(distinct_dims(weights, 'pool'))} distinct feature tensors; device {args.device}"

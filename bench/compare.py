@@ -1,6 +1,7 @@
 """Side-by-side comparison of local, pFedHR, pFedClub and pFedClub+ on one partition and seeds.
 
     python bench/compare.py --data-dir ../shared/data [--datasets mnist cifar10] [--zoos III I] [--seeds 0 1]
+        [--widths paper]
 
 Prints the hardware, one row per (dataset, zoo, strategy): final mean accuracy ± std over seeds, mean
 teacher parameters, mean ϕ (pFedClub Eq. 6) overall and per model type, server seconds per round; then
@@ -24,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fedge.config import config_from  # noqa: E402
+from fedge.constants import DEFAULT_WIDTHS, WIDTHS  # noqa: E402
 from launch.simulation import run_simulation  # noqa: E402
 
 STRATEGIES = ("local", "pfedhr", "pfedclub", "pfedclub+")
@@ -53,13 +55,14 @@ def mean_std(values: list[float]) -> str:
 
 
 def run_one(args: argparse.Namespace, dataset: str, zoo: str, strategy: str, seed: int) -> dict:
-    out = Path(args.out) / f"{dataset}-zoo{zoo}-{strategy}-s{seed}"
+    out = Path(args.out) / f"{dataset}-zoo{zoo}-{args.widths}-{strategy}-s{seed}"
     cfg = config_from(
         dict(
             strategy=strategy,
             dataset=dataset,
             data=str(Path(args.data_dir) / f"{dataset}.npz"),
             zoo=zoo,
+            widths=args.widths,
             clients=args.clients,
             active=args.active,
             rounds=args.rounds,
@@ -117,12 +120,13 @@ def main() -> None:
     p.add_argument("--public-samples", type=int, default=500)
     p.add_argument("--eta", type=float, default=0.1)
     p.add_argument("--out", default="runs/bench-compare")
+    p.add_argument("--widths", choices=WIDTHS, default=DEFAULT_WIDTHS, help="zoo width preset (fedge/zoo.py)")
     args = p.parse_args()
     print(f"hardware: {hardware()}")
     print(
         f"setting: non-IID 2 classes/client, {args.clients} clients, {args.active} active, {args.rounds} rounds, "
         f"{args.local_epochs} local epochs, ≤{args.samples_per_client} samples/client, "
-        f"{args.public_samples} public samples, seeds {args.seeds}",
+        f"{args.public_samples} public samples, seeds {args.seeds}, {args.widths} widths",
         flush=True,
     )
     cells = {}

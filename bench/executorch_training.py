@@ -66,6 +66,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3, help="epochs timed per runtime (median)")
+    p.add_argument("--widths", choices=C.WIDTHS, default=C.DEFAULT_WIDTHS, help="zoo width preset (fedge/zoo.py)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     ds = load_dataset(args.dataset, args.data)
@@ -88,7 +89,7 @@ def main() -> None:
     print(head)
     print("-" * len(head))
     for name in MODELS:
-        spec = create(name, ds.input_shape, ds.num_classes)
+        spec = create(name, ds.input_shape, ds.num_classes, args.widths)
         try:
             trainable_form(spec, build(spec))
         except ValueError as e:

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.compare import hardware  # noqa: E402
 from edge_client.training import TrainConfig, train  # noqa: E402
 from fedge.config import config_from  # noqa: E402
+from fedge.constants import DEFAULT_WIDTHS, WIDTHS  # noqa: E402
 from fedge.data import load_dataset  # noqa: E402
 from fedge.messages import Result  # noqa: E402
 from fedge.partition import make_partition  # noqa: E402
@@ -59,6 +60,7 @@ def main() -> None:
     p.add_argument("--strategies", nargs="+", default=["pfedclub", "pfedhr"])
     p.add_argument("--set", action="append", default=[], metavar="[STRATEGY:]KEY=VALUE", help="a strategy option")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--widths", choices=WIDTHS, default=DEFAULT_WIDTHS, help="zoo width preset (fedge/zoo.py)")
     args = p.parse_args()
     options = parse_sets(args.set, args.strategies)
     cfg = config_from(
@@ -67,6 +69,7 @@ def main() -> None:
             dataset=args.dataset,
             data=args.data,
             zoo="I",
+            widths=args.widths,
             clients=args.clients,
             active=args.active,
             device=args.device,

@@ -38,6 +38,7 @@ class RunConfig:
     dataset: str = C.DEFAULT_DATASET
     data: str | None = None
     zoo: str = C.DEFAULT_ZOO
+    widths: str = C.DEFAULT_WIDTHS  # the zoo's width preset: cpu (shrunk for CPU runs) or paper (fedge/zoo.py)
     clients: int = C.DEFAULT_CLIENTS
     active: int = C.DEFAULT_ACTIVE
     rounds: int = C.DEFAULT_ROUNDS
@@ -99,6 +100,10 @@ class RunConfig:
             )
         if not isinstance(self.export_onnx, bool):
             raise ConfigError(f"export_onnx must be true or false, got {self.export_onnx!r}")
+        if self.widths not in C.WIDTHS:
+            raise ConfigError(
+                f"widths must be one of {', '.join(C.WIDTHS)} (the zoo's width preset), got {self.widths!r}"
+            )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
 

@@ -36,6 +36,10 @@ DEFAULT_SEED = 0
 DEFAULT_RUNS_DIR = "runs"
 # Device profiles the simulated fleet cycles through (all run eager PyTorch).
 DEFAULT_FLEET_PROFILES = ("rpi-4", "rpi-5", "jetson-orin-nano")
+# Zoo width presets (fedge/zoo.py): `cpu` shrinks the models for CPU runs, `paper` follows the authors' CNN1-CNN4
+# and standard-width MobileNets.
+WIDTHS = ("cpu", "paper")
+DEFAULT_WIDTHS = "cpu"
 
 # Data.
 DATA_CACHE_DIR = "~/.cache/fedge"

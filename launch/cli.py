@@ -62,7 +62,7 @@ def cmd_zoo(args: argparse.Namespace) -> None:
 
     rows = []
     for name in MODELS:
-        spec = create(name, args.input, args.classes)
+        spec = create(name, args.input, args.classes, args.widths)
         try:
             check_trainable(spec)
             executorch = "yes"
@@ -151,6 +151,7 @@ RUN_FLAGS = (
     "dataset",
     "data",
     "zoo",
+    "widths",
     "clients",
     "active",
     "rounds",
@@ -343,6 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("zoo", help="list the model zoo with parameters and MACs")
     p.add_argument("--input", type=_shape, default=(1, 28, 28), help="input shape CxHxW (default 1x28x28)")
     p.add_argument("--classes", type=int, default=10, help="number of classes (default 10)")
+    p.add_argument(
+        "--widths", choices=C.WIDTHS, default=C.DEFAULT_WIDTHS, help=f"width preset (default {C.DEFAULT_WIDTHS})"
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_zoo)
 
@@ -394,6 +398,12 @@ def add_run_parser(sub: Any) -> None:
         "--zoo",
         help="I, II, III, one model name (a homogeneous fleet), or model names "
         "separated by commas, given to clients in turn (e.g. cnn4,cnn2 with profiles rpi-4,android-mid-range)",
+    )
+    p.add_argument(
+        "--widths",
+        choices=C.WIDTHS,
+        help=f"zoo width preset (default {C.DEFAULT_WIDTHS}): cpu shrinks the models for CPU runs; paper has the "
+        "authors' CNN1-CNN4 channel counts and standard-width MobileNets",
     )
     p.add_argument("--clients", type=int, help="number of clients N")
     p.add_argument("--active", type=int, help="clients per round M")

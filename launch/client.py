@@ -31,16 +31,18 @@ log = logging.getLogger(__name__)
 def make_agent(
     cfg: RunConfig, ds: Dataset, shard: ClientShard, model: str, profile_name: str, state_dir: Path | None = None
 ) -> ClientAgent:
-    """One simulated client; its model must fit its device profile (ConfigError says which limit fails) and, on
-    an `executorch` profile, pass the ExecuTorch gradient-parity gate (it then trains through ExecuTorch).
-    With `state_dir` it keeps its model snapshots there and continues from them when started again."""
-    spec = create(model, ds.input_shape, ds.num_classes)
+    """One simulated client with the zoo's `model` at the run's widths; its model must fit its device profile
+    (ConfigError says which limit fails) and, on an `executorch` profile, pass the ExecuTorch gradient-parity gate
+    (it then trains through ExecuTorch). With `state_dir` it keeps its model snapshots there and continues from
+    them when started again."""
+    spec = create(model, ds.input_shape, ds.num_classes, cfg.widths)
     profile = get_profile(profile_name)
     verdict = fits(spec, profile)
     if not verdict.ok:
+        smaller = ", widths=cpu" if cfg.widths != C.DEFAULT_WIDTHS else ""
         raise ConfigError(
-            f"client {shard.client_id}: model {model} does not fit device profile {profile_name}: "
-            f"{'; '.join(verdict.failures)}. Choose other --set profiles=... or another zoo"
+            f"client {shard.client_id}: model {model} (widths {cfg.widths}) does not fit device profile "
+            f"{profile_name}: {'; '.join(verdict.failures)}. Choose other --set profiles=...{smaller} or another zoo"
         )
     trainer = None
     if profile.runtime == "executorch":  # export and executorch load only for the devices that train through them

@@ -82,10 +82,12 @@ def run_federation_rounds(
     A round that misses its quorum on every try writes the summary so far and raises RoundFailed."""
     out = run_folder(cfg, resume)
     runlog = RunLog(out, cfg.to_dict() | {"out": str(out)}, resume=resume)
-    loop = LoopConfig(cfg.rounds, cfg.active, cfg.seed, cfg.local_epochs, progress, cfg.min_replies, cfg.round_retries)
+    loop = LoopConfig(
+        cfg.rounds, cfg.active, cfg.seed, cfg.local_epochs, progress, cfg.min_replies, cfg.round_retries, cfg.widths
+    )
     coordinator = Coordinator(strategy, transport, clients, loop, runlog)
     start = time.perf_counter()
-    extra = {"dataset": cfg.dataset, "zoo": cfg.zoo, "out": str(out)}
+    extra = {"dataset": cfg.dataset, "zoo": cfg.zoo, "widths": cfg.widths, "out": str(out)}
     try:
         summary = coordinator.run(resume)
     except RoundFailed as e:
@@ -93,7 +95,7 @@ def run_federation_rounds(
         raise
     summary |= extra | {"wall_seconds": time.perf_counter() - start} | transport.report()
     runlog.write_json("summary.json", summary)
-    write_plots(runlog.rows(), summary, out, f"{cfg.strategy} on {cfg.dataset}, zoo {cfg.zoo}")
+    write_plots(runlog.rows(), summary, out, f"{cfg.strategy} on {cfg.dataset}, zoo {cfg.zoo} ({cfg.widths} widths)")
     finals = strategy.final_models()
     if finals:
         from export.run_models import write_final_models  # ONNX export loads only when there is something to export
@@ -125,7 +127,7 @@ def serve(
         out = run_folder(cfg, resume)
         check_resumable(
             load_tree(out / CHECKPOINT_FILE),
-            run_identity(cfg.strategy, [str(i) for i in range(cfg.clients)], cfg.seed, cfg.active),
+            run_identity(cfg.strategy, [str(i) for i in range(cfg.clients)], cfg.seed, cfg.active, cfg.widths),
             out,
         )
     ds, partition = load_partitioned(cfg)

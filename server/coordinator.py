@@ -43,7 +43,8 @@ class RoundFailed(StrategyError):
 @dataclass(frozen=True)
 class LoopConfig:
     """Rounds, clients per round, the seed, the quorum (min_replies training replies, else the round is
-    tried again up to round_retries more times), and whether to draw a progress bar."""
+    tried again up to round_retries more times), whether to draw a progress bar, and the zoo width preset the
+    fleet's models were built at (part of what a checkpoint must share with a run that resumes it)."""
 
     rounds: int
     active: int
@@ -52,6 +53,7 @@ class LoopConfig:
     progress: bool = True
     min_replies: int = C.MIN_REPLIES
     round_retries: int = C.ROUND_RETRIES
+    widths: str = C.DEFAULT_WIDTHS
 
 
 def sample_clients(client_ids: Sequence[str], active: int, seed: int, rnd: int) -> list[str]:
@@ -133,18 +135,31 @@ def norm_outliers(results: Mapping[str, Result]) -> dict[str, str]:
     return out
 
 
-def run_identity(strategy: str, clients: Iterable[str], seed: int, active: int) -> dict[str, Any]:
+def run_identity(
+    strategy: str, clients: Iterable[str], seed: int, active: int, widths: str = C.DEFAULT_WIDTHS
+) -> dict[str, Any]:
     """What a checkpoint must share with a run to be resumed by it."""
-    return {"strategy": strategy, "clients": sorted(clients, key=client_order), "seed": seed, "active": active}
+    return {
+        "strategy": strategy,
+        "clients": sorted(clients, key=client_order),
+        "seed": seed,
+        "active": active,
+        "widths": widths,
+    }
+
+
+# Identity fields added after checkpoints were first written, with the value every older checkpoint had.
+IDENTITY_BEFORE_RECORDED = {"widths": C.DEFAULT_WIDTHS}
 
 
 def check_resumable(tree: Tree, identity: Mapping[str, Any], out: Path) -> Tree:
     """`tree` (the checkpoint of the run folder `out`) if it was written by a run of this `identity`; else
     CheckpointError naming the first field that differs."""
     for key, mine in identity.items():
-        if tree.get(key) != mine:
+        theirs = tree.get(key, IDENTITY_BEFORE_RECORDED.get(key))
+        if theirs != mine:
             raise CheckpointError(
-                f"the checkpoint in {out} was written with {key}={tree.get(key)!r}, this run has "
+                f"the checkpoint in {out} was written with {key}={theirs!r}, this run has "
                 f"{mine!r}; resume with the run's own configuration"
             )
     return tree
@@ -266,7 +281,7 @@ class Coordinator:
 
     def identity(self) -> dict[str, Any]:
         """What a checkpoint must share with this run to be resumed by it."""
-        return run_identity(self.strategy.name, self.clients, self.loop.seed, self.loop.active)
+        return run_identity(self.strategy.name, self.clients, self.loop.seed, self.loop.active, self.loop.widths)
 
     def checkpoint(self, next_round: int) -> Tree:
         """The checkpoint after a completed round: the next round, this loop's counters, the strategy's state."""

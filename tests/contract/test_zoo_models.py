@@ -1,23 +1,25 @@
-"""Every registered zoo model, at both input sizes: builds, counts, round-trips, runs block by block."""
+"""Every registered zoo model, at both input sizes and both width presets: builds, counts, round-trips, runs block
+by block."""
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from fedge import constants as C
 from fedge.spec import ModelSpec, build
 from fedge.weights import from_bytes, load_model, save_model, to_bytes
 from fedge.zoo import MODELS, create
 
 pytestmark = pytest.mark.timeout(120)
 SHAPES = [(1, 28, 28), (3, 32, 32)]
-CASES = [(name, shape) for name in MODELS for shape in SHAPES]
+CASES = [(name, shape, widths) for name in MODELS for shape in SHAPES for widths in C.WIDTHS]
 
 
-@pytest.fixture(params=CASES, ids=lambda c: f"{c[0]}-{'x'.join(map(str, c[1]))}")
+@pytest.fixture(params=CASES, ids=lambda c: f"{c[0]}-{'x'.join(map(str, c[1]))}-{c[2]}")
 def model(request):
-    name, shape = request.param
+    name, shape, widths = request.param
     torch.manual_seed(0)
-    spec = create(name, shape, 10)
+    spec = create(name, shape, 10, widths)
     return spec, build(spec).eval()
 
 

@@ -1,21 +1,24 @@
 """The run engine end to end in one process: both strategies, the run folder contract, failures."""
 
+import dataclasses
 import json
 
 import pytest
 
 from edge_client.agent import ClientAgent
-from fedge.config import RunConfig, config_from
+from fedge import constants as C
+from fedge.checkpoint import CheckpointError, load_tree
+from fedge.config import RunConfig, config_from, load_config
 from fedge.data import load_dataset
 from fedge.messages import Task
 from fedge.partition import make_partition
 from fedge.transport import InProcTransport
-from fedge.zoo import assign_models
-from launch.client import make_agent
+from fedge.zoo import assign_models, create
+from launch.client import client_agents, make_agent
 from launch.runs import partition_config
 from launch.simulation import run_simulation
 from server.coordinator import Coordinator, LoopConfig, RoundFailed, sample_clients
-from server.runlog import RunLog
+from server.runlog import CHECKPOINT_FILE, RunLog
 from server.strategy import StrategyConfig, StrategyError, create_strategy
 
 pytestmark = pytest.mark.timeout(300)
@@ -81,6 +84,33 @@ def test_fedavg_learns_a_shared_model(tmp_path):
 def test_fedavg_refuses_a_heterogeneous_zoo(tmp_path):
     with pytest.raises(StrategyError, match="same model"):
         run_simulation(config(tmp_path, strategy="fedavg"), progress=False)
+
+
+def test_paper_widths_reach_the_clients_models_and_a_resume_keeps_them(tmp_path):
+    cfg = config(
+        tmp_path,
+        strategy="fedavg",
+        zoo="cnn2",
+        clients=2,
+        active=2,
+        rounds=1,
+        widths="paper",
+        max_samples_per_client=40,
+    )
+    run_simulation(cfg, progress=False)
+    out = tmp_path / "run"
+    paper = create("cnn2", (1, 8, 8), 10, "paper")
+    assert [ly.args["out_channels"] for b in paper.blocks for ly in b.layers if ly.type == "conv2d"] == [10, 64, 128]
+    for cid in ("0", "1"):  # each client's model after the round, as its agent saved it, and the server's aggregate
+        snapshot = load_tree(max((out / C.CLIENT_STATE_DIR / cid).glob("round-*.safetensors")))
+        assert snapshot["model"].spec == paper.with_origin(cid)
+    assert load_tree(out / CHECKPOINT_FILE)["strategy_state"]["global"].spec.params == paper.params
+    assert load_tree(out / CHECKPOINT_FILE)["widths"] == "paper"
+    # `fedge client` processes read the run's config.json (launch/federation.py); `fedge server --resume` too
+    recorded = load_config(out / "config.json", {})
+    assert recorded.widths == "paper" and client_agents(recorded, ["1"])[0].spec == paper.with_origin("1")
+    with pytest.raises(CheckpointError, match="widths='paper', this run has 'cpu'"):
+        run_simulation(dataclasses.replace(cfg, widths="cpu", rounds=2), progress=False, resume=True)
 
 
 def fleet(tmp_path, cfg):

@@ -9,6 +9,7 @@ from edge_client.agent import ClientAgent
 from fedge.checkpoint import CheckpointError, load_tree, tree_digest
 from fedge.config import config_from
 from launch.simulation import run_simulation
+from server.coordinator import check_resumable, run_identity
 from server.runlog import CHECKPOINT_FILE
 
 pytestmark = pytest.mark.timeout(600)
@@ -92,3 +93,11 @@ def test_a_finished_run_can_be_extended(tmp_path):
     summary = run_simulation(config(tmp_path / "run", "local", rounds=2), progress=False, resume=True)
     assert summary["rounds"] == 2 and len(summary["server_seconds"]) == 2
     assert sorted({r["round"] for r in rows(tmp_path / "run")}) == [0, 1]
+
+
+def test_a_checkpoint_from_before_widths_were_recorded_resumes_only_at_cpu_widths(tmp_path):
+    identity = run_identity("local", ["0", "1"], 0, 2)
+    older = {k: v for k, v in identity.items() if k != "widths"}  # what a checkpoint held before the key existed
+    assert check_resumable(older, identity, tmp_path) is older
+    with pytest.raises(CheckpointError, match="widths='cpu', this run has 'paper'"):
+        check_resumable(older, run_identity("local", ["0", "1"], 0, 2, "paper"), tmp_path)

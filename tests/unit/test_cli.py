@@ -34,6 +34,12 @@ def test_zoo_json_contract(capsys):
     }
 
 
+def test_zoo_lists_the_paper_widths(capsys):
+    code, out, _ = run(capsys, "zoo", "--json", "--input", "3x32x32", "--widths", "paper")
+    params = {r["name"]: r["params"] for r in json.loads(out)}
+    assert code == 0 and params["mobilenet_v2"] == 2_236_682 and params["cnn1"] == 222_184
+
+
 def test_profiles_json_contract(capsys):
     code, out, _ = run(capsys, "profiles", "--json")
     rows = json.loads(out)
@@ -97,6 +103,7 @@ def test_run_prints_per_client_accuracy(capsys, tmp_path):
         (["run", "--set", "rounds"], "--set expects key=value"),
         (["run", "--clients", "2", "--active", "5"], "active (5) cannot exceed clients (2)"),
         (["run", "--zoo", "IV"], "unknown zoo 'IV'"),
+        (["run", "--set", "widths=huge"], "widths must be one of cpu, paper (the zoo's width preset), got 'huge'"),
         (["run", "--dataset", "imagenet"], "unknown dataset"),
         (["run", "--config", "/nonexistent.toml"], "cannot read config file"),
         (["data", "--dataset", "mnist", "--data", "/nonexistent"], "/nonexistent"),
