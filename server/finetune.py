@@ -1,4 +1,5 @@
-"""Stitch fine-tuning of reassembled candidates on public data, and teacher matching (pFedClub §3.2.3)."""
+"""Fine-tuning on public data (stitches of reassembled candidates, pFedClub §3.2.3; whole client copies, pFedHR
+§3.1.3) and teacher matching (Eq. (4))."""
 
 from __future__ import annotations
 
