@@ -1,13 +1,13 @@
 """pFedClub's and pFedHR's server step on the same uploads, side by side, against one client's local training.
 
     python bench/server_step.py [--dataset mnist-5k] [--active 5] [--local-epochs 10] [--device cpu]
-                                [--strategies pfedclub pfedhr] [--set pfedclub:max_candidates=0 ...]
+                                [--strategies pfedclub pfedclub@4 pfedhr] [--set pfedclub:exclude_self=true ...]
 
-Zoo I, MNIST-size data: `--active` clients train briefly (so their features mean something) and upload;
-then each strategy runs one aggregation on those same uploads. Prints seconds per stage (features/CKA,
-grouping, candidate generation, stitch fine-tuning, matching) for each strategy, the ratio of each
-strategy's total to the first one's, candidates generated and kept per client with seconds per kept
-candidate, and each total as a ratio to the mean wall time of one client's local training
+Zoo I, MNIST-size data: `--active` clients train briefly (so their features mean something) and upload; then
+each strategy runs one aggregation on those same uploads. Prints seconds per stage (features/CKA, grouping,
+candidate generation, stitch fine-tuning, matching) for each strategy, the ratio of each strategy's total to
+the first one's (`NAME@K` is NAME with max_candidates=K), candidates generated and kept per client with
+seconds per kept candidate, and each total as a ratio to the mean wall time of one client's local training
 (`--local-epochs` epochs, the paper's 10 by default), all from this one run. With a cap on pFedClub's
 candidates it also prints what every candidate (Alg. 1 line 20) would cost at the measured seconds each.
 """
@@ -63,10 +63,11 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--widths", choices=WIDTHS, default=DEFAULT_WIDTHS, help="zoo width preset (fedge/zoo.py)")
     args = p.parse_args()
-    options = parse_sets(args.set, args.strategies)
+    names = {column: column.partition("@")[0] for column in args.strategies}
+    options = parse_sets(args.set, sorted(set(names.values())))
     cfg = config_from(
         dict(
-            strategy=args.strategies[0],
+            strategy=names[args.strategies[0]],
             dataset=args.dataset,
             data=args.data,
             zoo="I",
@@ -101,7 +102,9 @@ def main() -> None:
         block_features(w.models["local"], x_public[:64], device=args.device)
     totals, times, rows = {}, {}, {}
     for name in args.strategies:
-        strategy = create_strategy(name, strategy_config(cfg), PublicData(x_public, y_public), options[name])
+        cap = name.partition("@")[2]
+        chosen = options[names[name]] | ({"max_candidates": cap} if cap else {})
+        strategy = create_strategy(names[name], strategy_config(cfg), PublicData(x_public, y_public), chosen)
         strategy.setup({a.client_id: a.info() for a in agents})
         strategy.plan(0, list(results))
         start = time.perf_counter()
