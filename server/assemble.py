@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Sequence, TypeVar
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -26,7 +26,6 @@ from server.blocks import PoolBlock, model_of
 
 STITCH_MODEL = "stitch"  # Origin.model of a stitch block; its Origin.client is None and block -1
 Part = PoolBlock | BlockSpec
-C = TypeVar("C", bound=Sequence[Part])
 
 
 def _spec_of(part: Part) -> BlockSpec:
@@ -55,24 +54,22 @@ def consecutive(a: Origin | None, b: Origin) -> bool:
     return (a.model, a.client, a.block + 1) == (b.model, b.client, b.block)
 
 
-def candidate_spec(
-    name: str, blocks: Sequence[Part], input_shape: Shape, num_classes: int
-) -> tuple[ModelSpec, tuple[int, ...]]:
-    """The stitched spec of `blocks` in order, and the positions of its stitch blocks; no tensors.
+def stitched_blocks(
+    blocks: Sequence[Part], input_shape: Shape, num_classes: int | None
+) -> tuple[list[BlockSpec], tuple[int, ...]]:
+    """`blocks` in order with their stitches, and the stitches' positions; no tensors.
 
     A stitch goes at every seam between blocks that were not consecutive in one uploaded model (the
     model input counts as the block before each model's first block), and wherever consecutive shapes
-    differ, the last out_shape vs (num_classes,) included; nowhere else. Pool blocks keep their spec,
-    with origin (model, client, index). Raises ValueError for no blocks and SpecError for a shape no
-    stitch can produce.
+    differ, the last out_shape vs (num_classes,) included; nowhere else. num_classes None stops at the
+    last block's output (a prefix of a candidate, as pFedClub+'s pruning sizes it). Pool blocks keep
+    their spec, with origin (model, client, index). Raises SpecError for a shape no stitch can produce.
     """
-    if not blocks:
-        raise ValueError(f"candidate {name!r} has no blocks; a candidate needs at least one")
     specs = [_spec_of(b) for b in blocks]
     out: list[BlockSpec] = []
     stitches: list[int] = []
     shape = tuple(input_shape)
-    for j, target in enumerate([s.in_shape for s in specs] + [(num_classes,)]):
+    for j, target in enumerate([s.in_shape for s in specs] + ([] if num_classes is None else [(num_classes,)])):
         seam = j < len(specs) and not consecutive(specs[j - 1].origin if j else None, specs[j].origin)
         if shape != tuple(target) or seam:
             stitches.append(len(out))
@@ -80,7 +77,20 @@ def candidate_spec(
         if j < len(specs):
             out.append(specs[j])
             shape = specs[j].out_shape
-    return ModelSpec(name, tuple(input_shape), num_classes, tuple(out)), tuple(stitches)
+    return out, tuple(stitches)
+
+
+def candidate_spec(
+    name: str, blocks: Sequence[Part], input_shape: Shape, num_classes: int
+) -> tuple[ModelSpec, tuple[int, ...]]:
+    """The stitched spec of `blocks` in order (`stitched_blocks`), and the positions of its stitch blocks.
+
+    Raises ValueError for no blocks and SpecError for a shape no stitch can produce.
+    """
+    if not blocks:
+        raise ValueError(f"candidate {name!r} has no blocks; a candidate needs at least one")
+    out, stitches = stitched_blocks(blocks, input_shape, num_classes)
+    return ModelSpec(name, tuple(input_shape), num_classes, tuple(out)), stitches
 
 
 def stitched_params(blocks: Sequence[Part], input_shape: Shape, num_classes: int) -> int:
@@ -136,7 +146,7 @@ def assemble(
 ) -> tuple[Weights, tuple[int, ...]]:
     """A candidate model (spec + tensors) from pool blocks, and the positions of its stitch blocks.
 
-    Blocks are placed in order with stitches where shapes differ (`candidate_spec`); stitch
+    Blocks are placed in order with stitches at seams and where shapes differ (`candidate_spec`); stitch
     weights are fresh from `rng`; block tensors are copied, so training the candidate never
     changes the pool. Only the stitches are meant to be trained (pFedClub Eq. (2)-(3)).
     Raises ValueError for no blocks, SpecError for impossible shapes, and WeightsError when a
@@ -150,37 +160,25 @@ def assemble(
     return weights, stitches
 
 
-def size_problems(spec: ModelSpec, client_params: int, eta: float | None, profile: DeviceProfile | None) -> list[str]:
+def size_problems(
+    blocks: Sequence[Part], client_spec: ModelSpec, eta: float | None, profile: DeviceProfile | None = None
+) -> list[str]:
+    """Why the candidate stitched from `blocks` breaks |w*| ≤ (1+η)|w| or the device profile; [] if it does not.
+
+    pFedClub+ (§4.4): |w*| is the stitched candidate's parameter count (stitches included, from
+    specs alone), |w| = client_spec.params; the model's input shape and classes are the client's.
+    eta=None skips the bound (plain pFedClub); profile=None skips `fits` (params, MACs, memory).
+    Raises like `within_size_bound` for eta <= -1 or not finite, and like `candidate_spec` for an
+    empty candidate.
+    """
+    spec, _ = candidate_spec("candidate", blocks, client_spec.input_shape, client_spec.num_classes)
     problems = []
-    if eta is not None and not within_size_bound(spec.params, client_params, eta):
+    if eta is not None and not within_size_bound(spec.params, client_spec.params, eta):
         problems.append(
-            f"params {spec.params:,} > (1+η)|w| = {(1 + eta) * client_params:,.1f} "
-            f"(η={eta}, |w|={client_params:,}; pFedClub+ §4.4)"
+            f"params {spec.params:,} > (1+η)|w| = {(1 + eta) * client_spec.params:,.1f} "
+            f"(η={eta}, |w|={client_spec.params:,}; pFedClub+ §4.4)"
         )
     if profile is not None:
         verdict = fits(spec, profile)
         problems += [f"does not fit profile {profile.name!r}: {f}" for f in verdict.failures]
     return problems
-
-
-def filter_by_size(
-    candidates: Sequence[C], client_spec: ModelSpec, eta: float | None, profile: DeviceProfile | None = None
-) -> tuple[list[C], list[tuple[C, str]]]:
-    """Split candidates into those within |w*| ≤ (1+η)|w| and the device profile, and the rest with reasons.
-
-    pFedClub+ (§4.4): |w*| is the stitched candidate's parameter count (stitches included, from
-    specs alone), |w| = client_spec.params; the model's input shape and classes are the client's.
-    eta=None skips the bound (plain pFedClub); profile=None skips `fits` (params, MACs, memory).
-    Order is kept. Raises like `within_size_bound` for eta <= -1 or not finite, and like
-    `candidate_spec` for an empty candidate.
-    """
-    kept: list[C] = []
-    rejected: list[tuple[C, str]] = []
-    for candidate in candidates:
-        spec, _ = candidate_spec("candidate", candidate, client_spec.input_shape, client_spec.num_classes)
-        problems = size_problems(spec, client_spec.params, eta, profile)
-        if problems:
-            rejected.append((candidate, "; ".join(problems)))
-        else:
-            kept.append(candidate)
-    return kept, rejected

@@ -309,16 +309,3 @@ def cmsr_search(
         if max_candidates is not None and len(kept) == max_candidates:
             break
     return CmsrResult([c for _, c in sorted(kept)], paths.total, rejected, anchor)
-
-
-def cmsr_candidates(
-    client: str,
-    num_blocks: int,
-    groups: Mapping[Key, int],
-    rng: np.random.Generator,
-    options: CmsrOptions = CmsrOptions(),
-    similarity: Callable[[Key, Key], float] | None = None,
-    max_candidates: int | None = None,
-) -> list[Candidate]:
-    """The candidate list of `cmsr_search` (same arguments, same errors), in lexicographic step order."""
-    return cmsr_search(client, num_blocks, groups, rng, options, similarity, max_candidates).candidates

@@ -15,7 +15,7 @@ from fedge.config import ConfigError
 from fedge.messages import Weights
 from fedge.seeding import derive_seed
 from fedge.spec import ModelSpec
-from server.assemble import STITCH_MODEL, assemble, candidate_spec, size_problems
+from server.assemble import assemble, size_problems, stitched_blocks
 from server.cmsr import Candidate, CmsrOptions, CmsrResult, Prune, cmsr_search
 from server.finetune import best_match, public_logits
 from server.reassembly import Pool, ReassemblyOptions, ReassemblyStrategy
@@ -120,8 +120,7 @@ class PFedClub(ReassemblyStrategy):
         if self.size_bound:
             prune, accept = self.size_checks(pool, own, self.profiles[cid])
         if self.options.exclude_self:
-            own_keys = tuple((cid, i) for i in range(len(own.blocks)))
-            accept = _both(accept, lambda keys: keys != own_keys)
+            accept = _both(accept, lambda keys: keys != own_keys(cid, own))
         return cmsr_search(
             cid,
             len(own.blocks),
@@ -141,13 +140,11 @@ class PFedClub(ReassemblyStrategy):
         eta = self.options.eta
 
         def prune(prefix: Candidate) -> bool:
-            spec, _ = candidate_spec("prefix", [pool.blocks[k] for k in prefix], own.input_shape, own.num_classes)
-            return not within_size_bound(spec.params - _logits_stitch(spec), own.params, eta)
+            chain, _ = stitched_blocks([pool.blocks[k] for k in prefix], own.input_shape, None)
+            return not within_size_bound(sum(b.params for b in chain), own.params, eta)
 
         def accept(keys: Candidate) -> bool:
-            blocks = [pool.blocks[k] for k in keys]
-            spec, _ = candidate_spec("c", blocks, own.input_shape, own.num_classes)
-            return not size_problems(spec, own.params, eta, profile)
+            return not size_problems([pool.blocks[k] for k in keys], own, eta, profile)
 
         return prune, accept
 
@@ -185,8 +182,8 @@ class PFedClub(ReassemblyStrategy):
                     best = (score, weights, keys)
         assert best is not None  # best_match raises when no score of a chunk is finite
         score, teacher, keys = best
-        own_keys = tuple((cid, i) for i in range(len(own.spec.blocks)))
-        return teacher, info | {"match_score": score, "teacher_fallback": False, "teacher_is_self": keys == own_keys}
+        is_self = keys == own_keys(cid, own.spec)
+        return teacher, info | {"match_score": score, "teacher_fallback": False, "teacher_is_self": is_self}
 
     def fallback(self, rnd: int, cid: str, own: Weights) -> tuple[Weights | None, dict[str, Any]]:
         """No candidate (for pFedClub+: none within its bound and the profile): the client's own model is the
@@ -205,15 +202,14 @@ class PFedClub(ReassemblyStrategy):
         return (own if ok else None), {"teacher_fallback": True, "teacher_is_self": ok}
 
 
+def own_keys(cid: str, spec: ModelSpec) -> Candidate:
+    """The pool keys of the client's own model, in order: the candidate that is that model itself."""
+    return tuple((cid, i) for i in range(len(spec.blocks)))
+
+
 def own_io(own: Weights) -> tuple[tuple[int, ...], int]:
     """The client model's input shape and number of classes: every candidate of its takes and gives the same."""
     return own.spec.input_shape, own.spec.num_classes
-
-
-def _logits_stitch(spec: ModelSpec) -> int:
-    """Parameters of the stitch `candidate_spec` adds to map a prefix's output to the classes (0 if none)."""
-    last = spec.blocks[-1]
-    return last.params if last.origin.model == STITCH_MODEL and last.out_shape == (spec.num_classes,) else 0
 
 
 def _both(first: Accept | None, second: Accept) -> Accept:

@@ -11,7 +11,7 @@ from fedge.layers import LayerSpec as L
 from fedge.messages import Weights
 from fedge.spec import Origin, build, make_block, make_spec
 from fedge.zoo import create
-from server.assemble import assemble, candidate_spec, filter_by_size, stitched_params
+from server.assemble import assemble, candidate_spec, size_problems, stitched_blocks, stitched_params
 from server.blocks import split_blocks
 
 pytestmark = pytest.mark.timeout(120)
@@ -22,6 +22,12 @@ SHAPE = (1, 28, 28)
 def pools(zoo_uploads):
     """Client "<model>" uploads a seeded random-weight zoo model; its blocks, by model name."""
     return {name: split_blocks(name, Weights(w.spec.with_origin(name), w.state)) for name, w in zoo_uploads.items()}
+
+
+def filter_by_size(candidates, client_spec, eta, profile=None):
+    """(kept, [(rejected, reasons)]) of `size_problems` over many candidates, in order."""
+    problems = [(c, size_problems(c, client_spec, eta, profile)) for c in candidates]
+    return [c for c, p in problems if not p], [(c, "; ".join(p)) for c, p in problems if p]
 
 
 def forward(weights, n=3):
@@ -189,6 +195,14 @@ def test_bad_input_is_refused(pools):
         assemble("empty", [], SHAPE, 10, np.random.default_rng(0))
     with pytest.raises(ValueError, match="eta"):
         filter_by_size([pools["cnn1"]], create("cnn1", SHAPE, 10), eta=-1.0)
+
+
+def test_a_prefix_is_sized_without_the_stitch_to_the_classes(pools):
+    prefix = [pools["cnn1"][0], pools["cnn4"][2]]
+    chain, stitches = stitched_blocks(prefix, SHAPE, None)
+    full, _ = candidate_spec("c", prefix, SHAPE, 10)
+    assert stitches == (1,) and chain == list(full.blocks[:-1])  # the candidate's last block maps to the classes
+    assert sum(b.params for b in chain) + full.blocks[-1].params == full.params
 
 
 def test_the_stitch_that_makes_the_logits_does_not_clip_them():
