@@ -101,6 +101,15 @@ class ReassemblyOptions(StrategyOptions):
             raise ConfigError(f"kd_direction must be one of {', '.join(C.KD_DIRECTIONS)}, got {self.kd_direction!r}")
 
 
+def _finite_features(weights: Weights, x: torch.Tensor, device: str) -> bool:
+    """Whether every block's input and output features on `x` are finite (checked a CKA minibatch at a time)."""
+    for xb in torch.split(x, C.CKA_MINIBATCH_SIZE):
+        feats = block_features(weights, xb, device=device)
+        if not all(bool(torch.isfinite(f.outputs).all()) for f in feats):
+            return False
+    return True
+
+
 class ReassemblyStrategy(Strategy):
     """Base of the block-reassembly strategies; subclasses implement `make_teachers`."""
 
@@ -151,18 +160,34 @@ class ReassemblyStrategy(Strategy):
         for cid in self.sent - set(uploads):  # its teacher was delivered (or broke it): build a new one next time
             if self.teachers.pop(cid, None) is not None:
                 log.info("round %d: client %s did not reply; its teacher is dropped", rnd, cid)
-        if not uploads:
-            return
-        pool = self.pool(rnd, uploads)
-        try:
-            teachers = self.make_teachers(rnd, pool)
-        except (ValueError, RuntimeError) as e:  # e.g. a diverged fine-tuning: the round goes on without teachers
-            log.error("round %d: no new teachers, building them failed: %s", rnd, e)
-            teachers = {cid: (None, {"candidates": 0, "teacher_error": str(e)}) for cid in uploads}
+        usable = self.finite_uploads(rnd, uploads)
+        if not usable:
+            teachers: dict[str, tuple[Weights | None, dict[str, Any]]] = {}
+        else:
+            try:
+                teachers = self.make_teachers(rnd, self.pool(rnd, usable))
+            except (ValueError, RuntimeError) as e:  # e.g. a diverged fine-tuning: the round goes on without teachers
+                log.error("round %d: no new teachers, building them failed: %s", rnd, e)
+                teachers = {cid: (None, {"candidates": 0, "teacher_error": str(e)}) for cid in usable}
+        for cid in set(uploads) - set(usable):
+            teachers[cid] = (
+                None,
+                {"candidates": 0, "teacher_error": "its block outputs on the public data are not finite"},
+            )
         for cid, (teacher, info) in teachers.items():
             self.keep(rnd, cid, uploads[cid], teacher, info)
         for cid in uploads:
             self.rows.setdefault((rnd, cid), {}).update({f"time_{s}": self.times[s] for s in STAGES})
+
+    def finite_uploads(self, rnd: int, uploads: Mapping[str, Weights]) -> dict[str, Weights]:
+        """The uploads whose every block gives finite outputs on the public data. Weights that are finite but huge
+        (a device may send them) give Inf or NaN features, which would make Eq. (1) undefined for the whole pool:
+        such an upload is left out of this round's pool (its client gets no teacher), the others go on."""
+        with self.stage("features"):
+            ok = {cid: w for cid, w in uploads.items() if _finite_features(w, self.public.x, self.config.device)}
+        for cid in set(uploads) - set(ok):
+            log.error("round %d: client %s's model gives non-finite outputs on the public data; left out", rnd, cid)
+        return ok
 
     def pool(self, rnd: int, uploads: Mapping[str, Weights]) -> Pool:
         """Block features on public data → Eq. (1) similarity of all block pairs → K functional groups."""

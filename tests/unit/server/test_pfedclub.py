@@ -197,3 +197,18 @@ def test_summary_reports_phi_with_and_without_fallback_rounds():
     assert summary["phi"]["0"] == pytest.approx(-0.25) and summary["phi_without_fallback"]["0"] == pytest.approx(-0.5)
     assert summary["fallback_rounds"]["0"] == 1 and summary["teacher_is_self_rounds"]["0"] == 1
     assert summary["candidates_generated_per_client"]["0"] == 9
+
+
+@pytest.mark.parametrize("name", ["pfedclub", "pfedhr"])
+def test_an_upload_with_huge_finite_weights_is_left_out_and_the_others_get_teachers(name):
+    # Finite weights pass the coordinator's checks, but ×1e30 gives Inf/NaN block features: Eq. (1) would be
+    # undefined for the whole pool and the aggregation would raise, stopping the run for every client.
+    s = make(name)
+    results = uploads(0, ["0", "1", "3"])
+    w = results["1"].models["local"]
+    huge = {k: v * 1e30 if v.is_floating_point() else v for k, v in w.state.items()}
+    results["1"] = Result("1", 0, "kd_train", 20, {}, {"local": Weights(w.spec, huge)})
+    s.aggregate(0, results)
+    assert "not finite" in s.record(0, "1")["teacher_error"] and "1" not in s.teachers
+    assert {"0", "3"} <= set(s.teachers) or name == "pfedhr"  # pFedHR's Alg. 1 may keep no candidate
+    assert all("teacher_error" not in s.record(0, cid) for cid in ("0", "3"))
