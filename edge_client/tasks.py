@@ -1,12 +1,16 @@
-"""Client task handlers shared by the classic strategies: `train` (local / FedAvg) and `evaluate`."""
+"""Client task handlers shared by the classic strategies: `train` (local / FedAvg), `train_model` (a model the
+server chose: HeteroFL, FedTrans) and `evaluate`."""
 
 from __future__ import annotations
 
+import math
 import time
 
+import torch
+
 from edge_client.agent import ClientAgent, TaskError, register_task
-from edge_client.training import TrainConfig, evaluate
-from fedge.messages import Result, Task
+from edge_client.training import TrainConfig, evaluate, fit
+from fedge.messages import Result, Task, Weights
 from fedge.seeding import derive_seed
 from fedge.tasks import TaskConfigError, TrainTask
 
@@ -50,6 +54,63 @@ def train_task(agent: ClientAgent, task: Task) -> Result:
         len(agent.data.y_train),
         {"train_loss": loss, "train_seconds": seconds},
         models,
+    )
+
+
+class GradientMeans:
+    """Running sums of each conv/linear weight's gradient over the steps of one local training (FedTrans §4.1)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.weights = {n: p for n, p in model.named_parameters() if n.endswith(".weight") and p.dim() >= 2}
+        self.sums = {n: torch.zeros_like(p) for n, p in self.weights.items()}
+        self.steps = 0
+
+    def __call__(self) -> None:
+        self.steps += 1
+        for name, p in self.weights.items():
+            if p.grad is not None:
+                self.sums[name] += p.grad
+
+    def activeness(self) -> dict[str, float]:
+        """‖mean gradient‖₂ / ‖W‖₂ per weight (FedTrans §4.1 cell activeness), W after training; a weight of
+        norm 0 gets 0."""
+        out = {}
+        for name, p in self.weights.items():
+            norm = float(p.detach().norm())
+            value = float((self.sums[name] / max(self.steps, 1)).norm()) / norm if norm > 0 else 0.0
+            out[name] = value if math.isfinite(value) else 0.0
+        return out
+
+
+@register_task("train_model", mutates=False)
+def train_model_task(agent: ClientAgent, task: Task) -> Result:
+    """Train the `model` the server sent (any architecture for this client's data: HeteroFL's submodel, FedTrans's
+    assigned model) from its weights on the client's data and return it as `model`, with the training loss and, as
+    the `activeness` record, ‖mean gradient‖/‖W‖ of every conv/linear weight. The client's own model is left as it
+    is. Only the torch runtime trains an architecture it did not register: an ExecuTorch client's training
+    program is built for its own model, so it raises TaskError."""
+    if "model" not in task.models:
+        raise TaskError(f"task train_model of round {task.round} carries no model")
+    if agent.trainer.runtime != "torch":
+        raise TaskError(
+            f"client {agent.client_id}: the {agent.trainer.runtime} runtime trains only its own architecture, "
+            "not a model the server sends"
+        )
+    model = agent.module_for(task.models["model"])
+    cfg = train_config(agent, task)
+    grads = GradientMeans(model)
+    start = time.perf_counter()
+    loss = fit(model, agent.data.x_train, agent.data.y_train, cfg, after_backward=grads).loss
+    seconds = time.perf_counter() - start
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return Result(
+        agent.client_id,
+        task.round,
+        task.type,
+        len(agent.data.y_train),
+        {"train_loss": loss, "train_seconds": seconds},
+        {"model": Weights(task.models["model"].spec, state)},
+        records={"activeness": grads.activeness()},
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
@@ -68,9 +68,16 @@ def check_distillation(kd: Distillation, x: torch.Tensor) -> None:
 
 
 def fit(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig, kd: Distillation | None = None
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    cfg: TrainConfig,
+    kd: Distillation | None = None,
+    after_backward: Callable[[], None] | None = None,
 ) -> TrainStats:
     """Train in place with Adam on CE, plus λ·KL to a teacher when `kd` is given (pFedClub Eq. (5)).
+    `after_backward` is called after every step's backward pass, before the optimiser steps (FedTrans reads the
+    gradients there).
 
     Without `kd` (or with λ = 0) the updates are exactly those of plain CE training; the KL is then
     still measured (without gradient) when teacher logits are given. Raises ValueError when the data
@@ -102,6 +109,8 @@ def fit(
                     with torch.no_grad():
                         kl = kd_kl(logits, kd.teacher_logits[idx], kd.temperature, kd.kd_direction)
             loss.backward()
+            if after_backward is not None:
+                after_backward()
             opt.step()
             total += float(loss.detach()) * len(idx)
             ce_sum += float(ce.detach()) * len(idx)
