@@ -52,9 +52,7 @@ def read_capacity_file(path: str | Path) -> dict[str, int]:
     return out
 
 
-def client_capacities(
-    profiles: Mapping[str, DeviceProfile], capacity_file: str | Path | None = None
-) -> dict[str, int]:
+def client_capacities(profiles: Mapping[str, DeviceProfile], capacity_file: str | Path | None = None) -> dict[str, int]:
     """T_c for every client: its profile's max_macs, or its row of `capacity_file` (which must list every client;
     CapacityError naming those it lacks)."""
     if not capacity_file:

@@ -1,0 +1,423 @@
+"""`fedtrans` (Zhu, Liu, Chowdhury, Lai, MLSys 2024, Algorithm 1): one small model grows, by function-preserving
+widening and deepening of its most active cells, into a chain of models; each client trains a model its capacity
+allows, sampled by its utilities (Eqs. 2-4); models share weights softly, small to large (Eq. 5).
+
+Our choices where the paper is open (README deviations): sim(M_i, M_j) is the mean of the cells' matching degrees
+(fedtrans_math.model_similarity); t in Eq. (5)'s η^t counts the rounds since M_j was made; Eq. (5)'s weights are
+normalised to sum to one; DoC is taken on the newest model's mean training loss of the rounds it was trained; a
+model that trained no client this round is left as it is unless a smaller model shares into it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from device_profiles import get_profile
+from fedge import constants as C
+from fedge.checkpoint import Tree
+from fedge.config import ConfigError
+from fedge.messages import ClientInfo, Result, Task, Weights, client_order
+from fedge.payloads import Expected
+from fedge.seeding import derive_seed
+from fedge.spec import ModelSpec, build, tensor_shapes
+from fedge.weights import State
+from server.capacity import client_capacities, compatible
+from server.fedavg import capped_shares, weighted_average
+from server.fedtrans_math import (
+    degree_of_convergence,
+    lineage_map,
+    model_similarity,
+    sample_model,
+    soft_weights,
+    standardized,
+    update_utilities,
+)
+from server.slices import crop, sliced_average
+from server.strategy import Strategy, StrategyError, StrategyOptions, option, register_strategy
+from server.transforms import TransformError, can_deepen, can_widen, cells, deepen, widen
+
+log = logging.getLogger(__name__)
+SELECTIONS = ("gradient", "random")
+
+
+@dataclass(frozen=True)
+class FedTransOptions(StrategyOptions):
+    """Algorithm 1's parameters (α, β; γ, δ of Eq. (1); η of Eq. (5)), where capacities come from, and the
+    switches of the paper's ablations."""
+
+    alpha: float = option(0.9, "cell selection threshold α: transform cells with activeness > α x the largest (§4.1)")
+    beta: float = option(0.003, "DoC threshold β: transform when DoC <= β (§5.1's 0.003)")
+    gamma: int = option(10, "γ: loss slopes averaged by the degree of convergence, Eq. (1) (§5.1's 10)")
+    delta: int = option(20, "δ: rounds between the two losses of one slope in Eq. (1) (the authors' CIFAR-10 20)")
+    eta: float = option(0.9, "η of Eq. (5): another model's share decays as η^t, t = the target model's age in rounds")
+    gradient_rounds: int = option(5, "T: rounds of cell activeness averaged for selection (the authors' CIFAR-10 5)")
+    initial_model: str = option("", "the model the chain starts from: a registered model's name; '' = the cheapest")
+    capacity_file: str = option("", "client id -> MAC capacity (JSON or CSV client,macs); '' = profiles' max_macs")
+    max_models: int = option(8, "most models the chain may hold (bounds server memory)")
+    layer_selection: str = option("gradient", "gradient (§4.1) or random (Table 3's FedTrans-l ablation)")
+    soft_aggregation: bool = option(True, "Eq. (5) sharing between models; false: each model averages its own")
+    large_to_small: bool = option(False, "also share large models into small ones (Table 1's ablation)")
+    max_client_share: float = option(C.MAX_CLIENT_SHARE, "largest share of a model's average one client may get")
+
+    def __post_init__(self) -> None:
+        checks = {
+            "alpha": 0 <= self.alpha <= 1,
+            "beta": math.isfinite(self.beta),
+            "gamma": self.gamma >= 1,
+            "delta": self.delta >= 1,
+            "eta": 0 < self.eta <= 1,
+            "gradient_rounds": self.gradient_rounds >= 1,
+            "max_models": self.max_models >= 1,
+            "layer_selection": self.layer_selection in SELECTIONS,
+            "max_client_share": 0 < self.max_client_share <= 1,
+        }
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            raise ConfigError(
+                f"fedtrans options {bad} out of range: alpha in [0, 1], beta finite, gamma, delta, gradient_rounds "
+                f"and max_models >= 1, eta in (0, 1], layer_selection one of {SELECTIONS}, max_client_share in (0, 1]"
+            )
+
+
+def weight_cells(spec: ModelSpec) -> dict[str, int]:
+    """Every conv and linear weight of a model (its cells for similarity, §4.2) → its parameter count."""
+    return {
+        n: math.prod(shape)
+        for n, (shape, _) in tensor_shapes(spec).items()
+        if n.endswith(".weight") and len(shape) >= 2
+    }
+
+
+@register_strategy("fedtrans", FedTransOptions)
+class FedTrans(Strategy):
+    """Algorithm 1: assign (lines 6-10), update utilities (11), aggregate softly (13), grow the chain (15-22)."""
+
+    personalized = False  # every client is evaluated on its best compatible model, trained or not
+
+    def setup(self, clients: Mapping[str, ClientInfo]) -> None:
+        super().setup(clients)
+        self.profiles = {cid: get_profile(info.profile) for cid, info in clients.items()}
+        foreign = sorted((cid for cid, p in self.profiles.items() if p.runtime != "torch"), key=client_order)
+        if foreign:
+            raise StrategyError(
+                f"fedtrans sends each client a model of the server's choosing, which only the torch runtime can "
+                f"train; clients {foreign} run {self.profiles[foreign[0]].runtime}"
+            )
+        self.capacity = client_capacities(self.profiles, self.options.capacity_file or None)
+        initial = self.initial_spec(clients)
+        misfits = sorted(
+            (cid for cid in clients if not compatible(initial, self.capacity[cid], self.profiles[cid])),
+            key=client_order,
+        )
+        if misfits:
+            raise StrategyError(
+                f"fedtrans's initial model {initial.name!r} ({initial.macs:,} MACs, {initial.params:,} params) is "
+                f"beyond clients {misfits} (capacity {self.capacity[misfits[0]]:,} MACs, profile "
+                f"{self.profiles[misfits[0]].name}); pick a smaller initial_model"
+            )
+        torch.manual_seed(derive_seed(self.config.seed, "fedtrans-init"))
+        state = build(initial).state_dict()
+        self.models: list[Weights] = [Weights(initial, state)]
+        self.lineages: list[dict[str, str | None]] = [{n: n for n in state}]
+        self.created: list[int] = [0]
+        self.ops: list[dict[str, str]] = [{}]  # per model: cell → the last transformation applied to it
+        self.utilities: dict[str, list[float]] = {cid: [0.0] for cid in clients}  # Alg. 1 line 2
+        self.losses: list[float] = []  # the newest model's mean training loss per round it was trained
+        self.activeness: list[dict[str, float]] = []  # the newest model's mean cell activeness, last T rounds
+        self.similarity: list[list[float]] = [[1.0]]
+        self.transforms: list[dict[str, Any]] = []
+        self.growth_stopped = ""
+        self.assigned: dict[str, int] = {}
+        self.doc: float | None = None
+
+    def initial_spec(self, clients: Mapping[str, ClientInfo]) -> ModelSpec:
+        """M_0: the fleet's registered model named by `initial_model`, else its cheapest (fewest MACs)."""
+        specs = {info.spec.name: info.spec.with_origin(None) for info in clients.values()}
+        if self.options.initial_model:
+            if self.options.initial_model not in specs:
+                raise StrategyError(
+                    f"initial_model {self.options.initial_model!r} is none of the fleet's models {sorted(specs)}"
+                )
+            return specs[self.options.initial_model]
+        return min(specs.values(), key=lambda s: (s.macs, s.params, s.name))
+
+    def compatible(self, cid: str) -> list[int]:
+        """Alg. 1 line 7: the models client `cid` can train (MACs within its capacity, within its profile)."""
+        return [k for k, m in enumerate(self.models) if compatible(m.spec, self.capacity[cid], self.profiles[cid])]
+
+    def plan(self, rnd: int, active: Sequence[str]) -> dict[str, Task]:
+        """Lines 6-10: each client trains a model sampled from its utilities over its compatible ones (Eqs. 2-3)."""
+        self.assigned = {}
+        for cid in active:
+            rng = np.random.default_rng(derive_seed(self.config.seed, "fedtrans-assign", rnd, cid))
+            self.assigned[cid] = sample_model(self.utilities[cid], self.compatible(cid), rng)
+        config = self.train_task(upload=True).to_config()
+        return {cid: Task("train_model", rnd, config, {"model": self.models[k]}) for cid, k in self.assigned.items()}
+
+    def expects(self, task: Task, client: ClientInfo) -> Expected:
+        if task.type != "train_model":
+            return Expected()
+        return Expected(
+            models={"model": task.models["model"].spec}, records=("activeness",), optional=frozenset({"activeness"})
+        )
+
+    def aggregate(self, rnd: int, results: Mapping[str, Result]) -> None:
+        replies = {cid: r for cid, r in results.items() if cid in self.assigned and "model" in r.models}
+        if not replies:
+            return
+        losses = {cid: float(r.metrics.get("train_loss", math.nan)) for cid, r in replies.items()}
+        z = standardized({cid: x for cid, x in losses.items() if math.isfinite(x)})
+        trained = {cid: self.assigned[cid] for cid in replies}
+        self.utilities = update_utilities(  # line 11, Eq. (4)
+            self.utilities, trained, z, self.similarity, {cid: self.compatible(cid) for cid in trained}
+        )
+        self.update_weights(rnd, replies)  # line 13, Eq. (5)
+        newest = len(self.models) - 1
+        mine = {cid: r for cid, r in replies.items() if self.assigned[cid] == newest}
+        if mine:
+            counts = [mine[cid].num_examples for cid in mine]
+            self.losses.append(sum(losses[cid] * n for cid, n in zip(mine, counts)) / sum(counts))
+            self.activeness = (self.activeness + [self.round_activeness(mine)])[-self.options.gradient_rounds :]
+        self.doc = degree_of_convergence(self.losses, self.options.gamma, self.options.delta)  # line 15, Eq. (1)
+        if self.doc is not None and self.doc <= self.options.beta and not self.growth_stopped:  # line 16
+            self.grow(rnd)
+
+    def model_averages(self, replies: Mapping[str, Result]) -> dict[int, State]:
+        """Each trained model's average over its clients' replies (example-weighted, shares capped)."""
+        out = {}
+        for k in sorted(set(self.assigned[cid] for cid in replies)):
+            mine = sorted((cid for cid in replies if self.assigned[cid] == k), key=client_order)
+            shares = capped_shares([replies[cid].num_examples for cid in mine], self.options.max_client_share)
+            out[k] = weighted_average([replies[cid].models["model"].state for cid in mine], shares)
+        return out
+
+    def update_weights(self, rnd: int, replies: Mapping[str, Result]) -> None:
+        """Eq. (5): each model j becomes the weighted average of the trained models' averages w_i, each cropped
+        into (or, with large_to_small, out of) j's top-left slices along the lineage, element by element."""
+        averages = self.model_averages(replies)
+        new = []
+        for j, model in enumerate(self.models):
+            if self.options.soft_aggregation:
+                weights = soft_weights(
+                    j,
+                    list(averages),
+                    self.similarity,
+                    self.options.eta,
+                    rnd - self.created[j],
+                    self.options.large_to_small,
+                )
+            else:
+                weights = {j: 1.0} if j in averages else {}
+            parts = [(self.carried(averages[i], i, j), w) for i, w in sorted(weights.items())]
+            new.append(Weights(model.spec, sliced_average(model.state, parts)) if parts else model)
+        self.models = new
+
+    def carried(self, state: State, source: int, target: int) -> State:
+        """Model `source`'s tensors named as model `target`'s, along the lineage; a larger source's are cropped
+        to the target's shapes."""
+        shapes = {n: t.shape for n, t in self.models[target].state.items()}
+        if source <= target:
+            names = lineage_map(self.lineages, target, source)
+            return {n: state[p] for n, p in names.items() if p is not None}
+        names = lineage_map(self.lineages, source, target)
+        return {p: crop(state[n], shapes[p]) for n, p in names.items() if p is not None}
+
+    def round_activeness(self, replies: Mapping[str, Result]) -> dict[str, float]:
+        """The newest model's cell activeness this round: per conv/linear weight, the mean over the replies that
+        report a well-formed `activeness` record (a value per cell, finite and >= 0; others are ignored)."""
+        names = set(weight_cells(self.models[-1].spec))
+        reports = []
+        for r in replies.values():
+            act = r.records.get("activeness")
+            if (
+                isinstance(act, dict)
+                and set(act) == names
+                and all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in act.values())
+            ):
+                reports.append(act)
+        return {n: statistics.fmean(float(a[n]) for a in reports) for n in sorted(names)} if reports else {}
+
+    def select_cells(self, rnd: int) -> list[Any]:
+        """Lines 19-21: the cells of the newest model whose activeness, averaged over the last T rounds, exceeds α
+        times the largest (all of them if every one is 0); with layer_selection=random, as many cells drawn at
+        random (the paper's FedTrans-l ablation), and also when no client reported activeness."""
+        spec = self.models[-1].spec
+        candidates = cells(spec)
+        rounds = [a for a in self.activeness if a]
+        scores = {c: statistics.fmean(a[f"{c.name}.weight"] for a in rounds) for c in candidates} if rounds else {}
+        chosen = []
+        if scores:
+            top = max(scores.values())
+            chosen = [c for c in candidates if scores[c] > self.options.alpha * top or top == 0]
+        if self.options.layer_selection == "random" or not chosen:
+            rng = np.random.default_rng(derive_seed(self.config.seed, "fedtrans-cells", rnd))
+            picks = rng.choice(len(candidates), size=min(len(candidates), max(1, len(chosen))), replace=False)
+            chosen = [candidates[i] for i in sorted(picks)]
+        return chosen
+
+    def grow(self, rnd: int) -> None:
+        """Lines 16-22: a new model M* from the newest one, each selected cell widened ×2 or deepened by one
+        identity cell, alternating per cell (the first time widened, then deepened, then widened...), weights
+        inherited function-preservingly; a transformation that would leave no client able to train the model
+        (beyond the fleet's largest capacity) is skipped. M* starts with its parent's utilities (line 18)."""
+        if len(self.models) >= self.options.max_models:
+            self.growth_stopped = f"the chain holds max_models={self.options.max_models} models"
+            return
+        spec, state = self.models[-1].spec, self.models[-1].state
+        lineage: dict[str, str | None] = {n: n for n in state}
+        ops = dict(self.ops[-1])
+        applied = []
+        rng = torch.Generator().manual_seed(derive_seed(self.config.seed, "fedtrans-widen", rnd))
+        for cell in sorted(self.select_cells(rnd), key=lambda c: (c.block, c.layer), reverse=True):
+            first, second = ("deepen", "widen") if ops.get(cell.name) == "widen" else ("widen", "deepen")
+            for op in (first, second):
+                possible = can_widen(spec, cell) if op == "widen" else can_deepen(spec, cell)
+                if not possible:
+                    continue
+                try:
+                    out = widen(spec, state, cell, rng) if op == "widen" else deepen(spec, state, cell)
+                except TransformError as e:
+                    log.warning("fedtrans: cannot %s cell %s: %s", op, cell.name, e)
+                    continue
+                if not any(compatible(out.spec, self.capacity[c], self.profiles[c]) for c in self.clients):
+                    continue  # never a model larger than the largest capacity in the fleet
+                ops = {
+                    c.name: ops[p[: -len(".weight")]]
+                    for c in cells(out.spec)
+                    if (p := out.lineage.get(f"{c.name}.weight")) and p[: -len(".weight")] in ops
+                }
+                ops[cell.name] = op
+                lineage = {n: None if p is None else lineage[p] for n, p in out.lineage.items()}
+                spec, state = out.spec, out.state
+                applied.append({"cell": cell.name, "op": op})
+                break
+        if not applied:
+            self.growth_stopped = "no selected cell can be transformed within the fleet's largest capacity"
+            log.info("fedtrans round %d: %s; the chain stops growing", rnd, self.growth_stopped)
+            return
+        parent = len(self.models) - 1
+        spec = ModelSpec(f"{self.models[0].spec.name}-t{parent + 1}", spec.input_shape, spec.num_classes, spec.blocks)
+        self.models.append(Weights(spec, state))
+        self.lineages.append(lineage)
+        self.created.append(rnd + 1)
+        self.ops.append(ops)
+        self.utilities = {cid: u + [u[parent]] for cid, u in self.utilities.items()}
+        self.similarity = self.similarities()
+        self.losses, self.activeness = [], []
+        self.transforms.append(
+            {
+                "round": rnd,
+                "model": spec.name,
+                "parent": self.models[parent].spec.name,
+                "ops": applied,
+                "doc": self.doc,
+                "macs": spec.macs,
+                "params": spec.params,
+            }
+        )
+        log.info(
+            "fedtrans round %d: made %s (%s MACs) from %s: %s",
+            rnd,
+            spec.name,
+            f"{spec.macs:,}",
+            self.models[parent].spec.name,
+            applied,
+        )
+
+    def similarities(self) -> list[list[float]]:
+        """sim(M_i, M_j) for every pair of the chain (§4.2), symmetric, 1 on the diagonal."""
+        n = len(self.models)
+        sim = [[1.0] * n for _ in range(n)]
+        for j in range(n):
+            sizes = weight_cells(self.models[j].spec)
+            for i in range(j):
+                names = lineage_map(self.lineages, j, i)
+                ancestors = {c: None if names[c] is None else self.models[i].state[names[c]].numel() for c in sizes}
+                sim[i][j] = sim[j][i] = model_similarity(sizes, ancestors)
+        return sim
+
+    def best(self, cid: str) -> int:
+        """The compatible model of highest utility for client `cid` (the paper's evaluation pick, §5.1; the first
+        on ties)."""
+        options = self.compatible(cid)
+        return max(options, key=lambda k: (self.utilities[cid][k], -k))
+
+    def evaluation(self, rnd: int, clients: Sequence[str]) -> dict[str, Task]:
+        return {cid: Task("evaluate", rnd, models={"global": self.models[self.best(cid)]}) for cid in clients}
+
+    def record(self, rnd: int, client: str) -> dict[str, Any]:
+        """The client's capacity, the model it trained (if any) and the one it is evaluated on, the chain's length
+        and the newest model's DoC."""
+        row: dict[str, Any] = {
+            "capacity": self.capacity[client],
+            "eval_model": self.models[self.best(client)].spec.name,
+            "models": len(self.models),
+            "doc": self.doc,
+        }
+        if client in self.assigned:
+            spec = self.models[self.assigned[client]].spec
+            row.update(assigned_model=spec.name, assigned_macs=spec.macs, assigned_params=spec.params)
+        return row
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "capacities": {cid: self.capacity[cid] for cid in sorted(self.capacity, key=client_order)},
+            "chain": [
+                {"name": m.spec.name, "macs": m.spec.macs, "params": m.spec.params, "created_round": c}
+                for m, c in zip(self.models, self.created)
+            ],
+            "transforms": list(self.transforms),
+            "growth_stopped": self.growth_stopped,
+            "eval_models": {
+                cid: self.models[self.best(cid)].spec.name for cid in sorted(self.clients, key=client_order)
+            },
+        }
+
+    def final_models(self) -> dict[str, dict[str, Weights]]:
+        """Each client's model: its compatible model of highest utility."""
+        return {cid: {"model": self.models[self.best(cid)]} for cid in self.clients}
+
+    def state(self) -> Tree:
+        """The chain (models, lineages, birth rounds, last transformation per cell), utilities, the newest model's
+        loss curve and activeness, similarities and the transformation log."""
+        return {
+            "models": list(self.models),
+            "lineages": [dict(x) for x in self.lineages],
+            "created": list(self.created),
+            "ops": [dict(x) for x in self.ops],
+            "utilities": {cid: list(u) for cid, u in self.utilities.items()},
+            "losses": list(self.losses),
+            "activeness": [dict(a) for a in self.activeness],
+            "similarity": [list(r) for r in self.similarity],
+            "transforms": list(self.transforms),
+            "growth_stopped": self.growth_stopped,
+            "doc": self.doc,
+        }
+
+    def load_state(self, state: Tree) -> None:
+        """Take the checkpoint's chain; one of another initial model or fleet raises StrategyError."""
+        if state["models"][0].spec != self.models[0].spec:
+            raise StrategyError(
+                f"checkpoint's chain starts from {state['models'][0].spec.name!r}, this run from "
+                f"{self.models[0].spec.name!r}"
+            )
+        if set(state["utilities"]) != set(self.clients):
+            raise StrategyError("checkpoint's utilities are for another fleet")
+        self.models = list(state["models"])
+        self.lineages = [dict(x) for x in state["lineages"]]
+        self.created, self.ops = list(state["created"]), [dict(x) for x in state["ops"]]
+        self.utilities = {cid: list(u) for cid, u in state["utilities"].items()}
+        self.losses, self.activeness = list(state["losses"]), [dict(a) for a in state["activeness"]]
+        self.similarity = [list(r) for r in state["similarity"]]
+        self.transforms, self.growth_stopped, self.doc = (
+            list(state["transforms"]),
+            state["growth_stopped"],
+            state["doc"],
+        )
