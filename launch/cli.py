@@ -222,10 +222,12 @@ def broker_settings(args: argparse.Namespace, username: str | None) -> Any:
 
 def print_summary(summary: dict[str, Any]) -> None:
     final, phi, teacher = summary["final_accuracy"], summary.get("phi", {}), summary.get("teacher_params", {})
+    evaluated = summary.get("eval_models", {})  # a strategy that evaluates clients on models it chose (FedTrans)
     rows = [
         {
             "client": cid,
             "model": summary["models"][cid],
+            "evaluated on": evaluated.get(cid, "-"),
             "runtime": summary["runtimes"][cid],
             "accuracy": f"{acc:.4f}",
             "mean teacher params": f"{teacher[cid]:,.0f}" if cid in teacher else "-",
@@ -233,7 +235,8 @@ def print_summary(summary: dict[str, Any]) -> None:
         }
         for cid, acc in final["per_client"].items()
     ]
-    print(_table(rows, ["client", "model", "runtime", "accuracy"] + (["mean teacher params", "phi"] if phi else [])))
+    columns = ["client", "model"] + (["evaluated on"] if evaluated else []) + ["runtime", "accuracy"]
+    print(_table(rows, columns + (["mean teacher params", "phi"] if phi else [])))
     mean = "n/a (no client was evaluated)" if final["mean"] is None else f"{final['mean']:.4f}"
     rejected = summary.get("rejected_messages") or {}
     if rejected:
