@@ -2,6 +2,8 @@
 evaluated on them, leaves them as final models; a crashed run resumes bit-identically."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -83,3 +85,25 @@ def test_a_crashed_run_resumes_bit_identically(tmp_path, monkeypatch):
     a, b = (load_tree(tmp_path / run / CHECKPOINT_FILE) for run in ("straight", "crashed"))
     assert tree_digest(a["strategy_state"]) == tree_digest(b["strategy_state"])
     assert rows_without_timing(tmp_path / "crashed") == rows_without_timing(tmp_path / "straight")
+
+
+def test_over_mqtt_with_client_processes_it_matches_the_inproc_run(tmp_path):
+    """`fedge run` on the embedded broker, clients as 2 processes: submodels of three sizes go over the wire both
+    ways (each reply sized by its own submodel), nothing is refused, and the accuracies are the in-process run's."""
+    cfg = mixed(tmp_path / "mqtt", transport="mqtt", round_deadline_s=120.0, register_timeout_s=120.0, run_id="hfl")
+    config = tmp_path / "mqtt.json"
+    config.write_text(cfg.to_json())
+    done = subprocess.run(
+        [sys.executable, "-m", "launch.cli", "run", "--config", str(config), "--processes", "2", "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "mqtt" / "summary.json").read_text())
+    assert not summary["rejected_messages"] and not summary["rejected_replies"]
+    assert summary["rate"] == {"0": 0.25, "1": 1.0, "2": 0.25}
+    sizes = {r["client"]: r["assigned_params"] for r in read_rows(tmp_path / "mqtt") if r["trained"]}
+    assert sizes["0"] == sizes["2"] < sizes["1"]
+    inproc = run_inproc(mixed(tmp_path / "inproc"))
+    assert summary["final_accuracy"]["per_client"] == inproc["final_accuracy"]["per_client"]
