@@ -137,6 +137,31 @@ register_layer("dropout", LayerType(_same, lambda a, s: nn.Dropout(a.get("p", 0.
 register_layer("flatten", LayerType(lambda a, s: (math.prod(s),), lambda a, s: nn.Flatten()))
 
 
+class Scaler(nn.Module):
+    """HeteroFL's Scaler (Diao et al. 2021, §3.1): x / rate while training, x at inference, so that a submodel of
+    width rate trains with the activation scale of the full model (as inverted dropout does)."""
+
+    def __init__(self, rate: float) -> None:
+        super().__init__()
+        self.rate = rate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / self.rate if self.training else x
+
+    def extra_repr(self) -> str:
+        return f"rate={self.rate:g}"
+
+
+def _scaler_rate(a: dict[str, Any]) -> float:
+    rate = a.get("rate")
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1:
+        raise SpecError(f"scaler rate must be a number in (0, 1], got {rate!r}")
+    return float(rate)
+
+
+register_layer("scaler", LayerType(lambda a, s: (_scaler_rate(a), s)[1], lambda a, s: Scaler(_scaler_rate(a))))
+
+
 def _pool_shape(a: dict[str, Any], s: Shape) -> Shape:
     _need(s, 3, "pooling")
     k = a["kernel_size"]

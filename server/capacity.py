@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Mapping
 
@@ -67,4 +68,4 @@ def client_capacities(profiles: Mapping[str, DeviceProfile], capacity_file: str 
 def compatible(spec: ModelSpec, capacity: int, profile: DeviceProfile) -> bool:
     """Whether a client of this capacity and profile can train `spec`: MAC(M) ≤ T_c (FedTrans Alg. 1 line 7) and the
     profile's parameter and memory limits (its max_macs is replaced by T_c, which a capacity file may set)."""
-    return spec.macs <= capacity and all(f.startswith("macs ") for f in fits(spec, profile).failures)
+    return fits(spec, replace(profile, max_macs=capacity)).ok
