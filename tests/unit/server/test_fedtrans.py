@@ -10,12 +10,11 @@ import random
 import pytest
 import torch
 
-from device_profiles import get_profile
+from device_profiles import get_profile, training_memory_bytes
 from fedge.checkpoint import load_tree, save_tree, tree_digest
 from fedge.messages import ClientInfo, Result, Weights
 from fedge.spec import build
 from fedge.zoo import create
-from device_profiles import training_memory_bytes
 from server.fedtrans import FedTrans, weight_cells
 from server.strategy import StrategyConfig, StrategyError, create_strategy
 
@@ -49,7 +48,12 @@ def replies(tasks, rnd, loss=1.0, hot=None):
         names = weight_cells(sent.spec)
         act = {n: (1.0 if n == hot else 0.1) for n in names}
         out[cid] = Result(
-            cid, rnd, task.type, 20, {"train_loss": loss + 0.1 * int(cid)}, {"model": Weights(sent.spec, state)},
+            cid,
+            rnd,
+            task.type,
+            20,
+            {"train_loss": loss + 0.1 * int(cid)},
+            {"model": Weights(sent.spec, state)},
             records={"activeness": act},
         )
     return out
@@ -59,7 +63,9 @@ def within(spec, capacity, profile_name):
     """The oracle for 'a client can train this model': MACs within its capacity, params and training memory within
     its device profile (independent of server.capacity.compatible)."""
     p = get_profile(profile_name)
-    return spec.macs <= capacity and spec.params <= p.max_params and training_memory_bytes(spec.params) <= p.memory_bytes
+    return (
+        spec.macs <= capacity and spec.params <= p.max_params and training_memory_bytes(spec.params) <= p.memory_bytes
+    )
 
 
 def run_rounds(strategy, rounds, start=0, hot=None, sent=None):
