@@ -137,7 +137,11 @@ def test_link_cut_mid_upload_is_completed_after_reconnect_and_aggregated_once(tm
         fleet = server.fleet
 
         def arm(rnd: int, kind: str) -> None:
-            if (rnd, kind) == (1, "train"):
+            # Armed once round 0's evaluations are out, not round 1's tasks: those are all published and acknowledged
+            # before this hook runs, by when client 2 may have trained and sent more than half its upload (the cut
+            # then never came). Until round 1's upload, client 2 sends only an evaluation, acks and heartbeats: a few
+            # KB of the ~430 KB counted, so the cut still lands mid-upload.
+            if (rnd, kind) == (0, "evaluate"):
                 proxy.cut_after(half)
 
         fleet.after_send = arm
