@@ -65,6 +65,11 @@ AUGMENT_CROP_PAD = 2  # NT-Xent views (Eq. 3): shift by up to ±2 px ...
 AUGMENT_NOISE_STD = 0.1  # ... and add Gaussian noise (no paper value: ours)
 CANDIDATE_CHUNK = 32  # pFedClub builds, fine-tunes and matches a client's candidates this many at a time
 
+# Task model roles the simulated clock (server/clock.py) reads: the model a client is sent to train, and a
+# distillation teacher whose forward pass over the client's samples is charged once per task.
+TRAINED_MODEL_ROLE = "model"
+TEACHER_ROLE = "teacher"
+
 # Block features, CKA and grouping.
 FEATURE_BATCH_SIZE = 256
 CONV_FEATURES = "pool"  # "pool": per-channel global mean (C,); "flatten": the whole map (C·H·W,)

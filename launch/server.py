@@ -21,7 +21,7 @@ from fedge.transport import Transport
 from launch.runs import load_partitioned, resolve_device, run_folder
 from server.coordinator import Coordinator, LoopConfig, RoundFailed, check_resumable, run_identity
 from server.fleet import Fleet
-from server.plots import plot_accuracy, plot_phi, plot_server_time
+from server.plots import plot_accuracy, plot_phi, plot_server_time, plot_time_to_accuracy
 from server.reassembly import STAGES
 from server.registration import registration_check
 from server.runlog import CHECKPOINT_FILE, RunLog
@@ -76,14 +76,24 @@ def run_federation_rounds(
     clients: Mapping[str, ClientInfo],
     progress: bool = True,
     resume: bool = False,
+    deadline_s: float | None = None,
 ) -> dict[str, Any]:
     """Run the rounds over any transport, write the run folder (metrics, checkpoint, summary, plots), return
-    the summary. With `resume`, continue the run in cfg.out from its checkpoint.
+    the summary. With `resume`, continue the run in cfg.out from its checkpoint. `deadline_s`: the transport's
+    round deadline, if it has one (the simulated clock charges it for a client that never replied).
     A round that misses its quorum on every try writes the summary so far and raises RoundFailed."""
     out = run_folder(cfg, resume)
     runlog = RunLog(out, cfg.to_dict() | {"out": str(out)}, resume=resume)
     loop = LoopConfig(
-        cfg.rounds, cfg.active, cfg.seed, cfg.local_epochs, progress, cfg.min_replies, cfg.round_retries, cfg.widths
+        cfg.rounds,
+        cfg.active,
+        cfg.seed,
+        cfg.local_epochs,
+        progress,
+        cfg.min_replies,
+        cfg.round_retries,
+        cfg.widths,
+        deadline_s,
     )
     coordinator = Coordinator(strategy, transport, clients, loop, runlog)
     start = time.perf_counter()
@@ -105,8 +115,10 @@ def run_federation_rounds(
 
 
 def write_plots(rows: list[dict[str, Any]], summary: dict[str, Any], out: Path, title: str) -> None:
-    """accuracy.png always; phi.png and server_time.png when the strategy built teachers."""
+    """accuracy.png and time_to_accuracy.png always; phi.png and server_time.png when the strategy built
+    teachers."""
     plot_accuracy(rows, out / "accuracy.png", title)
+    plot_time_to_accuracy({summary["strategy"]: rows}, out / "time_to_accuracy.png", f"time to accuracy: {title}")
     if summary.get("phi"):
         plot_phi(summary["phi"], summary["models"], out / "phi.png", f"teacher size change ϕ: {title}")
         plot_server_time(rows, STAGES, out / "server_time.png", f"server time by stage: {title}")
@@ -152,6 +164,6 @@ def serve(
         )
         clients = fleet.wait_for_clients(cfg.clients, cfg.register_timeout_s)
         strategy = make_strategy(cfg, ds, partition)
-        return run_federation_rounds(cfg, strategy, fleet, clients, progress, resume)
+        return run_federation_rounds(cfg, strategy, fleet, clients, progress, resume, cfg.round_deadline_s)
     finally:
         fleet.close()

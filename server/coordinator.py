@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from device_profiles import DeviceProfile, get_profile, train_seconds
+from device_profiles import DeviceProfile, get_profile
 from fedge import constants as C
 from fedge.checkpoint import CheckpointError, Tree, nonfinite
 from fedge.messages import ClientInfo, Result, Task, Weights, client_order
@@ -25,6 +25,7 @@ from fedge.payloads import Expected, payload_rejection
 from fedge.seeding import derive_seed
 from fedge.spec import ModelSpec, build
 from fedge.transport import Transport
+from server.clock import ClientClock, RunClock, client_clock, task_epochs
 from server.runlog import RunLog
 from server.strategy import Strategy, StrategyError
 
@@ -44,7 +45,8 @@ class RoundFailed(StrategyError):
 class LoopConfig:
     """Rounds, clients per round, the seed, the quorum (min_replies training replies, else the round is
     tried again up to round_retries more times), whether to draw a progress bar, and the zoo width preset the
-    fleet's models were built at (part of what a checkpoint must share with a run that resumes it)."""
+    fleet's models were built at (part of what a checkpoint must share with a run that resumes it), and the
+    transport's round deadline if it has one (the simulated clock charges it for a client that never replied)."""
 
     rounds: int
     active: int
@@ -54,6 +56,7 @@ class LoopConfig:
     min_replies: int = C.MIN_REPLIES
     round_retries: int = C.ROUND_RETRIES
     widths: str = C.DEFAULT_WIDTHS
+    deadline_s: float | None = None
 
 
 def sample_clients(client_ids: Sequence[str], active: int, seed: int, rnd: int) -> list[str]:
@@ -194,6 +197,7 @@ class Coordinator:
         self.upload_norms: dict[str, float] = {}  # "<client>/<role>" -> norm of its last accepted upload
         self.discarded: list[int] = []  # rounds whose aggregate was not finite and was thrown away
         self.failed: list[dict[str, int]] = []
+        self.clock = RunClock()  # simulated seconds, training MACs and bytes (server/clock.py)
         self.bar: tqdm | None = None
 
     def accepted(self, results: Mapping[str, Result], tasks: Mapping[str, Task]) -> dict[str, Result]:
@@ -295,6 +299,7 @@ class Coordinator:
             "failed_rounds": list(self.failed),
             "upload_norms": dict(self.upload_norms),
             "discarded_aggregates": list(self.discarded),
+            "sim_clock": self.clock.state(),
             "strategy_state": self.strategy.state(),
         }
 
@@ -307,6 +312,7 @@ class Coordinator:
             self.final, self.last_mean = dict(tree["final"]), float(tree["last_mean"])
             self.rejected, self.failed = Counter(tree["rejected"]), list(tree["failed_rounds"])
             self.upload_norms, self.discarded = dict(tree["upload_norms"]), list(tree["discarded_aggregates"])
+            self.clock.load_state(tree.get("sim_clock"))  # absent in checkpoints from before the clock: zeros
             self.strategy.load_state(tree["strategy_state"])
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"the checkpoint in {self.runlog.out} lacks or garbles a field: {e}") from None
@@ -331,9 +337,10 @@ class Coordinator:
             tasks = self.strategy.plan(rnd, active)
             server = time.perf_counter() - start
             self.show(f"{len(tasks)} clients training")
-            results = self.accepted(self.exchange(tasks), tasks)
+            replies = self.exchange(tasks)
+            results = self.accepted(replies, tasks)
             if len(results) >= self.loop.min_replies:
-                return self.close_round(rnd, active, tasks, results, server)
+                return self.close_round(rnd, active, tasks, results, server, missing=bool(set(tasks) - set(replies)))
             log.warning(
                 "round %d failed (try %d of %d): %d of %d clients replied, min_replies is %d; nothing aggregated",
                 rnd,
@@ -353,10 +360,18 @@ class Coordinator:
         )
 
     def close_round(
-        self, rnd: int, active: Sequence[str], tasks: Mapping[str, Task], results: Mapping[str, Result], server: float
+        self,
+        rnd: int,
+        active: Sequence[str],
+        tasks: Mapping[str, Task],
+        results: Mapping[str, Result],
+        server: float,
+        missing: bool = False,
     ) -> float:
-        """Aggregate a round that met its quorum, evaluate, and record; returns the mean accuracy evaluated."""
+        """Aggregate a round that met its quorum, evaluate, and record; returns the mean accuracy evaluated.
+        `missing`: a selected client never replied (the simulated clock then charges the deadline, if any)."""
         self.participated |= set(results)
+        clocks = self.client_clocks(tasks, results)
         if len(results) < len(tasks):
             log.warning("round %d: %d of %d clients replied", rnd, len(results), len(tasks))
         self.show("server aggregating")
@@ -369,9 +384,10 @@ class Coordinator:
         self.show(f"{len(eval_tasks)} clients evaluating")
         evals = self.accepted(self.exchange(eval_tasks), eval_tasks)
         self.server_seconds.append(server)
+        round_fields = self.clock.close_round(clocks, missing, self.loop.deadline_s)
         self.runlog.append_rows(
             [
-                self.row(rnd, cid, results.get(cid), evals.get(cid))
+                self.row(rnd, cid, results.get(cid), evals.get(cid), clocks.get(cid)) | round_fields
                 for cid in sorted(set(tasks) | set(eval_tasks), key=client_order)
             ]
         )
@@ -397,8 +413,24 @@ class Coordinator:
             self.strategy.load_state(before)
             self.discarded.append(rnd)
 
-    def row(self, rnd: int, cid: str, trained: Result | None, evaluated: Result | None) -> dict[str, Any]:
-        """One metrics.jsonl line: the client, its training reply, its evaluation, the strategy's fields."""
+    def client_clocks(self, tasks: Mapping[str, Task], results: Mapping[str, Result]) -> dict[str, ClientClock]:
+        """The simulated training exchange of each client whose training reply was accepted (server/clock.py)."""
+        return {
+            cid: client_clock(
+                tasks[cid],
+                res,
+                self.strategy.trained_spec(tasks[cid], self.clients[cid]),
+                task_epochs(tasks[cid], self.loop.local_epochs),
+                self.profiles[cid],
+            )
+            for cid, res in results.items()
+        }
+
+    def row(
+        self, rnd: int, cid: str, trained: Result | None, evaluated: Result | None, clock: ClientClock | None = None
+    ) -> dict[str, Any]:
+        """One metrics.jsonl line: the client, its training reply and simulated exchange, its evaluation, the
+        strategy's fields."""
         info = self.clients[cid]
         row: dict[str, Any] = {
             "round": rnd,
@@ -412,12 +444,9 @@ class Coordinator:
         }
         if trained is not None:
             row = trained.metrics | row  # a client's metric never overwrites a server field
-            row.update(
-                num_examples=trained.num_examples,
-                sim_train_seconds=train_seconds(
-                    info.spec.macs, trained.num_examples, self.loop.local_epochs, self.profiles[cid]
-                ),
-            )
+            row.update(num_examples=trained.num_examples)
+        if clock is not None:
+            row.update(clock.fields())
         if evaluated is not None:
             row.update(accuracy=evaluated.metrics["accuracy"], loss=evaluated.metrics["loss"])
         return row | self.strategy.record(rnd, cid)
@@ -425,20 +454,24 @@ class Coordinator:
     def summary(self) -> dict[str, Any]:
         """summary.json: the contract fields, then whatever the strategy adds (e.g. ϕ)."""
         per_client = {cid: self.final[cid] for cid in sorted(self.final, key=client_order)}
-        return {
-            "strategy": self.strategy.name,
-            "rounds": self.loop.rounds,
-            "clients": len(self.clients),
-            "active": self.loop.active,
-            "final_accuracy": {
-                "mean": statistics.fmean(per_client.values()) if per_client else None,
-                "per_client": per_client,
-            },
-            "server_seconds": self.server_seconds,
-            "never_trained": sorted(set(self.clients) - self.participated, key=client_order),
-            "rejected_replies": dict(self.rejected),
-            "discarded_aggregates": list(self.discarded),
-            "failed_rounds": list(self.failed),
-            "models": {cid: info.spec.name for cid, info in self.clients.items()},
-            "runtimes": {cid: self.profiles[cid].runtime for cid in self.clients},
-        } | self.strategy.summary()
+        return (
+            {
+                "strategy": self.strategy.name,
+                "rounds": self.loop.rounds,
+                "clients": len(self.clients),
+                "active": self.loop.active,
+                "final_accuracy": {
+                    "mean": statistics.fmean(per_client.values()) if per_client else None,
+                    "per_client": per_client,
+                },
+                "server_seconds": self.server_seconds,
+                "never_trained": sorted(set(self.clients) - self.participated, key=client_order),
+                "rejected_replies": dict(self.rejected),
+                "discarded_aggregates": list(self.discarded),
+                "failed_rounds": list(self.failed),
+                "models": {cid: info.spec.name for cid, info in self.clients.items()},
+                "runtimes": {cid: self.profiles[cid].runtime for cid in self.clients},
+            }
+            | self.clock.summary()
+            | self.strategy.summary()
+        )

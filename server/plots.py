@@ -77,3 +77,48 @@ def plot_server_time(rows: Sequence[dict[str, Any]], stages: Sequence[str], path
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+SECONDS_UNITS = ((3600.0, "h"), (60.0, "min"), (1.0, "s"))  # the largest unit the run reaches twice over
+MACS_UNITS = ((1e15, "PMACs"), (1e12, "TMACs"), (1e9, "GMACs"), (1e6, "MMACs"), (1.0, "MACs"))
+
+
+def _unit(largest: float, units: Sequence[tuple[float, str]]) -> tuple[float, str]:
+    """The biggest (scale, name) of `units` that `largest` reaches at least twice, else the smallest."""
+    return next(((scale, name) for scale, name in units if largest >= 2 * scale), units[-1])
+
+
+def time_to_accuracy_points(rows: Sequence[dict[str, Any]]) -> list[tuple[float, int, float]]:
+    """(cumulative simulated seconds, cumulative training MACs, mean client accuracy) per round that was
+    evaluated and carries the simulated clock, in round order."""
+    per_round: dict[int, list[float]] = defaultdict(list)
+    clock: dict[int, tuple[float, int]] = {}
+    for r in rows:
+        if r.get("cumulative_sim_seconds") is not None and r.get("cumulative_train_macs") is not None:
+            clock[r["round"]] = (r["cumulative_sim_seconds"], r["cumulative_train_macs"])
+        if r.get("accuracy") is not None:
+            per_round[r["round"]].append(r["accuracy"])
+    return [(*clock[rnd], sum(accs) / len(accs)) for rnd, accs in sorted(per_round.items()) if rnd in clock]
+
+
+def plot_time_to_accuracy(runs: dict[str, Sequence[dict[str, Any]]], path: Path, title: str) -> None:
+    """Two panels, one line per run (label → its metrics rows): mean client accuracy per round against the
+    cumulative simulated time and against the cumulative training MACs (FedScale's time-to-accuracy view).
+    Rows without the simulated clock (runs from before it) are left out."""
+    points = {label: time_to_accuracy_points(rows) for label, rows in runs.items()}
+    seconds, sec_name = _unit(max((p[0] for ps in points.values() for p in ps), default=0.0), SECONDS_UNITS)
+    macs, macs_name = _unit(max((p[1] for ps in points.values() for p in ps), default=0), MACS_UNITS)
+    fig, (by_time, by_macs) = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
+    for label, ps in points.items():
+        if ps:
+            by_time.plot([p[0] / seconds for p in ps], [p[2] for p in ps], marker=".", label=label)
+            by_macs.plot([p[1] / macs for p in ps], [p[2] for p in ps], marker=".", label=label)
+    by_time.set(xlabel=f"simulated time ({sec_name})", ylabel="mean test accuracy (clients evaluated)", ylim=(0, 1))
+    by_macs.set(xlabel=f"total training compute ({macs_name})")
+    for ax in (by_time, by_macs):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

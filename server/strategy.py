@@ -17,6 +17,7 @@ from fedge.errors import UserError
 from fedge.messages import ClientInfo, Result, Task, Weights
 from fedge.payloads import Expected
 from fedge.registry import Registry
+from fedge.spec import ModelSpec
 from fedge.tasks import TrainTask
 
 
@@ -117,6 +118,14 @@ class Strategy:
         """What a reply to `task` (one this strategy planned, or an evaluation) may carry; the coordinator refuses
         a reply with anything else, and the transport sizes replies by it. By default: metrics only."""
         return Expected()
+
+    def trained_spec(self, task: Task, client: ClientInfo) -> ModelSpec:
+        """The architecture `client` trains for `task` (one this strategy planned), which the simulated clock
+        charges (server/clock.py): by default the model the task sends under role "model" (a strategy that
+        hands out the model to train), else the client's registered model (FedAvg's "global" has its
+        architecture; pFedClub/pFedHR train the client's own model, the teacher is charged separately)."""
+        sent = task.models.get(C.TRAINED_MODEL_ROLE)
+        return sent.spec if sent is not None else client.spec
 
     def evaluation(self, rnd: int, clients: Sequence[str]) -> dict[str, Task]:
         """Evaluation tasks; by default each client evaluates its own current model."""

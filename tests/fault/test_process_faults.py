@@ -238,6 +238,10 @@ def test_straggler_is_cut_off_at_the_deadline_every_round_and_its_late_reply_dis
         assert abs(e.seconds - deadline) <= 1.0, e
     assert trained_by_round(cfg.out) == {0: ["0", "1"], 1: ["0", "1"]}
     assert server.summary["never_trained"] == ["2"]
+    for rnd in (0, 1):  # the simulated clock waits out the deadline for the straggler, as the server did
+        rows = [r for r in read_rows(cfg.out) if r["round"] == rnd]
+        slowest = max(r["sim_seconds"] for r in rows if r["trained"])
+        assert {r["round_sim_seconds"] for r in rows} == {max(deadline, slowest)}
     assert server.summary["transport"]["deadline_missed"] == 4
     assert train0.round == 0
     assert rejected["stale_round"] + rejected["no_open_task"] == 1  # the late reply was logged and discarded

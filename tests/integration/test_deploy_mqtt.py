@@ -88,6 +88,10 @@ def test_fedge_run_over_the_embedded_broker_matches_inproc(tmp_path):
     assert {p.name for p in (tmp_path / "mqtt").glob("clients-*.log")} == {"clients-0.log", "clients-1.log"}
     inproc = run_inproc(tiny(tmp_path, "inproc"))
     assert summary["final_accuracy"]["per_client"] == inproc["final_accuracy"]["per_client"]
+    # the simulated clock agrees (a reply's bytes hold the client's wall-clock train_seconds, a few bytes apart)
+    assert summary["train_macs_total"] == inproc["train_macs_total"] > 0
+    assert summary["network_bytes_total"] == pytest.approx(inproc["network_bytes_total"], rel=1e-4)
+    assert summary["sim_seconds_total"] == pytest.approx(inproc["sim_seconds_total"], rel=1e-4)
 
 
 def _write(tmp_path, cfg: RunConfig) -> str:

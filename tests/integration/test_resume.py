@@ -13,7 +13,10 @@ from server.coordinator import check_resumable, run_identity
 from server.runlog import CHECKPOINT_FILE
 
 pytestmark = pytest.mark.timeout(600)
-TIMING = ("seconds", "time_")
+# Wall-clock fields, and the reply's bytes, which hold the client's wall-clock train_seconds (its JSON length varies).
+TIMING = ("seconds", "time_", "bytes_up")
+# ...so simulated seconds may differ by a few bytes' upload per round: 64 B at 2.5 Mbit/s is 0.2 ms.
+SIM_SLACK_S = 1e-3
 
 
 class Crash(BaseException):
@@ -52,12 +55,32 @@ def crash_at(monkeypatch, rnd, nth):
     monkeypatch.setattr(ClientAgent, "handle", crashing)
 
 
+def all_rows(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 def rows(out):
     """metrics.jsonl without the wall-clock fields."""
-    return [
-        {k: v for k, v in json.loads(line).items() if not any(t in k for t in TIMING)}
-        for line in (out / "metrics.jsonl").read_text().splitlines()
-    ]
+    return [{k: v for k, v in row.items() if not any(t in k for t in TIMING)} for row in all_rows(out)]
+
+
+def check_clock(straight, crashed, checkpoint_of_round_1, strategy):
+    """The resumed run's simulated clock continues from the checkpoint's counters exactly, and matches the
+    uninterrupted run's (the simulated seconds up to a reply's few bytes of wall-clock metrics)."""
+    a, b = all_rows(straight), all_rows(crashed)
+    first = {r["round"]: r for r in b}
+    saved = checkpoint_of_round_1["sim_clock"]
+    assert saved["seconds"] == first[1]["cumulative_sim_seconds"]
+    assert saved["train_macs"] == first[1]["cumulative_train_macs"]
+    assert first[2]["cumulative_sim_seconds"] == saved["seconds"] + first[2]["round_sim_seconds"]
+    for x, y in zip(a, b):
+        assert x["cumulative_train_macs"] == y["cumulative_train_macs"]
+        assert x["cumulative_sim_seconds"] == pytest.approx(y["cumulative_sim_seconds"], abs=SIM_SLACK_S)
+        assert x.get("bytes_up", 0) == pytest.approx(y.get("bytes_up", 0), abs=64)
+    trained = [r for r in a if r["trained"]]
+    plain = [r["train_macs"] == 3 * r["macs"] * r["num_examples"] for r in trained]
+    # fedavg trains without a teacher; pFedClub/pFedHR clients that trained before distill from one
+    assert all(plain) if strategy == "fedavg" else not all(plain)
 
 
 @pytest.mark.parametrize("strategy", ["fedavg", "pfedclub", "pfedhr"])
@@ -67,7 +90,8 @@ def test_a_crashed_run_resumes_bit_identically(tmp_path, monkeypatch, strategy):
     with pytest.raises(Crash):
         run_simulation(config(tmp_path / "crashed", strategy), progress=False)
     monkeypatch.undo()
-    assert load_tree(tmp_path / "crashed" / CHECKPOINT_FILE)["next_round"] == 2
+    saved = load_tree(tmp_path / "crashed" / CHECKPOINT_FILE)
+    assert saved["next_round"] == 2
 
     resumed = run_simulation(config(tmp_path / "crashed", strategy), progress=False, resume=True)
 
@@ -78,6 +102,10 @@ def test_a_crashed_run_resumes_bit_identically(tmp_path, monkeypatch, strategy):
     assert tree_digest(a["strategy_state"]) == tree_digest(b["strategy_state"])
     assert rows(tmp_path / "crashed") == rows(tmp_path / "straight")
     assert len(resumed["server_seconds"]) == 3
+    check_clock(tmp_path / "straight", tmp_path / "crashed", saved, strategy)
+    assert a["sim_clock"]["train_macs"] == b["sim_clock"]["train_macs"] == resumed["train_macs_total"]
+    assert b["sim_clock"]["seconds"] == resumed["sim_seconds_total"]
+    assert resumed["sim_seconds_total"] == pytest.approx(straight["sim_seconds_total"], abs=SIM_SLACK_S)
 
 
 def test_resume_refuses_another_configuration_and_a_missing_checkpoint(tmp_path):
