@@ -1,5 +1,5 @@
 """FedTrans against HeteroFL, FedAvg on the smallest model and local training, with FedTrans's ablations: the columns
-of the FedTrans paper's Table 2 (mean and IQR of client accuracy, total training PMACs, network MB, simulated wall
+of the FedTrans paper's Table 2 (mean and IQR of client accuracy, total training MACs, network MB, simulated wall
 time; each also as a ratio to FedTrans), on one fleet whose capacities come from the bundled device profiles, IID and
 non-IID, over seeds.
 
@@ -108,7 +108,8 @@ def run_one(cfg: RunConfig) -> dict[str, Any]:
 
 
 def numbers(summary: dict[str, Any], folder: Path) -> dict[str, float]:
-    """One run's Table 2 numbers: mean and IQR of the final per-client accuracy (%), TMACs (the paper counts PMACs; ours are 10^3 smaller), network MB, sim hours;
+    """One run's Table 2 numbers: mean and IQR of the final per-client accuracy (%), training TMACs (the paper's
+    are PMACs), network MB, sim hours;
     and the server's step per round (plan + aggregate + evaluation planning, s) over a client's local training (s)."""
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     train = [r["train_seconds"] for r in rows if "train_seconds" in r]
