@@ -37,14 +37,17 @@ def make(name):
     return s
 
 
-def uploads(rnd, cids):
-    out = {}
-    for cid in cids:
-        torch.manual_seed(int(cid))
-        spec = create("cnn1", (1, 8, 8), 10).with_origin(cid)
-        out[cid] = Result(
-            cid, rnd, "train", 20, {"train_loss": 1.0}, {"local": Weights(spec, build(spec).state_dict())}
-        )
+def uploads(strategy, rnd, cids):
+    """Round `rnd` planned by `strategy` for `cids`, and each client's reply to its task carrying a freshly
+    initialised model (seeded by the client) of every architecture the strategy expects back."""
+    clients, out = fleet(), {}
+    for cid, task in strategy.plan(rnd, cids).items():
+        models = {}
+        for role, spec in strategy.expects(task, clients[cid]).models.items():
+            torch.manual_seed(int(cid))
+            spec = (spec or clients[cid].spec).with_origin(cid)
+            models[role] = Weights(spec, build(spec).state_dict())
+        out[cid] = Result(cid, rnd, task.type, 20, {"train_loss": 1.0 + 0.1 * int(cid)}, models)
     return out
 
 
@@ -73,14 +76,17 @@ def test_plans_exactly_the_active_clients_with_known_task_types(name):
 
 def test_zero_and_one_replies_are_survived(name):
     strategy = make(name)
+    strategy.plan(0, ["0", "2"])
     strategy.aggregate(0, {})
-    strategy.aggregate(1, uploads(1, ["2"]))
+    strategy.aggregate(1, uploads(strategy, 1, ["2"]))
     assert set(strategy.plan(2, ["0", "2"])) == {"0", "2"}
 
 
 def test_aggregation_is_order_independent_and_seed_deterministic(name):
-    results = uploads(0, ["0", "1", "2"])
     a, b = make(name), make(name)
+    results = uploads(a, 0, ["0", "1", "2"])
+    assert any(r.models for r in results.values()) or name == "local"
+    b.plan(0, ["0", "1", "2"])
     a.aggregate(0, results)
     b.aggregate(0, dict(reversed(list(results.items()))))
     same_tasks(a.plan(1, ["0", "1", "2", "3"]), b.plan(1, ["0", "1", "2", "3"]))
@@ -93,19 +99,19 @@ def saved(tree, tmp_path):
 
 def test_state_survives_a_checkpoint_and_resumes_the_same(name, tmp_path):
     a = make(name)
-    a.aggregate(0, uploads(0, ["0", "1", "2"]))
+    a.aggregate(0, uploads(a, 0, ["0", "1", "2"]))
     b = make(name)
     b.load_state(saved(a.state(), tmp_path))
     assert tree_digest(b.state()) == tree_digest(a.state()) and b.summary() == a.summary()
     same_tasks(b.plan(1, ["0", "1", "2", "3"]), a.plan(1, ["0", "1", "2", "3"]))
-    b.aggregate(1, uploads(1, ["0", "3"]))
-    a.aggregate(1, uploads(1, ["0", "3"]))
+    b.aggregate(1, uploads(b, 1, ["0", "3"]))
+    a.aggregate(1, uploads(a, 1, ["0", "3"]))
     assert tree_digest(b.state()) == tree_digest(a.state())
 
 
 def test_planning_a_round_again_changes_no_state(name):
     strategy = make(name)
-    strategy.aggregate(0, uploads(0, ["0", "1", "2"]))
+    strategy.aggregate(0, uploads(strategy, 0, ["0", "1", "2"]))
     before = tree_digest(strategy.state())
     first = strategy.plan(1, ["0", "1"])
     same_tasks(strategy.plan(1, ["0", "1"]), first)
@@ -144,7 +150,7 @@ def conforming(task, expected, info):
 
 def test_every_task_declares_what_its_reply_carries_and_sizes_it(name):
     strategy, clients = make(name), fleet()
-    strategy.aggregate(0, uploads(0, ["0", "1", "2"]))
+    strategy.aggregate(0, uploads(strategy, 0, ["0", "1", "2"]))
     profile = get_profile("rpi-4")
     for tasks in (strategy.plan(1, ["0", "1", "3"]), strategy.evaluation(1, ["0", "1", "3"])):
         for cid, task in tasks.items():
