@@ -138,15 +138,18 @@ register_layer("flatten", LayerType(lambda a, s: (math.prod(s),), lambda a, s: n
 
 
 class Scaler(nn.Module):
-    """HeteroFL's Scaler (Diao et al. 2021, §3.1): x / rate while training, x at inference, so that a submodel of
-    width rate trains with the activation scale of the full model (as inverted dropout does)."""
+    """HeteroFL's Scaler (Diao et al. 2021, §3.1): x / rate, so that a submodel of width rate, each of whose units
+    sums over a rate-fraction of the full model's inputs, keeps the full model's activation scale. HeteroFL applies
+    it in training only, where static BatchNorm absorbs the scale at inference; before layers without BatchNorm (most
+    of our zoo) a submodel evaluated without it is at chance, so ours divides in evaluation too and the submodel is
+    one function in training, evaluation and export."""
 
     def __init__(self, rate: float) -> None:
         super().__init__()
         self.rate = rate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x / self.rate if self.training else x
+        return x / self.rate
 
     def extra_repr(self) -> str:
         return f"rate={self.rate:g}"
