@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.compare import hardware  # noqa: E402
 from fedge.config import RunConfig  # noqa: E402
+from launch.server import resolve_options  # noqa: E402
 from launch.simulation import run_simulation  # noqa: E402
 
 # FedTrans's parameters scaled to runs of tens of rounds: γ = 10, δ = 20 (the paper's and the authors') need 30
@@ -97,7 +98,8 @@ def run_one(cfg: RunConfig) -> dict[str, Any]:
     """The run's summary.json, running it unless its folder holds a finished run of the same config."""
     out = Path(cfg.out or ".")
     done = out / "summary.json"
-    if done.exists() and json.loads((out / "config.json").read_text()) == json.loads(json.dumps(cfg.to_dict())):
+    resolved = json.loads(json.dumps(resolve_options(cfg).to_dict()))
+    if done.exists() and json.loads((out / "config.json").read_text()) == resolved:
         return json.loads(done.read_text())
     if out.exists():
         import shutil
