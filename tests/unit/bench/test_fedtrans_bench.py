@@ -1,0 +1,70 @@
+"""bench/fedtrans.py: the Table 2 numbers of a run folder, the table's ratios to FedTrans, the direction checks on
+hand-written numbers, and one tiny end-to-end run whose folder is reused when run again."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT))  # bench/ is scripts, not an installed package
+
+from bench import fedtrans  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def row(acc, tmacs, net=10.0, sim=1.0):
+    return {"acc": acc, "iqr": 1.0, "tmacs": tmacs, "net_mb": net, "sim_h": sim, "server_s": 0.1, "server_share": 0.1}
+
+
+def test_numbers_read_a_run_folder(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(
+        "\n".join(json.dumps(r) for r in ({"train_seconds": 2.0}, {"train_seconds": 4.0}, {"accuracy": 0.5}))
+    )
+    summary = {
+        "final_accuracy": {"per_client": {"0": 0.5, "1": 0.7, "2": 0.9, "3": 1.0}},
+        "train_macs_total": 3e12,
+        "network_bytes_total": 5e6,
+        "sim_seconds_total": 7200.0,
+        "server_seconds": [0.3, 0.9],
+    }
+    n = fedtrans.numbers(summary, tmp_path)
+    assert n["acc"] == pytest.approx(77.5) and n["iqr"] == pytest.approx(92.5 - 65.0)
+    assert n["tmacs"] == 3.0 and n["net_mb"] == 5.0 and n["sim_h"] == 2.0
+    assert n["server_s"] == pytest.approx(0.6) and n["server_share"] == pytest.approx(0.2)
+
+
+def test_table_gives_ratios_to_fedtrans_and_checks_say_which_direction_holds():
+    rows = {
+        "FedTrans": [row(80, 2.0), row(82, 2.0)],
+        "HeteroFL": [row(70, 8.0), row(72, 8.0)],
+        "FedTrans +l2s": [row(85, 2.0)],
+        "FedTrans -l (random cells)": [row(81, 2.0)],
+        "FedTrans -s (no soft agg.)": [row(75, 2.0)],
+        "local (cnn1)": [row(60, 1.0)],
+    }
+    lines = fedtrans.table(rows)
+    heterofl = next(line for line in lines if line.startswith("| HeteroFL"))
+    assert "| 71.00 ± 1.41 |" in heterofl and "| 8.000 ± 0.000 | 4.00 |" in heterofl
+    verdicts = fedtrans.checks(rows)
+    assert verdicts[0].startswith("- HOLDS: FedTrans >= HeteroFL")
+    assert verdicts[1].startswith("- does NOT hold: sharing large->small")  # +l2s is better here
+    assert verdicts[2].startswith("- does NOT hold: FedTrans -l")  # equal accuracy (81) and equal MACs
+    assert verdicts[3].startswith("- HOLDS: FedTrans -s")
+    assert verdicts[4].startswith("- HOLDS: federation beats training alone")
+
+
+def test_a_tiny_benchmark_runs_and_reuses_its_finished_runs(tmp_path, capsys):
+    argv = ["--datasets", "mnist", "--partitions", "iid", "--methods", "FedTrans", "local (cnn1)", "--seeds", "0"]
+    argv += ["--rounds", "1", "--clients", "2", "--active", "2", "--samples", "40", "--out", str(tmp_path)]
+    data = ROOT.parent / "shared" / "data" / "mnist.npz"
+    if not data.exists():
+        pytest.skip(f"needs {data}")
+    assert fedtrans.main(argv) == 0
+    first = capsys.readouterr().out
+    assert "| FedTrans |" in first and "| local (cnn1) |" in first
+    stamp = (tmp_path / "mnist-iid" / "fedtrans-seed0" / "summary.json").stat().st_mtime_ns
+    assert fedtrans.main(argv) == 0
+    assert (tmp_path / "mnist-iid" / "fedtrans-seed0" / "summary.json").stat().st_mtime_ns == stamp
