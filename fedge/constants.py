@@ -133,6 +133,10 @@ UPLOAD_NORM_FACTOR = 10.0
 # FedAvg: no client's share of a round's average may exceed this (example counts are self-reported). 0.5 leaves
 # the default fleet's balanced rounds of 4 as they are; with two replies it makes unequal counts count equally.
 MAX_CLIENT_SHARE = 0.5
+# FedTrans: a reported training loss or cell activeness outside [0, this] is a lie (cross-entropy starts near ln(C);
+# ‖mean gradient‖/‖W‖ is far below 1 in practice) and is left out, counted in summary.json (`ignored_reports`).
+MAX_REPORTED_LOSS = 1e4
+MAX_REPORTED_ACTIVENESS = 1e4
 
 # Brokers (fedge/embedded_broker.py and fedge/mosquitto.py).
 MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + 64 * 1024  # largest MQTT packet a broker accepts: one chunk plus headers

@@ -134,6 +134,7 @@ class FedTrans(Strategy):
         self.similarity: list[list[float]] = [[1.0]]
         self.transforms: list[dict[str, Any]] = []
         self.growth_stopped = ""
+        self.ignored: dict[str, int] = {}  # reports left out (a client may lie), by what they reported
         self.assigned: dict[str, int] = {}
         self.doc: float | None = None
 
@@ -172,22 +173,37 @@ class FedTrans(Strategy):
         replies = {cid: r for cid, r in results.items() if cid in self.assigned and "model" in r.models}
         if not replies:
             return
-        losses = {cid: float(r.metrics.get("train_loss", math.nan)) for cid, r in replies.items()}
-        z = standardized({cid: x for cid, x in losses.items() if math.isfinite(x)})
+        losses = self.reported_losses(replies)
+        z = standardized(losses)
         trained = {cid: self.assigned[cid] for cid in replies}
         self.utilities = update_utilities(  # line 11, Eq. (4)
             self.utilities, trained, z, self.similarity, {cid: self.compatible(cid) for cid in trained}
         )
         self.update_weights(rnd, replies)  # line 13, Eq. (5)
         newest = len(self.models) - 1
-        mine = {cid: r for cid, r in replies.items() if self.assigned[cid] == newest}
+        mine = sorted((cid for cid in replies if self.assigned[cid] == newest), key=client_order)
+        if any(cid in losses for cid in mine):
+            self.losses.append(statistics.median(losses[cid] for cid in mine if cid in losses))
+            self.losses = self.losses[-(self.options.gamma + self.options.delta) :]
         if mine:
-            counts = [mine[cid].num_examples for cid in mine]
-            self.losses.append(sum(losses[cid] * n for cid, n in zip(mine, counts)) / sum(counts))
-            self.activeness = (self.activeness + [self.round_activeness(mine)])[-self.options.gradient_rounds :]
+            self.activeness = (self.activeness + [self.round_activeness({c: replies[c] for c in mine})])[
+                -self.options.gradient_rounds :
+            ]
         self.doc = degree_of_convergence(self.losses, self.options.gamma, self.options.delta)  # line 15, Eq. (1)
         if self.doc is not None and self.doc <= self.options.beta and not self.growth_stopped:  # line 16
             self.grow(rnd)
+
+    def reported_losses(self, replies: Mapping[str, Result]) -> dict[str, float]:
+        """The replies' training losses that are numbers in [0, MAX_REPORTED_LOSS]; a missing or absurd one (a
+        client may lie) is left out of Eqs. (1) and (4) and counted."""
+        out = {}
+        for cid in sorted(replies, key=client_order):
+            value = replies[cid].metrics.get("train_loss")
+            if isinstance(value, (int, float)) and 0 <= value <= C.MAX_REPORTED_LOSS:
+                out[cid] = float(value)
+            else:
+                self.ignored["train_loss"] = self.ignored.get("train_loss", 0) + 1
+        return out
 
     def model_averages(self, replies: Mapping[str, Result]) -> dict[int, State]:
         """Each trained model's average over its clients' replies (example-weighted, shares capped)."""
@@ -199,24 +215,29 @@ class FedTrans(Strategy):
         return out
 
     def update_weights(self, rnd: int, replies: Mapping[str, Result]) -> None:
-        """Eq. (5): each model j becomes the weighted average of the trained models' averages w_i, each cropped
-        into (or, with large_to_small, out of) j's top-left slices along the lineage, element by element."""
+        """Eq. (5): each model j becomes the weighted average, element by element on top-left slices along the
+        lineage, of its own w_j (its clients' fresh average, else its current weights: i = j is always in the sum)
+        and the fresh averages w_i of the other models trained this round (i < j, or any i with large_to_small),
+        weighted η^{1(i≠j)·t}·sim(M_i, M_j). A model no client trained is not pulled again by models that were not
+        trained either: they bring no new information."""
         averages = self.model_averages(replies)
         new = []
         for j, model in enumerate(self.models):
+            own = averages.get(j, model.state)
             if self.options.soft_aggregation:
+                others = [i for i in averages if i != j]
                 weights = soft_weights(
                     j,
-                    list(averages),
+                    others + [j],
                     self.similarity,
                     self.options.eta,
                     rnd - self.created[j],
                     self.options.large_to_small,
                 )
             else:
-                weights = {j: 1.0} if j in averages else {}
-            parts = [(self.carried(averages[i], i, j), w) for i, w in sorted(weights.items())]
-            new.append(Weights(model.spec, sliced_average(model.state, parts)) if parts else model)
+                weights = {j: 1.0}
+            parts = [(own if i == j else self.carried(averages[i], i, j), w) for i, w in sorted(weights.items())]
+            new.append(Weights(model.spec, sliced_average(model.state, parts)))
         self.models = new
 
     def carried(self, state: State, source: int, target: int) -> State:
@@ -230,19 +251,25 @@ class FedTrans(Strategy):
         return {p: crop(state[n], shapes[p]) for n, p in names.items() if p is not None}
 
     def round_activeness(self, replies: Mapping[str, Result]) -> dict[str, float]:
-        """The newest model's cell activeness this round: per conv/linear weight, the mean over the replies that
-        report a well-formed `activeness` record (a value per cell, finite and >= 0; others are ignored)."""
+        """The newest model's cell activeness this round: per conv/linear weight, the median over the replies whose
+        `activeness` record is well-formed (a value in [0, MAX_REPORTED_ACTIVENESS] for every weight; others are
+        left out and counted). The median, not the mean: one client's report cannot pick the cell to grow."""
         names = set(weight_cells(self.models[-1].spec))
         reports = []
-        for r in replies.values():
-            act = r.records.get("activeness")
+        for cid in sorted(replies, key=client_order):
+            act = replies[cid].records.get("activeness")
             if (
                 isinstance(act, dict)
                 and set(act) == names
-                and all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in act.values())
+                and all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= C.MAX_REPORTED_ACTIVENESS
+                    for v in act.values()
+                )
             ):
                 reports.append(act)
-        return {n: statistics.fmean(float(a[n]) for a in reports) for n in sorted(names)} if reports else {}
+            elif act is not None:
+                self.ignored["activeness"] = self.ignored.get("activeness", 0) + 1
+        return {n: float(statistics.median(a[n] for a in reports)) for n in sorted(names)} if reports else {}
 
     def select_cells(self, rnd: int) -> list[Any]:
         """Lines 19-21: the cells of the newest model whose activeness, averaged over the last T rounds, exceeds α
@@ -255,7 +282,7 @@ class FedTrans(Strategy):
         chosen = []
         if scores:
             top = max(scores.values())
-            chosen = [c for c in candidates if scores[c] > self.options.alpha * top or top == 0]
+            chosen = [c for c in candidates if scores[c] >= self.options.alpha * top]  # the largest always "exceeds"
         if self.options.layer_selection == "random" or not chosen:
             rng = np.random.default_rng(derive_seed(self.config.seed, "fedtrans-cells", rnd))
             picks = rng.choice(len(candidates), size=min(len(candidates), max(1, len(chosen))), replace=False)
@@ -266,40 +293,21 @@ class FedTrans(Strategy):
         """Lines 16-22: a new model M* from the newest one, each selected cell widened ×2 or deepened by one
         identity cell, alternating per cell (the first time widened, then deepened, then widened...), weights
         inherited function-preservingly; a transformation that would leave no client able to train the model
-        (beyond the fleet's largest capacity) is skipped. M* starts with its parent's utilities (line 18)."""
+        (beyond the fleet's largest capacity) is skipped. When none of the selected cells can grow, the others are
+        tried, most active first, until one does; when none can, the chain stops growing. M* starts with its
+        parent's utilities (line 18)."""
         if len(self.models) >= self.options.max_models:
             self.growth_stopped = f"the chain holds max_models={self.options.max_models} models"
             return
-        spec, state = self.models[-1].spec, self.models[-1].state
-        lineage: dict[str, str | None] = {n: n for n in state}
-        ops = dict(self.ops[-1])
-        applied = []
         rng = torch.Generator().manual_seed(derive_seed(self.config.seed, "fedtrans-widen", rnd))
-        for cell in sorted(self.select_cells(rnd), key=lambda c: (c.block, c.layer), reverse=True):
-            first, second = ("deepen", "widen") if ops.get(cell.name) == "widen" else ("widen", "deepen")
-            for op in (first, second):
-                possible = can_widen(spec, cell) if op == "widen" else can_deepen(spec, cell)
-                if not possible:
-                    continue
-                try:
-                    out = widen(spec, state, cell, rng) if op == "widen" else deepen(spec, state, cell)
-                except TransformError as e:
-                    log.warning("fedtrans: cannot %s cell %s: %s", op, cell.name, e)
-                    continue
-                if not any(compatible(out.spec, self.capacity[c], self.profiles[c]) for c in self.clients):
-                    continue  # never a model larger than the largest capacity in the fleet
-                ops = {
-                    c.name: ops[p[: -len(".weight")]]
-                    for c in cells(out.spec)
-                    if (p := out.lineage.get(f"{c.name}.weight")) and p[: -len(".weight")] in ops
-                }
-                ops[cell.name] = op
-                lineage = {n: None if p is None else lineage[p] for n, p in out.lineage.items()}
-                spec, state = out.spec, out.state
-                applied.append({"cell": cell.name, "op": op})
+        selected = self.select_cells(rnd)
+        spec, state, lineage, ops, applied = self.transform(selected, rng)
+        for cell in self.by_activeness([c for c in cells(self.models[-1].spec) if c not in selected]):
+            if applied:
                 break
+            spec, state, lineage, ops, applied = self.transform([cell], rng)
         if not applied:
-            self.growth_stopped = "no selected cell can be transformed within the fleet's largest capacity"
+            self.growth_stopped = "no cell can be transformed within the fleet's largest capacity"
             log.info("fedtrans round %d: %s; the chain stops growing", rnd, self.growth_stopped)
             return
         parent = len(self.models) - 1
@@ -330,6 +338,48 @@ class FedTrans(Strategy):
             self.models[parent].spec.name,
             applied,
         )
+
+    def by_activeness(self, candidates: Sequence[Any]) -> list[Any]:
+        """`candidates` (cells of the newest model), most active first over the last T rounds, then by position."""
+        rounds = [a for a in self.activeness if a]
+
+        def score(c: Any) -> float:
+            return statistics.fmean(a[f"{c.name}.weight"] for a in rounds) if rounds else 0.0
+
+        return sorted(candidates, key=lambda c: (-score(c), c.block, c.layer))
+
+    def transform(self, chosen: Sequence[Any], rng: torch.Generator) -> tuple[ModelSpec, State, dict, dict, list]:
+        """The newest model with each `chosen` cell transformed (widen or deepen, alternating per cell; the other
+        when the first cannot apply), last cell first so that a deepening does not rename a cell still to come:
+        (spec, state, lineage to the newest model's tensors, last operation per cell, what was applied)."""
+        spec, state = self.models[-1].spec, self.models[-1].state
+        lineage: dict[str, str | None] = {n: n for n in state}
+        ops = dict(self.ops[-1])
+        applied = []
+        for cell in sorted(chosen, key=lambda c: (c.block, c.layer), reverse=True):
+            first, second = ("deepen", "widen") if ops.get(cell.name) == "widen" else ("widen", "deepen")
+            for op in (first, second):
+                possible = can_widen(spec, cell) if op == "widen" else can_deepen(spec, cell)
+                if not possible:
+                    continue
+                try:
+                    out = widen(spec, state, cell, rng) if op == "widen" else deepen(spec, state, cell)
+                except TransformError as e:
+                    log.warning("fedtrans: cannot %s cell %s: %s", op, cell.name, e)
+                    continue
+                if not any(compatible(out.spec, self.capacity[c], self.profiles[c]) for c in self.clients):
+                    continue  # never a model larger than the largest capacity in the fleet
+                ops = {
+                    c.name: ops[p[: -len(".weight")]]
+                    for c in cells(out.spec)
+                    if (p := out.lineage.get(f"{c.name}.weight")) and p[: -len(".weight")] in ops
+                }
+                ops[cell.name] = op
+                lineage = {n: None if p is None else lineage[p] for n, p in out.lineage.items()}
+                spec, state = out.spec, out.state
+                applied.append({"cell": cell.name, "op": op})
+                break
+        return spec, state, lineage, ops, applied
 
     def similarities(self) -> list[list[float]]:
         """sim(M_i, M_j) for every pair of the chain (§4.2), symmetric, 1 on the diagonal."""
@@ -375,6 +425,7 @@ class FedTrans(Strategy):
             ],
             "transforms": list(self.transforms),
             "growth_stopped": self.growth_stopped,
+            "ignored_reports": dict(self.ignored),
             "eval_models": {
                 cid: self.models[self.best(cid)].spec.name for cid in sorted(self.clients, key=client_order)
             },
@@ -399,6 +450,7 @@ class FedTrans(Strategy):
             "transforms": list(self.transforms),
             "growth_stopped": self.growth_stopped,
             "doc": self.doc,
+            "ignored": dict(self.ignored),
         }
 
     def load_state(self, state: Tree) -> None:

@@ -4,7 +4,9 @@ resumed strategy that continues bit-identically."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import random
 
 import pytest
@@ -12,8 +14,9 @@ import torch
 
 from device_profiles import get_profile, training_memory_bytes
 from fedge.checkpoint import load_tree, save_tree, tree_digest
+from fedge.layers import LayerSpec as L
 from fedge.messages import ClientInfo, Result, Weights
-from fedge.spec import build
+from fedge.spec import build, make_spec
 from fedge.zoo import create
 from server.fedtrans import FedTrans, weight_cells
 from server.strategy import StrategyConfig, StrategyError, create_strategy
@@ -175,15 +178,107 @@ def test_evaluation_uses_the_compatible_model_of_highest_utility():
     assert tasks["0"].models["global"].spec == s.models[1 if fits0 else 0].spec
 
 
-def test_liars_activeness_is_ignored_and_bad_losses_do_not_poison_utilities():
-    s = make(["rpi-4", "rpi-4", "rpi-4"])
-    tasks = s.plan(0, ["0", "1", "2"])
-    res = replies(tasks, 0)
-    bad = res["2"]
-    res["2"] = Result(bad.client_id, 0, bad.type, 20, {"train_loss": 1.0}, bad.models, records={"activeness": {"x": 1}})
-    s.aggregate(0, res)
-    assert s.activeness[-1] == s.round_activeness({k: res[k] for k in ("0", "1")})
-    assert all(all(abs(u) < 10 for u in us) for us in s.utilities.values())
+def test_liars_cannot_crash_the_server_pick_the_cell_or_move_the_doc():
+    """Two clients report losses of 1e308 (finite: the coordinator lets them through), one none, one an absurd
+    activeness for a cell: the server keeps running, the reports are left out and counted, DoC follows the honest
+    median and the honest clients' hot cell is the one transformed."""
+    s = make(["rpi-4"] * 6, gamma=1, delta=1, beta=0.05)
+    for rnd in range(2):
+        tasks = s.plan(rnd, sorted(s.clients))
+        res = replies(tasks, rnd, loss=2.0 - 0.1 * rnd, hot="blocks.1.0.weight")
+        for cid in ("0", "1"):
+            res[cid] = dataclasses.replace(res[cid], metrics={"train_loss": 1e308})
+        res["2"] = dataclasses.replace(res["2"], metrics={})
+        act = dict(res["3"].records["activeness"]) | {"blocks.0.0.weight": 1.7e308}
+        res["3"] = dataclasses.replace(res["3"], records={"activeness": act})
+        s.aggregate(rnd, res)
+    assert s.summary()["ignored_reports"] == {"train_loss": 6, "activeness": 2}
+    assert all(math.isfinite(u) and abs(u) < 5 for us in s.utilities.values() for u in us)
+    # the honest losses 2.3-2.5, then 2.2-2.4 (clients 3-5): medians 2.4 and 2.3, DoC 0.1 > β, no growth
+    assert s.losses == pytest.approx([2.4, 2.3]) and s.doc == pytest.approx(0.1) and len(s.models) == 1
+
+
+def test_alpha_one_selects_exactly_the_most_active_cell():
+    s = make(["rpi-4", "rpi-4"], alpha=1.0)
+    run_rounds(s, 3, hot="blocks.1.0.weight")
+    assert s.transforms[0]["ops"] == [{"cell": "blocks.1.0", "op": "widen"}]
+
+
+def test_a_larger_model_nobody_trained_keeps_its_own_weights_in_eq5():
+    """Only M0 trains: M1's overlap becomes (w1 + η^t·sim·w0) / (1 + η^t·sim), the rest of M1 stays as it was."""
+    s = make(["rpi-4", "rpi-4"], eta=0.5)
+    run_rounds(s, 3, hot="blocks.1.0.weight")
+    assert len(s.models) == 2
+    before = {k: v.clone() for k, v in s.models[1].state.items()}
+    s.utilities = {cid: [50.0, 0.0] for cid in s.utilities}
+    tasks = s.plan(4, ["0", "1"])
+    assert all(t.models["model"].spec == s.models[0].spec for t in tasks.values())
+    res = replies(tasks, 4)
+    s.aggregate(4, res)
+    w0 = sum(r.models["model"].state["blocks.1.0.weight"] for r in res.values()) / 2
+    a = 0.5 ** (4 - s.created[1]) * s.similarity[0][1]
+    got = s.models[1].state["blocks.1.0.weight"]
+    c = w0.shape[0]
+    assert torch.allclose(got[:c], (before["blocks.1.0.weight"][:c] + a * w0) / (1 + a), atol=1e-6)
+    assert torch.equal(got[c:], before["blocks.1.0.weight"][c:])
+
+
+def test_eq5_finds_a_smaller_models_tensors_under_a_deepened_models_shifted_names():
+    """A block conv-relu-conv: deepening the first conv inserts two layers before the second, whose tensors move
+    from index 2 to 4; Eq. (5) must carry M0's second conv there, and nothing into the inserted layer."""
+    conv = {"kernel_size": 3, "padding": 1}
+    spec = make_spec(
+        "net",
+        (1, 8, 8),
+        10,
+        [
+            ("a", [L("conv2d", conv | {"out_channels": 4}), L("relu"), L("conv2d", conv | {"out_channels": 4})]),
+            ("b", [L("relu"), L("flatten"), L("linear", {"out_features": 10})]),
+        ],
+    )
+    s = create_strategy("fedtrans", CONFIG, None, FAST)
+    s.setup({str(i): ClientInfo(str(i), spec.with_origin(str(i)), "rpi-4", 20, 5) for i in range(2)})
+    s.ops[0] = {"blocks.0.0": "widen"}  # widened last time: deepened now
+    run_rounds(s, 3, hot="blocks.0.0.weight")
+    assert s.transforms[0]["ops"] == [{"cell": "blocks.0.0", "op": "deepen"}]
+    assert s.lineages[1]["blocks.0.4.weight"] == "blocks.0.2.weight" and s.lineages[1]["blocks.0.2.weight"] is None
+    w0 = {k: torch.full_like(v, 7.0) for k, v in s.models[0].state.items()}
+    carried = s.carried(w0, 0, 1)
+    assert torch.equal(carried["blocks.0.4.weight"], torch.full((4, 4, 3, 3), 7.0))
+    assert "blocks.0.2.weight" not in carried and "blocks.0.2.bias" not in carried
+
+
+def test_max_models_bounds_the_chain():
+    s = make(["rpi-4", "rpi-4"], max_models=2)
+    run_rounds(s, 9)
+    assert len(s.models) == 2 and "max_models=2" in s.growth_stopped
+
+
+def test_random_layer_selection_ignores_activeness_and_large_to_small_changes_the_small_model():
+    picks = set()
+    for seed in range(5):
+        s = create_strategy(
+            "fedtrans", dataclasses.replace(CONFIG, seed=seed), None, FAST | {"layer_selection": "random"}
+        )
+        s.setup(fleet(["rpi-4", "rpi-4"]))
+        run_rounds(s, 3, hot="blocks.2.1.weight")
+        picks.add(s.transforms[0]["ops"][0]["cell"])
+    assert len(picks) > 1  # the gradient pick would be blocks.2.1 every time
+    runs = {name: make(["rpi-4", "rpi-4"], large_to_small=flag) for name, flag in (("default", False), ("l2s", True))}
+    for s in runs.values():
+        run_rounds(s, 3)
+        s.utilities = {cid: [0.0, 50.0] for cid in s.utilities}  # everyone trains M1; only l2s shares it into M0
+        run_rounds(s, 1, start=3)
+    assert tree_digest(runs["l2s"].models[0].state) != tree_digest(runs["default"].models[0].state)
+
+
+def test_a_state_snapshot_is_not_changed_by_the_next_aggregate():
+    s = make(["rpi-zero-2w", "rpi-4"])
+    run_rounds(s, 2)
+    snapshot = s.state()
+    digest = tree_digest(snapshot)
+    run_rounds(s, 3, start=2)
+    assert len(s.models) == 2 and tree_digest(snapshot) == digest
 
 
 def test_a_resumed_strategy_continues_bit_identically(tmp_path):
