@@ -22,7 +22,8 @@ from fedge.weights import WeightsError, load_model, save_model
 
 log = logging.getLogger(__name__)
 
-ROLES = ("teacher", "student")
+SERVER_ROLES = ("teacher", "model")  # final models the server writes to <run>/models/<client>/<role>.safetensors
+ROLES = SERVER_ROLES + ("student",)
 PARITY_SAMPLES = 64  # real dataset images each export is checked on
 
 
@@ -93,8 +94,9 @@ def run_config(run_dir: str | Path) -> dict[str, Any]:
 
 
 def load_final_model(run_dir: str | Path, client: str, what: str) -> tuple[Weights, int | None]:
-    """A client's final teacher (<run>/models/<client>/teacher.safetensors) or student (its newest snapshot in
-    <run>/clients/<client>/), with the round it is from (None for teachers). A missing run, an unknown client,
+    """A client's final server-side model (<run>/models/<client>/<role>.safetensors: pFedClub's/pFedHR's `teacher`,
+    FedTrans's/HeteroFL's `model`) or student (its newest snapshot in <run>/clients/<client>/), with the round it is
+    from (None for server-side models). A missing run, an unknown client,
     an unknown role, or no model on disk raise ExportError saying which."""
     cfg = run_config(run_dir)
     if what not in ROLES:
@@ -103,11 +105,11 @@ def load_final_model(run_dir: str | Path, client: str, what: str) -> tuple[Weigh
     if client not in clients:
         raise ExportError(f"run {run_dir} has no client {client!r}; its clients are 0..{len(clients) - 1}")
     run = Path(run_dir)
-    if what == "teacher":
-        path = run / C.FINAL_MODELS_DIR / client / "teacher.safetensors"
+    if what in SERVER_ROLES:
+        path = run / C.FINAL_MODELS_DIR / client / f"{what}.safetensors"
         if not path.exists():
             raise ExportError(
-                f"client {client} has no final teacher in {path.parent} (the strategy "
+                f"client {client} has no final {what} in {path.parent} (the strategy "
                 f"{cfg.get('strategy')!r} builds none, or the client never got one)"
             )
         try:

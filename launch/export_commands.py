@@ -197,7 +197,8 @@ def add_export_parsers(sub: Any) -> None:
     p.add_argument(
         "--what",
         default="teacher",
-        help="teacher (the server's final teacher) or student (the client's newest model snapshot); default teacher",
+        help="teacher (pFedClub's/pFedHR's final teacher), model (the model FedTrans/HeteroFL chose for the client) "
+        "or student (the client's newest model snapshot); default teacher",
     )
     p.add_argument("--format", default="onnx", help="onnx, pte or pte-train (default onnx)")
     p.add_argument(

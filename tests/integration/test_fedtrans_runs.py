@@ -12,6 +12,7 @@ from edge_client.agent import ClientAgent
 from fedge import constants as C
 from fedge.checkpoint import load_tree, tree_digest
 from fedge.weights import load_model
+from launch.cli import main as cli_main
 from launch.simulation import run_simulation
 from server.runlog import CHECKPOINT_FILE
 
@@ -43,6 +44,9 @@ def test_the_chain_grows_and_each_client_gets_models_within_its_capacity(tmp_pat
         folder = out / C.FINAL_MODELS_DIR / cid
         spec, _ = load_model(folder / "model.safetensors")
         assert spec.name == name and (folder / "model.onnx").stat().st_size > 0
+    argv = ["export", str(out), "--client", "1", "--what", "model", "--format", "onnx", "--out", str(tmp_path / "x")]
+    assert cli_main(argv) == 0  # `fedge export` re-exports the model FedTrans chose, parity-checked
+    assert (tmp_path / "x" / "client1-model.onnx").exists()
 
 
 class Crash(BaseException):
