@@ -31,6 +31,7 @@ from bench.compare import hardware  # noqa: E402
 from fedge.config import RunConfig  # noqa: E402
 from launch.server import resolve_options  # noqa: E402
 from launch.simulation import run_simulation  # noqa: E402
+from server.plots import plot_time_to_accuracy  # noqa: E402
 
 # FedTrans's parameters scaled to runs of tens of rounds: γ = 10, δ = 20 (the paper's and the authors') need 30
 # rounds of one model before its first transformation. β is the DoC (loss drop per round) that counts as converging.
@@ -109,12 +110,16 @@ def run_one(cfg: RunConfig) -> dict[str, Any]:
     return json.loads(done.read_text())
 
 
+def read_rows(folder: Path) -> list[dict[str, Any]]:
+    """A run folder's metrics.jsonl rows."""
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
 def numbers(summary: dict[str, Any], folder: Path) -> dict[str, float]:
     """One run's Table 2 numbers: mean and IQR of the final per-client accuracy (%), training TMACs (the paper's
     are PMACs), network MB, sim hours;
     and the server's step per round (plan + aggregate + evaluation planning, s) over a client's local training (s)."""
-    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    train = [r["train_seconds"] for r in rows if "train_seconds" in r]
+    train = [r["train_seconds"] for r in read_rows(folder) if "train_seconds" in r]
     server = statistics.fmean(summary["server_seconds"])
     accs = [100 * a for a in summary["final_accuracy"]["per_client"].values()]
     q1, q3 = np.percentile(accs, [25, 75]) if accs else (float("nan"), float("nan"))
@@ -222,11 +227,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     for dataset in args.datasets:
         for partition in args.partitions:
             rows: dict[str, list[dict[str, float]]] = {}
+            first: dict[str, Path] = {}  # method → its first seed's run folder, for the block's plot
             for method in args.methods:
                 for seed in args.seeds:
                     began = time.perf_counter()
                     cfg = run_config(args, dataset, partition, method, seed)
                     result = numbers(run_one(cfg), Path(cfg.out or "."))
+                    first.setdefault(method, Path(cfg.out or "."))
                     rows.setdefault(method, []).append(result)
                     done += 1
                     print(
@@ -236,7 +243,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                         flush=True,
                     )
             blocks[f"{dataset} {partition}"] = rows
-            report += ["", f"## {dataset}, {partition}", "", *table(rows), "", *checks(rows)]
+            plot = Path(args.out) / f"{dataset}-{partition}" / "time_to_accuracy.png"
+            plot_time_to_accuracy(
+                {m: read_rows(folder) for m, folder in first.items()},
+                plot,
+                f"{dataset} {partition}: seed {args.seeds[0]} of each method",
+            )
+            report += ["", f"## {dataset}, {partition}", "", *table(rows), "", *checks(rows), "", f"plot: {plot}"]
     report += ["", f"wall time {time.perf_counter() - started:.0f} s"]
     print("\n".join(report))
     if args.json:

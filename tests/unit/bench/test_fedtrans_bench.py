@@ -65,6 +65,7 @@ def test_a_tiny_benchmark_runs_and_reuses_its_finished_runs(tmp_path, capsys):
     assert fedtrans.main(argv) == 0
     first = capsys.readouterr().out
     assert "| FedTrans |" in first and "| local (cnn1) |" in first
+    assert (tmp_path / "mnist-iid" / "time_to_accuracy.png").stat().st_size > 0
     stamp = (tmp_path / "mnist-iid" / "fedtrans-seed0" / "summary.json").stat().st_mtime_ns
     assert fedtrans.main(argv) == 0
     assert (tmp_path / "mnist-iid" / "fedtrans-seed0" / "summary.json").stat().st_mtime_ns == stamp
