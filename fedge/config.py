@@ -53,6 +53,16 @@ class RunConfig:
     alpha: float = C.DIRICHLET_ALPHA
     max_samples_per_client: int | None = None
     max_public_samples: int | None = None
+    # A device's own data (fedge/own_data.py): where each client reads it (a folder of class folders, or an .npz;
+    # `{id}` is replaced by the client id), instead of its shard of `dataset`; set, the server takes the sizes
+    # clients register. `fedge client --data-dir` sets it per device.
+    data_dir: str | None = None
+    public_data: str | None = None  # the server's public set from the operator's folder or .npz (else 8 % of dataset)
+    # The task own data is read into; each unset key comes from `dataset` (its shape, classes, channel statistics).
+    input_shape: tuple[int, ...] | None = None  # C, H, W
+    class_names: tuple[str, ...] | None = None  # a label is the position of its class name
+    norm_mean: tuple[float, ...] | None = None  # per channel, of pixels scaled to [0, 1]
+    norm_std: tuple[float, ...] | None = None
     profiles: tuple[str, ...] = C.DEFAULT_FLEET_PROFILES
     device: str = "auto"
     transport: str = C.DEFAULT_TRANSPORT
@@ -139,7 +149,8 @@ def coerce(name: str, kind: Any, value: Any) -> Any:
     try:
         if typing.get_origin(base) is tuple:
             items = value.split(",") if isinstance(value, str) else list(value)
-            return tuple(str(v).strip() for v in items if str(v).strip())
+            item = typing.get_args(base)[0]
+            return tuple(item(str(v).strip()) for v in items if str(v).strip())
         if base is bool:
             return _boolean(value)
         if base is int and isinstance(value, float):

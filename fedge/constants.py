@@ -47,6 +47,12 @@ DIRICHLET_MIN_CLIENT_SAMPLES = 10
 DIRICHLET_MAX_DRAWS = 100
 CIFAR10_BINARY_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz"
 CIFAR10_BINARY_MD5 = "c32a1d4ab5d03f1284b67883e8d87530"
+# A device's own data (fedge/own_data.py): image files it reads (other files are ignored), the share of its
+# examples it holds out for testing when it brings no test split, and the luma weights of RGB -> grayscale
+# (ITU-R 601-2, as Pillow's convert("L")).
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
+OWN_TEST_FRACTION = 0.20
+LUMA_WEIGHTS = (0.299, 0.587, 0.114)
 
 # pFedClub / pFedHR (pFedClub §4.1 and §4.4: K = 4, λ = 0.2, τ = 0.07, 3 fine-tuning epochs, η = 0.1).
 CLUSTERS = 4

@@ -1,7 +1,7 @@
 """Which optional extra of the fedge package provides which third-party module, and the error that names it.
 
-A device installs only the core (torch, numpy, safetensors, paho-mqtt); the server and simulation, the embedded
-datasets, export and the tests each add an extra (pyproject.toml).
+A device installs only the core (torch, numpy, safetensors, paho-mqtt, pillow); the server and simulation, the
+embedded datasets, export and the tests each add an extra (pyproject.toml).
 """
 
 from __future__ import annotations

@@ -161,6 +161,7 @@ RUN_FLAGS = (
     "seed",
     "partition",
     "out",
+    "public_data",
 )
 
 
@@ -284,7 +285,7 @@ def cmd_server(args: argparse.Namespace) -> None:
 def cmd_client(args: argparse.Namespace) -> int:
     from launch.client import client_agents, run_clients, set_threads
 
-    cfg = run_config(args, ("dataset", "data"))
+    cfg = run_config(args, ("dataset", "data", "data_dir"))
     set_threads(args.threads)
     ids = [i.strip() for i in args.id.split(",") if i.strip()]
     agents = client_agents(cfg, ids, args.model, args.profile, args.state_dir)
@@ -417,6 +418,7 @@ def add_run_parser(sub: Any) -> None:
     p.add_argument("--seed", type=int, help="run seed")
     p.add_argument("--partition", choices=SCHEMES, help="how data is split")
     p.add_argument("--out", help="run folder (default runs/<time>-<strategy>-<dataset>)")
+    p.add_argument("--public-data", metavar="PATH", help=PUBLIC_DATA_HELP)
     p.add_argument(
         "--set",
         action="append",
@@ -431,6 +433,12 @@ def add_run_parser(sub: Any) -> None:
     )
     p.add_argument("--processes", type=int, help="client processes for --transport mqtt (default: min(cores, 4))")
     p.set_defaults(func=cmd_run)
+
+
+PUBLIC_DATA_HELP = (
+    "the server's public set from your own folder or .npz instead of 8%% of the dataset: class folders or "
+    "x_train, y_train (labelled), or loose images or x (unlabelled) (config key public_data)"
+)
 
 
 def _connection_flags(p: argparse.ArgumentParser, username_help: str) -> None:
@@ -460,6 +468,7 @@ def add_deploy_parsers(sub: Any) -> None:
     p.add_argument("--out", help="run folder (default runs/<time>-<strategy>-<dataset>)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="show a progress bar")
+    p.add_argument("--public-data", metavar="PATH", help=PUBLIC_DATA_HELP)
     p.set_defaults(func=cmd_server, username="server")
 
     p = sub.add_parser(
@@ -479,6 +488,13 @@ def add_deploy_parsers(sub: Any) -> None:
     p.add_argument("--model", help="zoo model (default: the one the run's zoo assigns to this id)")
     p.add_argument("--dataset", help="dataset name (default: the run config's)")
     p.add_argument("--data", help="path to the dataset files")
+    p.add_argument(
+        "--data-dir",
+        metavar="PATH",
+        help="this device's own data instead of a shard: a folder of class folders of PNG/JPEG images, or an .npz "
+        "with x_train, y_train (optionally x_test, y_test); read into the run's input shape, classes and "
+        "normalisation ({id} is replaced by the client id; config key data_dir)",
+    )
     p.add_argument("--state-dir", help="where the client keeps its model between rounds and restarts")
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.set_defaults(func=cmd_client)

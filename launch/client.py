@@ -20,10 +20,12 @@ from fedge.access import read_users
 from fedge.config import ConfigError, RunConfig
 from fedge.data import Dataset
 from fedge.mqtt import Broker, connector
+from fedge.own_data import read_own_data
 from fedge.partition import ClientShard
+from fedge.seeding import derive_seed
 from fedge.topics import check_id
 from fedge.zoo import assign_models, create
-from launch.runs import load_partitioned
+from launch.runs import data_task, load_partitioned, own_data_path
 
 log = logging.getLogger(__name__)
 
@@ -31,17 +33,34 @@ log = logging.getLogger(__name__)
 def make_agent(
     cfg: RunConfig, ds: Dataset, shard: ClientShard, model: str, profile_name: str, state_dir: Path | None = None
 ) -> ClientAgent:
-    """One simulated client with the zoo's `model` at the run's widths; its model must fit its device profile
+    """One simulated client, on its shard of the run's dataset (see `build_agent`)."""
+    x_train, y_train = ds.tensors(shard.train)
+    x_test, y_test = ds.tensors(shard.test)
+    data = ClientData(x_train, y_train, x_test, y_test)
+    return build_agent(cfg, str(shard.client_id), data, ds.input_shape, ds.num_classes, model, profile_name, state_dir)
+
+
+def build_agent(
+    cfg: RunConfig,
+    client_id: str,
+    data: ClientData,
+    input_shape: tuple[int, int, int],
+    num_classes: int,
+    model: str,
+    profile_name: str,
+    state_dir: Path | None = None,
+) -> ClientAgent:
+    """One client on `data` with the zoo's `model` at the run's widths; its model must fit its device profile
     (ConfigError says which limit fails) and, on an `executorch` profile, pass the ExecuTorch gradient-parity gate
     (it then trains through ExecuTorch). With `state_dir` it keeps its model snapshots there and continues from
     them when started again."""
-    spec = create(model, ds.input_shape, ds.num_classes, cfg.widths)
+    spec = create(model, input_shape, num_classes, cfg.widths)
     profile = get_profile(profile_name)
     verdict = fits(spec, profile)
     if not verdict.ok:
         smaller = ", widths=cpu" if cfg.widths != C.DEFAULT_WIDTHS else ""
         raise ConfigError(
-            f"client {shard.client_id}: model {model} (widths {cfg.widths}) does not fit device profile "
+            f"client {client_id}: model {model} (widths {cfg.widths}) does not fit device profile "
             f"{profile_name}: {'; '.join(verdict.failures)}. Choose other --set profiles=...{smaller} or another zoo"
         )
     trainer = None
@@ -55,52 +74,46 @@ def make_agent(
         try:
             trainer = ExecuTorchTrainer(
                 spec,
-                min(cfg.batch_size, len(shard.train)),
+                min(cfg.batch_size, len(data.y_train)),
                 lambda batch: TrainingSession(gated_training_program(spec, batch)),
                 teacher_logits_pte,
             )
         except (ExportError, ProgramError) as e:
             raise ConfigError(
-                f"client {shard.client_id}: model {model} cannot train on device profile {profile_name} "
+                f"client {client_id}: model {model} cannot train on device profile {profile_name} "
                 f"(runtime executorch): {e}. Choose a BatchNorm-free model (cnn1-cnn3) for "
                 "executorch profiles, or a torch profile"
             ) from None
-    x_train, y_train = ds.tensors(shard.train)
-    x_test, y_test = ds.tensors(shard.test)
-    return ClientAgent(
-        str(shard.client_id),
-        spec,
-        ClientData(x_train, y_train, x_test, y_test),
-        profile_name,
-        cfg.seed,
-        state_dir,
-        trainer,
-    )
+    return ClientAgent(client_id, spec, data, profile_name, cfg.seed, state_dir, trainer)
 
 
 def client_agents(
     cfg: RunConfig, ids: list[str], model: str | None = None, profile: str | None = None, state_dir: Path | None = None
 ) -> list[ClientAgent]:
     """The clients `ids` of the run's fleet: each id is a shard number of the run's partition; model and
-    profile default to the ones the run assigns to that shard."""
-    ds, partition = load_partitioned(cfg)
+    profile default to the ones the run assigns to that shard. With cfg.data_dir each client reads its own data
+    there (`{id}` replaced by its id; fedge.own_data) instead of its shard."""
     models = assign_models(cfg.zoo, cfg.clients, cfg.seed)
-    agents = []
     for cid in ids:
         check_id(cid, "client id")
         if not cid.isdigit() or int(cid) >= cfg.clients:
             raise ConfigError(f"client id {cid!r} must be a shard number 0..{cfg.clients - 1} of the run's partition")
+    if cfg.data_dir is None:
+        ds, partition = load_partitioned(cfg)
+        shards = {cid: partition.clients[int(cid)] for cid in ids}
+    else:
+        task = data_task(cfg)
+    agents = []
+    for cid in ids:
         i = int(cid)
-        agents.append(
-            make_agent(
-                cfg,
-                ds,
-                partition.clients[i],
-                model or models[i],
-                profile or cfg.profiles[i % len(cfg.profiles)],
-                None if state_dir is None else Path(state_dir) / cid,
-            )
-        )
+        chosen = model or models[i], profile or cfg.profiles[i % len(cfg.profiles)]
+        where = None if state_dir is None else Path(state_dir) / cid
+        if cfg.data_dir is None:
+            agents.append(make_agent(cfg, ds, shards[cid], *chosen, where))
+            continue
+        own = read_own_data(own_data_path(cfg, cid), task, derive_seed(cfg.seed, "own-data", cid))
+        data = ClientData(own.x_train, own.y_train, own.x_test, own.y_test)
+        agents.append(build_agent(cfg, cid, data, task.input_shape, len(task.classes), *chosen, where))
     return agents
 
 

@@ -10,6 +10,7 @@ import torch
 from fedge import constants as C
 from fedge.config import ConfigError, RunConfig
 from fedge.data import Dataset, load_dataset
+from fedge.own_data import DataTask
 from fedge.partition import Partition, PartitionConfig, make_partition
 
 
@@ -51,3 +52,23 @@ def load_partitioned(cfg: RunConfig) -> tuple[Dataset, Partition]:
     """The run's dataset and its split (the server and every client derive the same one)."""
     ds = load_dataset(cfg.dataset, cfg.data)
     return ds, make_partition(ds.y, ds.num_classes, partition_config(cfg))
+
+
+def data_task(cfg: RunConfig) -> DataTask:
+    """The task own data is read into: input_shape, class_names, norm_mean and norm_std from the config, each
+    unset one from the run's dataset (loaded only then). Inconsistent keys raise OwnDataError."""
+    keys = (cfg.input_shape, cfg.class_names, cfg.norm_mean, cfg.norm_std)
+    if all(k is not None for k in keys):
+        return DataTask(tuple(cfg.input_shape), tuple(cfg.class_names), tuple(cfg.norm_mean), tuple(cfg.norm_std))
+    base = DataTask.of(load_dataset(cfg.dataset, cfg.data))
+    return DataTask(
+        tuple(cfg.input_shape or base.input_shape),
+        tuple(cfg.class_names or base.classes),
+        tuple(cfg.norm_mean or base.mean),
+        tuple(cfg.norm_std or base.std),
+    )
+
+
+def own_data_path(cfg: RunConfig, client_id: str) -> Path | None:
+    """Where client `client_id` reads its own data (cfg.data_dir with `{id}` replaced), or None for a shard."""
+    return None if cfg.data_dir is None else Path(cfg.data_dir.replace("{id}", client_id)).expanduser()

@@ -15,10 +15,11 @@ from fedge.config import RunConfig
 from fedge.data import Dataset, load_dataset
 from fedge.messages import ClientInfo
 from fedge.mqtt import Broker, connector
+from fedge.own_data import read_public_data
 from fedge.partition import Partition
 from fedge.spec import ModelSpec
 from fedge.transport import Transport
-from launch.runs import load_partitioned, resolve_device, run_folder
+from launch.runs import data_task, load_partitioned, resolve_device, run_folder
 from server.coordinator import Coordinator, LoopConfig, RoundFailed, check_resumable, run_identity
 from server.fleet import Fleet
 from server.plots import plot_accuracy, plot_phi, plot_server_time, plot_time_to_accuracy
@@ -62,11 +63,15 @@ def resolve_options(cfg: RunConfig) -> RunConfig:
 
 
 def make_strategy(cfg: RunConfig, ds: Dataset, partition: Partition) -> Strategy:
-    """The server's strategy with its options and the public data (with labels; a strategy may drop them)."""
-    x_public, y_public = ds.tensors(partition.public)
-    return create_strategy(
-        cfg.strategy, strategy_config(cfg), PublicData(x_public, y_public), parse_options(cfg.strategy, cfg.options)
-    )
+    """The server's strategy with its options and the public data (with labels where it has them; a strategy may
+    drop them): the operator's folder or .npz at cfg.public_data, read into the run's task (OwnDataError on bad
+    input), else the partition's public split of the dataset."""
+    if cfg.public_data is None:
+        public = PublicData(*ds.tensors(partition.public))
+    else:
+        public = PublicData(*read_public_data(cfg.public_data, data_task(cfg)))
+        log.info("server: public set of %d images from %s", len(public.x), cfg.public_data)
+    return create_strategy(cfg.strategy, strategy_config(cfg), public, parse_options(cfg.strategy, cfg.options))
 
 
 def run_federation_rounds(
@@ -143,7 +148,8 @@ def serve(
             out,
         )
     ds, partition = load_partitioned(cfg)
-    sizes = {str(s.client_id): (len(s.train), len(s.test)) for s in partition.clients}
+    # Clients reading their own data (cfg.data_dir) register their sizes; shards have sizes the server knows.
+    sizes = None if cfg.data_dir else {str(s.client_id): (len(s.train), len(s.test)) for s in partition.clients}
     fleet = Fleet(
         connector(broker, cfg.keepalive_s),
         cfg.run_id,

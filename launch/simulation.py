@@ -8,8 +8,7 @@ from typing import Any
 from fedge import constants as C
 from fedge.config import RunConfig
 from fedge.transport import InProcTransport
-from fedge.zoo import assign_models
-from launch.client import make_agent
+from launch.client import client_agents
 from launch.runs import load_partitioned, run_folder
 from launch.server import make_strategy, resolve_options, run_federation_rounds
 
@@ -21,18 +20,8 @@ def run_simulation(cfg: RunConfig, progress: bool = True, resume: bool = False) 
     out = run_folder(cfg, resume)
     ds, partition = load_partitioned(cfg)
     strategy = make_strategy(cfg, ds, partition)
-    models = assign_models(cfg.zoo, cfg.clients, cfg.seed)
-    agents = [
-        make_agent(
-            cfg,
-            ds,
-            shard,
-            models[i],
-            cfg.profiles[i % len(cfg.profiles)],
-            out / C.CLIENT_STATE_DIR / str(shard.client_id),
-        )
-        for i, shard in enumerate(partition.clients)
-    ]
+    ids = [str(s.client_id) for s in partition.clients]
+    agents = client_agents(cfg, ids, state_dir=out / C.CLIENT_STATE_DIR)  # shards, or own data (cfg.data_dir)
     transport = InProcTransport({a.client_id: a.handle for a in agents})
     return run_federation_rounds(
         dataclasses.replace(cfg, out=str(out)),

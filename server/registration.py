@@ -50,7 +50,8 @@ def registration_check(
                 train, test = shard_sizes[info.client_id]
                 return (
                     f"client {info.client_id} claims {info.num_train} training and {info.num_test} test examples;"
-                    f" its shard of the run's partition has {train} and {test}"
+                    f" its shard of the run's partition has {train} and {test} (clients reading their own data need"
+                    " data_dir set in the server's run config too)"
                 )
         return None
 

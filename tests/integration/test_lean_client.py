@@ -41,7 +41,22 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
-def test_fedge_client_imports_neither_the_server_nor_the_embedded_broker(tmp_path):
+# A device's own data as a file dataset (`dataset = "mnist"`, `data = PATH`), or in `data_dir` with the task
+# declared, so that the default dataset (mnist-5k, from the data extra) is never loaded.
+OWN_DATA = {
+    "dataset file": lambda own: {"dataset": "mnist", "data": own},
+    "data_dir": lambda own: {
+        "data_dir": own,
+        "input_shape": [1, 28, 28],
+        "class_names": [str(d) for d in range(10)],
+        "norm_mean": [0.13],
+        "norm_std": [0.31],
+    },
+}
+
+
+@pytest.mark.parametrize("own_data", sorted(OWN_DATA))
+def test_fedge_client_imports_neither_the_server_nor_the_embedded_broker(tmp_path, own_data):
     rng = np.random.default_rng(0)
     np.savez(
         tmp_path / "own.npz",
@@ -52,15 +67,8 @@ def test_fedge_client_imports_neither_the_server_nor_the_embedded_broker(tmp_pat
     )
     (tmp_path / "config.json").write_text(
         json.dumps(
-            {
-                "dataset": "mnist",
-                "data": str(tmp_path / "own.npz"),
-                "zoo": "cnn1",
-                "clients": 1,
-                "active": 1,
-                "run_id": "lean",
-                "profiles": ["rpi-4"],
-            }
+            OWN_DATA[own_data](str(tmp_path / "own.npz"))
+            | {"zoo": "cnn1", "clients": 1, "active": 1, "run_id": "lean", "profiles": ["rpi-4"]}
         )
     )
     users = generate_users(["0"])

@@ -1,0 +1,296 @@
+"""A device's own data (or the operator's public set): a folder of class folders of images, or an .npz, read
+into the run's task — its input shape, class names and normalisation.
+
+Layouts:
+- a folder `DIR/<class name>/<image>` (PNG or JPEG; other files such as `.DS_Store` are ignored), the label of
+  an image being the position of its folder's name in the task's class names. An unlabelled set (a server's
+  public set only) is a folder of images without class folders.
+- an .npz (read with allow_pickle=False) holding `x_train, y_train` and optionally `x_test, y_test`; an
+  unlabelled public set may hold only `x` (`x, y` is read as labelled). Images are (N, C, H, W), (N, H, W, C)
+  or (N, H, W), uint8 or integer in 0..255, or float in [0, 1]; labels are integers (N,) or class names.
+
+Conversions, each applied only where needed: grayscale to RGB (the gray value in every channel) and RGB to
+grayscale (luma, ITU-R 601-2: 0.299 R + 0.587 G + 0.114 B; an alpha channel or palette is dropped first), and a
+resize to the task's H x W (bilinear). Everything else (a wrong rank, a channel count other than 1 or 3, pixel
+values out of range or NaN, labels outside the classes, an unknown or empty class folder, a corrupt image, a
+folder without images) raises OwnDataError naming the file and what was expected.
+"""
+
+from __future__ import annotations
+
+import logging
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fedge import constants as C
+from fedge.data import Dataset
+from fedge.errors import UserError
+
+log = logging.getLogger(__name__)
+# Pillow modes of 8 bits per channel that convert to "L" or "RGB" without losing range.
+_PIL_MODES = ("1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "CMYK", "YCbCr", "LAB", "HSV")
+
+
+class OwnDataError(UserError, ValueError):
+    """A device's own data (folder or .npz) that cannot be read into the run's task; the message names the file."""
+
+
+@dataclass(frozen=True)
+class DataTask:
+    """What the run config states about every client's data: input shape (C, H, W), class names (a label is
+    the position of its name) and per-channel mean/std of x/255. Inconsistent values raise OwnDataError."""
+
+    input_shape: tuple[int, int, int]
+    classes: tuple[str, ...]
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        c = self.input_shape[0] if len(self.input_shape) == 3 else 0
+        if len(self.input_shape) != 3 or min(self.input_shape) < 1:
+            raise OwnDataError(f"input_shape must be three positive integers C, H, W, got {self.input_shape}")
+        if len(self.classes) < 2 or len(set(self.classes)) != len(self.classes):
+            raise OwnDataError(f"class_names must name at least 2 distinct classes, got {self.classes}")
+        if len(self.mean) != c or len(self.std) != c or min(self.std) <= 0:
+            raise OwnDataError(
+                f"norm_mean and norm_std need {c} entries (one per channel) and std > 0, "
+                f"got mean {self.mean}, std {self.std}"
+            )
+
+    @classmethod
+    def of(cls, ds: Dataset) -> DataTask:
+        """The task of a registered dataset: its shape, classes and channel statistics."""
+        return cls(ds.input_shape, ds.classes, ds.mean, ds.std)
+
+    @property
+    def shape_text(self) -> str:
+        c, h, w = self.input_shape
+        return f"{c}x{h}x{w} (C x H x W)"
+
+
+@dataclass(frozen=True)
+class OwnData:
+    """Normalised float32 NCHW images and int64 labels; the test split is the file's own or held out (seeded)."""
+
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+
+
+def read_own_data(path: str | Path, task: DataTask, seed: int, test_fraction: float = C.OWN_TEST_FRACTION) -> OwnData:
+    """A client's labelled data at `path` (folder or .npz) in the task's shape, normalised. Without a test split
+    of its own, `test_fraction` of each class is held out, chosen by `seed` (the same seed, the same split).
+    Bad input raises OwnDataError naming the file (see the module docstring)."""
+    path = Path(path).expanduser()
+    x, y, x_test, y_test = _read(path, task, labelled=True)
+    assert y is not None
+    if x_test is None or y_test is None:
+        train, test = held_out_split(y, test_fraction, seed, path)
+        x, y, x_test, y_test = x[train], y[train], x[test], y[test]
+    log.info("own data %s: %d training and %d test examples", path, len(y), len(y_test))
+    return OwnData(_normalise(x, task), torch.from_numpy(y), _normalise(x_test, task), torch.from_numpy(y_test))
+
+
+def read_public_data(path: str | Path, task: DataTask) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The server's public set at `path`: all its images normalised, with labels when it has them (class folders,
+    or `y`/`y_train` in an .npz; a test split, if any, is added). Bad input raises OwnDataError."""
+    path = Path(path).expanduser()
+    x, y, x_test, y_test = _read(path, task, labelled=None)
+    if x_test is not None and y is not None and y_test is not None:
+        x, y = np.concatenate([x, x_test]), np.concatenate([y, y_test])
+    return _normalise(x, task), None if y is None else torch.from_numpy(y)
+
+
+def held_out_split(y: np.ndarray, fraction: float, seed: int, where: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted (train, test) indices: round(fraction * n) of each class to test, at least one example in all,
+    drawn by `seed`. Fewer than 2 examples raise OwnDataError."""
+    if len(y) < 2:
+        raise OwnDataError(f"{where}: {len(y)} example(s); need at least 2 to hold out a test split")
+    rng = np.random.default_rng(seed)
+    test: list[np.ndarray] = []
+    for c in np.unique(y):
+        idx = rng.permutation(np.flatnonzero(y == c))
+        k = min(int(round(fraction * len(idx))), len(idx) - 1)
+        test.append(idx[:k])
+    held = np.concatenate(test)
+    if held.size == 0:
+        held = rng.permutation(len(y))[:1]
+    mask = np.zeros(len(y), dtype=bool)
+    mask[held] = True
+    return np.flatnonzero(~mask), np.flatnonzero(mask)
+
+
+Arrays = tuple[np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray | None]
+
+
+def _read(path: Path, task: DataTask, labelled: bool | None) -> Arrays:
+    """(x_train float32 NCHW in [0, 1], y_train or None, x_test or None, y_test or None). `labelled`: True
+    demands labels, None takes what is there."""
+    if not path.exists():
+        raise OwnDataError(f"data path {str(path)!r} does not exist; expected a folder of class folders or an .npz")
+    if path.is_file():
+        if path.suffix.lower() != ".npz":
+            raise OwnDataError(f"{path}: not an .npz file; expected a folder of class folders or an .npz")
+        return _read_npz(path, task, labelled)
+    return _read_folder(path, task, labelled)
+
+
+# ------------------------------------------------------------------------------------------------ folders
+
+
+def _images_in(folder: Path) -> list[Path]:
+    return sorted(
+        p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in C.IMAGE_EXTENSIONS and p.name[:1] != "."
+    )
+
+
+def _read_folder(root: Path, task: DataTask, labelled: bool | None) -> Arrays:
+    folders = sorted(p for p in root.iterdir() if p.is_dir() and p.name[:1] != ".")
+    loose = _images_in(root)
+    expected = f"class folders named {', '.join(task.classes)} holding {', '.join(C.IMAGE_EXTENSIONS)} images"
+    if folders and loose:
+        raise OwnDataError(f"{root}: has both class folders and loose images ({loose[0].name}); expected {expected}")
+    if not folders:
+        if not loose:
+            raise OwnDataError(f"{root}: no images; expected {expected}")
+        if labelled:
+            raise OwnDataError(f"{root}: images without class folders have no labels; expected {expected}")
+        return np.stack([_read_image(p, task) for p in loose]), None, None, None
+    xs, ys = [], []
+    for folder in folders:
+        if folder.name not in task.classes:
+            raise OwnDataError(
+                f"{folder}: unknown class folder {folder.name!r}; the run's classes are {', '.join(task.classes)}"
+            )
+        files = _images_in(folder)
+        if not files:
+            raise OwnDataError(f"{folder}: class folder {folder.name!r} has no {', '.join(C.IMAGE_EXTENSIONS)} images")
+        xs += [_read_image(p, task) for p in files]
+        ys += [task.classes.index(folder.name)] * len(files)
+    return np.stack(xs), np.asarray(ys, dtype=np.int64), None, None
+
+
+def _read_image(path: Path, task: DataTask) -> np.ndarray:
+    """One image as float32 (C, H, W) in [0, 1]: to grayscale or RGB and resized to H x W (bilinear) if needed."""
+    from PIL import Image, UnidentifiedImageError
+
+    c, h, w = task.input_shape
+    if c not in (1, 3):
+        raise OwnDataError(f"{path}: images fill 1 (grayscale) or 3 (RGB) channels; the task's input is {c} channels")
+    try:
+        with Image.open(path) as img:
+            img.load()
+            if img.mode not in _PIL_MODES:
+                raise OwnDataError(
+                    f"{path}: image mode {img.mode} (more than 8 bits per channel) is not supported; "
+                    f"save it as 8-bit grayscale or RGB for the task's {task.shape_text}"
+                )
+            img = img.convert("L" if c == 1 else "RGB")
+            if img.size != (w, h):
+                img = img.resize((w, h), Image.Resampling.BILINEAR)
+            pixels = np.asarray(img, dtype=np.float32) / 255.0
+    except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as e:
+        if isinstance(e, OwnDataError):
+            raise
+        raise OwnDataError(f"{path}: cannot read the image (corrupt or not a PNG/JPEG): {e}") from None
+    return pixels[None] if c == 1 else pixels.transpose(2, 0, 1)
+
+
+# ------------------------------------------------------------------------------------------------ .npz
+
+
+def _read_npz(path: Path, task: DataTask, labelled: bool | None) -> Arrays:
+    try:
+        # allow_pickle=False: a device's file is data, never code to unpickle.
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+        raise OwnDataError(
+            f"{path}: cannot read it as an .npz of arrays (corrupt, or holds pickled objects): {e}"
+        ) from None
+    keys = sorted(arrays)
+    if "x_train" in arrays:
+        x_key, y_key = "x_train", "y_train"
+    elif "x" in arrays and labelled is None:
+        x_key, y_key = "x", "y"
+    else:
+        want = "x_train, y_train (and optionally x_test, y_test)" + ("" if labelled else ", or x (unlabelled)")
+        raise OwnDataError(f"{path}: holds {keys}; expected {want}")
+    if labelled and y_key not in arrays:
+        raise OwnDataError(f"{path}: has {x_key} but no {y_key}; a client's data needs labels")
+    if ("x_test" in arrays) != ("y_test" in arrays):
+        raise OwnDataError(f"{path}: x_test and y_test come together; it holds {keys}")
+    x = _images(arrays[x_key], task, f"{path}: {x_key}")
+    y = _labels(arrays[y_key], len(x), task, f"{path}: {y_key}") if y_key in arrays else None
+    if "x_test" not in arrays:
+        return x, y, None, None
+    x_test = _images(arrays["x_test"], task, f"{path}: x_test")
+    return x, y, x_test, _labels(arrays["y_test"], len(x_test), task, f"{path}: y_test")
+
+
+def _images(a: np.ndarray, task: DataTask, where: str) -> np.ndarray:
+    """Float32 (N, C, H, W) in [0, 1] in the task's shape, converting channels and size where needed."""
+    c, h, w = task.input_shape
+    expected = f"expected images (N, {c}, {h}, {w}), (N, {h}, {w}, {c})" + (f" or (N, {h}, {w})" if c == 1 else "")
+    if a.ndim == 3:
+        a = a[:, None]
+    elif a.ndim == 4 and a.shape[1] not in (1, 3) and a.shape[3] in (1, 3):
+        a = a.transpose(0, 3, 1, 2)
+    elif a.ndim != 4 or (a.shape[1:] != (c, h, w) and a.shape[1] not in (1, 3)):
+        raise OwnDataError(f"{where} has shape {a.shape}; {expected}")
+    if len(a) == 0:
+        raise OwnDataError(f"{where} holds no images; {expected}")
+    if a.dtype.kind in "iu":
+        if a.min() < 0 or a.max() > 255:
+            raise OwnDataError(f"{where}: integer pixels must lie in 0..255, found {a.min()}..{a.max()}")
+        x = torch.from_numpy(a.astype(np.float32) / 255.0)
+    elif a.dtype.kind == "f":
+        if not np.isfinite(a).all():
+            raise OwnDataError(f"{where}: has NaN or infinite pixels")
+        if a.min() < 0 or a.max() > 1:
+            raise OwnDataError(f"{where}: float pixels must lie in [0, 1] (or store uint8 0..255)")
+        x = torch.from_numpy(a.astype(np.float32))
+    else:
+        raise OwnDataError(f"{where}: pixels of type {a.dtype}; expected uint8 0..255 or float in [0, 1]")
+    if x.shape[1] != c:
+        if c not in (1, 3):
+            raise OwnDataError(f"{where} has {x.shape[1]} channels; {expected}")
+        x = x.repeat(1, 3, 1, 1) if c == 3 else (x * torch.tensor(C.LUMA_WEIGHTS).view(1, 3, 1, 1)).sum(1, True)
+    if x.shape[2:] != (h, w):
+        x = F.interpolate(x, size=(h, w), mode="bilinear", align_corners=False).clamp_(0.0, 1.0)
+    return x.numpy()
+
+
+def _labels(a: np.ndarray, n: int, task: DataTask, where: str) -> np.ndarray:
+    """Int64 labels (n,) in [0, classes): integers, or class names mapped to their position."""
+    if a.ndim == 2 and a.shape[1] == 1:
+        a = a[:, 0]
+    if a.ndim != 1 or len(a) != n:
+        raise OwnDataError(f"{where} has shape {a.shape}; expected ({n},), one label per image")
+    if a.dtype.kind in "US":
+        names = [v.decode() if isinstance(v, bytes) else str(v) for v in a.tolist()]
+        unknown = sorted(set(names) - set(task.classes))
+        if unknown:
+            raise OwnDataError(f"{where}: unknown class name(s) {unknown[:5]}; the run's classes are {task.classes}")
+        return np.asarray([task.classes.index(v) for v in names], dtype=np.int64)
+    if a.dtype.kind not in "iu":
+        raise OwnDataError(f"{where}: labels of type {a.dtype}; expected integers or class names")
+    if n and (a.min() < 0 or a.max() >= len(task.classes)):
+        raise OwnDataError(
+            f"{where}: label {a.min() if a.min() < 0 else a.max()} is outside the run's "
+            f"{len(task.classes)} classes (0..{len(task.classes) - 1})"
+        )
+    return a.astype(np.int64)
+
+
+def _normalise(x: np.ndarray, task: DataTask) -> torch.Tensor:
+    """(x - mean) / std per channel, as fedge.data.Dataset.tensors does for a simulated shard."""
+    mean = torch.tensor(task.mean, dtype=torch.float32).view(1, -1, 1, 1)
+    std = torch.tensor(task.std, dtype=torch.float32).view(1, -1, 1, 1)
+    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).sub_(mean).div_(std)
