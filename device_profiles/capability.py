@@ -10,9 +10,12 @@ from fractions import Fraction
 from typing import Protocol, runtime_checkable
 
 from device_profiles.constants import (
+    BYTES_PER_ACTIVATION,
     BYTES_PER_PARAM,
     DIRECTION_DOWN,
     DIRECTION_UP,
+    OPTIMIZER_STATES,
+    RUNTIME_OPTIMIZER,
     TRAIN_COST_FACTOR,
     TRAINING_COPIES,
 )
@@ -31,6 +34,21 @@ class SizedModel(Protocol):
     @property
     def macs(self) -> int:
         """Forward multiply-accumulates for one input sample."""
+        ...
+
+
+@runtime_checkable
+class TrainableModel(Protocol):
+    """Anything that knows its parameter count and the activation elements per sample training keeps."""
+
+    @property
+    def params(self) -> int:
+        """Number of trainable parameters."""
+        ...
+
+    @property
+    def activations(self) -> int:
+        """Elements per sample kept for backward (fedge's ModelSpec: the input and every layer's output once)."""
         ...
 
 
@@ -66,6 +84,77 @@ def training_memory_bytes(params: int) -> int:
     non-integer or negative `params`.
     """
     return _count(params, "params") * BYTES_PER_PARAM * TRAINING_COPIES
+
+
+MB = 1e6  # the unit of Footprint.describe
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Estimated bytes one training step holds, by part (training_footprint_bytes says what is left out)."""
+
+    weights: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    batch_size: int
+    optimizer: str
+
+    @property
+    def total(self) -> int:
+        """Weights + gradients + optimiser state + activations."""
+        return self.weights + self.gradients + self.optimizer_state + self.activations
+
+    def describe(self) -> str:
+        """E.g. "training footprint 412.3 MB (weights 0.9, gradients 0.9, adam 1.7, activations 408.8 MB at
+        batch 16)"."""
+        return (
+            f"training footprint {self.total / MB:.1f} MB (weights {self.weights / MB:.1f}, gradients "
+            f"{self.gradients / MB:.1f}, {self.optimizer} {self.optimizer_state / MB:.1f}, activations "
+            f"{self.activations / MB:.1f} MB at batch {self.batch_size})"
+        )
+
+
+def training_footprint_bytes(model: TrainableModel, batch_size: int, optimizer: str = "adam") -> Footprint:
+    """Estimated memory of training `model` at `batch_size` with `optimizer` ("adam", "sgd_momentum", "sgd").
+
+    fp32 weights, gradients (one copy each), optimiser state (Adam: 2 moments, SGD with momentum: 1, plain SGD:
+    none) and activations saved for backward: model.activations elements per sample (the input and every layer's
+    output, each once) x batch x 4 B. Left out: the runtime itself (Python + torch, measured in
+    bench/client_memory.py; the profiles' memory_bytes are what is left after OS and runtime), the client's data
+    shard, the autograd temporaries of one layer's backward, allocator slack, and the no-grad evaluation batch.
+    Raises AttributeError if `model` lacks `params`/`activations`, TypeError/ValueError for non-integer or
+    negative counts, a batch_size < 1 or an unknown optimizer.
+    """
+    params = _count(model.params, "model.params")
+    elements = _count(model.activations, "model.activations")
+    batch = _count(batch_size, "batch_size", minimum=1)
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}")
+    weights = params * BYTES_PER_PARAM
+    return Footprint(
+        weights=weights,
+        gradients=weights,
+        optimizer_state=weights * OPTIMIZER_STATES[optimizer],
+        activations=elements * batch * BYTES_PER_ACTIVATION,
+        batch_size=batch,
+        optimizer=optimizer,
+    )
+
+
+def memory_fits(footprint: Footprint, profile: DeviceProfile) -> Verdict:
+    """Whether a training footprint fits the profile's memory_bytes; the failure states both numbers."""
+    if footprint.total <= profile.memory_bytes:
+        return Verdict(ok=True)
+    limit = f"memory_bytes {profile.memory_bytes / MB:.1f} MB of profile {profile.name}"
+    return Verdict(ok=False, failures=(f"{footprint.describe()} > {limit}",))
+
+
+def training_fits(model: TrainableModel, profile: DeviceProfile, batch_size: int) -> Verdict:
+    """Whether training `model` at `batch_size` with the optimiser of the profile's runtime (RUNTIME_OPTIMIZER)
+    fits the profile's memory_bytes; the failure states the footprint by part and the limit. Raises like
+    training_footprint_bytes."""
+    return memory_fits(training_footprint_bytes(model, batch_size, RUNTIME_OPTIMIZER[profile.runtime]), profile)
 
 
 def _over(what: str, value: int, limit_name: str, limit: int) -> str:

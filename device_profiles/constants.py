@@ -23,6 +23,13 @@ TRAIN_COST_FACTOR = 3
 BYTES_PER_PARAM = 4
 TRAINING_COPIES = 4
 
+# Full training footprint (capability.training_footprint_bytes): fp32 activations (4 bytes per element)
+# and the optimiser state per parameter: Adam keeps two moments, SGD with momentum one, plain SGD none.
+BYTES_PER_ACTIVATION = 4
+OPTIMIZER_STATES: dict[str, int] = {"adam": 2, "sgd_momentum": 1, "sgd": 0}
+# The optimiser each runtime trains with (edge_client.training: Adam; the executorch program: SGD + momentum).
+RUNTIME_OPTIMIZER: dict[str, str] = {"torch": "adam", "executorch": "sgd_momentum"}
+
 # Transfer directions accepted by capability.transfer_seconds.
 DIRECTION_UP = "up"
 DIRECTION_DOWN = "down"

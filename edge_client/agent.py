@@ -4,12 +4,13 @@ registered handlers."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from edge_client.memory import memory_metrics
 from edge_client.training import TorchTrainer, Trainer
 from fedge.checkpoint import CheckpointError, load_tree, save_tree
 from fedge.messages import ClientInfo, Result, Task, Weights
@@ -121,8 +122,14 @@ class ClientAgent:
 
     def handle(self, task: Task) -> Result:
         """Run the handler registered for task.type from the model of the right snapshot, and snapshot the
-        model after a mutating task. An unknown type, or a round older than every kept snapshot, raises
-        TaskError."""
+        model after a mutating task; the result's metrics get the process's `rss_bytes` and `peak_rss_bytes`
+        (edge_client.memory; in one process shared by several clients they are the process's). An unknown type,
+        or a round older than every kept snapshot, raises TaskError."""
+        result = self.run_handler(task)
+        return replace(result, metrics=result.metrics | memory_metrics())
+
+    def run_handler(self, task: Task) -> Result:
+        """handle() without the memory metrics."""
         kind = TASKS.get(task.type)
         before = [r for r in self.snapshots if r < task.round or (r == task.round and not kind.mutates)]
         if not before:

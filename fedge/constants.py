@@ -16,6 +16,8 @@ SGD_LR = 0.01
 SGD_MOMENTUM = 0.9
 EXECUTORCH_TEACHER_BATCH = 32  # fixed batch of the teacher's inference program on an executorch client
 EVAL_BATCH_SIZE = 512
+# The memory metrics every task reply carries (edge_client.memory): the client process's current and peak RSS.
+MEMORY_METRICS = ("rss_bytes", "peak_rss_bytes")
 
 # Partitioning (pFedClub §4.1: 72 % train / 20 % test / 8 % public; 2 classes per client).
 PUBLIC_FRACTION = 0.08

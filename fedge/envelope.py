@@ -34,6 +34,7 @@ REASONS = (
     "bad_chunk",
     "bad_weights",
     "bad_spec",
+    "over_memory",
     "bad_value",
     "spoof",
     "wrong_run",

@@ -38,12 +38,22 @@ class LayerType:
     MACs count multiply-accumulates of convolutions and matrix products only (the convention of
     thop/ptflops and of `torch.utils.flop_counter`, which reports 2 FLOPs per MAC); element-wise
     ops (BN, activations, pooling, residual adds) are not counted.
+
+    `activations` counts the elements per sample a training step keeps for backward; by default the layer's
+    output, once (composite layers sum their parts' outputs).
     """
 
     out_shape: Callable[[dict[str, Any], Shape], Shape]
     build: Callable[[dict[str, Any], Shape], nn.Module]
     params: Callable[[dict[str, Any], Shape], int] = lambda a, s: 0
     macs: Callable[[dict[str, Any], Shape], int] = lambda a, s: 0
+    activations: Callable[[dict[str, Any], Shape], int] | None = None
+
+    def activation_elements(self, args: dict[str, Any], shape: Shape) -> int:
+        """Elements per sample this layer keeps for backward (its output once, unless `activations` says)."""
+        if self.activations is not None:
+            return self.activations(args, shape)
+        return math.prod(self.out_shape(args, shape))
 
 
 LAYER_TYPES: Registry[LayerType] = Registry("layer type", SpecError)
@@ -211,6 +221,10 @@ def _sum(layers: list[LayerSpec], s: Shape, what: str) -> int:
     return sum(getattr(layer_type(ly.type), what)(ly.args, shp) for ly, shp in _chain(layers, s))
 
 
+def _sum_activations(layers: list[LayerSpec], s: Shape) -> int:
+    return sum(layer_type(ly.type).activation_elements(ly.args, shp) for ly, shp in _chain(layers, s))
+
+
 def _build_seq(layers: list[LayerSpec], s: Shape) -> nn.Sequential:
     return nn.Sequential(*(layer_type(ly.type).build(ly.args, shp) for ly, shp in _chain(layers, s)))
 
@@ -271,6 +285,7 @@ def _composite(
         build=lambda a, s: Residual(_build_seq(expand(a, s), s), residual(a, s)),
         params=lambda a, s: _sum(expand(a, s), s, "params"),
         macs=lambda a, s: _sum(expand(a, s), s, "macs"),
+        activations=lambda a, s: _sum_activations(expand(a, s), s) + (math.prod(s) if residual(a, s) else 0),
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, replace
@@ -91,6 +92,18 @@ class ModelSpec:
     def macs(self) -> int:
         """Forward multiply-accumulates per sample (conv and linear layers), from the spec alone."""
         return sum(b.macs for b in self.blocks)
+
+    @cached_property
+    def activations(self) -> int:
+        """Elements per sample a training step keeps for backward: the input, then every layer's output once
+        (LayerType.activation_elements), from the spec alone."""
+        total, shape = math.prod(self.input_shape), tuple(self.input_shape)
+        for b in self.blocks:
+            for layer in b.layers:
+                kind = layer_type(layer.type)
+                total += kind.activation_elements(layer.args, shape)
+                shape = tuple(kind.out_shape(layer.args, shape))
+        return total
 
     def with_origin(self, client: str | None) -> ModelSpec:
         """The same spec with every block's origin naming `client` (what a client does at registration)."""

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from device_profiles import fits, get_profile
+from device_profiles import fits, get_profile, training_fits
 from edge_client.agent import ClientAgent, ClientData
 from edge_client.session import ClientStopped, EdgeClient
 from fedge import constants as C
@@ -50,18 +50,20 @@ def build_agent(
     profile_name: str,
     state_dir: Path | None = None,
 ) -> ClientAgent:
-    """One client on `data` with the zoo's `model` at the run's widths; its model must fit its device profile
-    (ConfigError says which limit fails) and, on an `executorch` profile, pass the ExecuTorch gradient-parity gate
+    """One client on `data` with the zoo's `model` at the run's widths; its model must fit its device profile,
+    its training footprint at the run's batch size included (ConfigError says which limit fails; the server checks
+    the same at registration) and, on an `executorch` profile, pass the ExecuTorch gradient-parity gate
     (it then trains through ExecuTorch). With `state_dir` it keeps its model snapshots there and continues from
     them when started again."""
     spec = create(model, input_shape, num_classes, cfg.widths)
     profile = get_profile(profile_name)
-    verdict = fits(spec, profile)
-    if not verdict.ok:
+    batch = min(cfg.batch_size, max(len(data.y_train), 1))
+    failures = fits(spec, profile).failures + training_fits(spec, profile, batch).failures
+    if failures:
         smaller = ", widths=cpu" if cfg.widths != C.DEFAULT_WIDTHS else ""
         raise ConfigError(
             f"client {client_id}: model {model} (widths {cfg.widths}) does not fit device profile "
-            f"{profile_name}: {'; '.join(verdict.failures)}. Choose other --set profiles=...{smaller} or another zoo"
+            f"{profile_name}: {'; '.join(failures)}. Choose other --set profiles=...{smaller} or another zoo"
         )
     trainer = None
     if profile.runtime == "executorch":  # export and executorch load only for the devices that train through them

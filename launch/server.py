@@ -153,7 +153,7 @@ def serve(
     fleet = Fleet(
         connector(broker, cfg.keepalive_s),
         cfg.run_id,
-        registration_check(sizes, RUNTIME_CHECKS),
+        registration_check(sizes, RUNTIME_CHECKS, cfg.batch_size),
         cfg.round_deadline_s,
         cfg.heartbeat_s,
         cfg.chunk_size,

@@ -449,6 +449,8 @@ class Coordinator:
             row.update(clock.fields())
         if evaluated is not None:
             row.update(accuracy=evaluated.metrics["accuracy"], loss=evaluated.metrics["loss"])
+            # the evaluation ran after the training, so its process peak RSS is the round's
+            row.update({k: evaluated.metrics[k] for k in C.MEMORY_METRICS if k in evaluated.metrics})
         return row | self.strategy.record(rnd, cid)
 
     def summary(self) -> dict[str, Any]:

@@ -69,7 +69,7 @@ class Fleet:
         self,
         connect: Connect,
         run: str,
-        check_info: Callable[[ClientInfo], str | None],
+        check_info: Callable[[ClientInfo], tuple[str, str] | None],
         deadline_s: float = ROUND_DEADLINE_S,
         heartbeat_s: float = HEARTBEAT_S,
         chunk_size: int = CHUNK_SIZE,
@@ -284,9 +284,9 @@ class Fleet:
                 raise WireError("bad_format", f"the run has started with a fixed fleet; {cid} is not part of it")
             if known is not None and known != info:
                 raise WireError("bad_spec", f"client {cid} registered again with a different model or profile")
-        problem = self.check_info(info)
-        if problem is not None:
-            raise WireError("bad_spec", problem)
+        refusal = self.check_info(info)  # (reason code, message), e.g. ("over_memory", ...)
+        if refusal is not None:
+            raise WireError(*refusal)
         with self.cond:
             if cid not in self.clients:
                 log.info(

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Callable, Mapping
 
-from device_profiles import ProfileError, fits, get_profile
+from device_profiles import ProfileError, fits, get_profile, training_fits
+from fedge import constants as C
 from fedge.messages import ClientInfo
 from fedge.spec import ModelSpec
 
@@ -13,17 +14,33 @@ from fedge.spec import ModelSpec
 RuntimeCheck = Callable[[ModelSpec], None]
 
 
+# A registration check's answer: None to accept, else (reason code of fedge.envelope.REASONS, message).
+Refusal = tuple[str, str]
+
+
 def registration_check(
-    shard_sizes: Mapping[str, tuple[int, int]] | None = None, runtime_checks: Mapping[str, RuntimeCheck] | None = None
-) -> Callable[[ClientInfo], str | None]:
+    shard_sizes: Mapping[str, tuple[int, int]] | None = None,
+    runtime_checks: Mapping[str, RuntimeCheck] | None = None,
+    batch_size: int = C.DEFAULT_BATCH_SIZE,
+) -> Callable[[ClientInfo], Refusal | None]:
     """What the server requires of a registering client: a known profile its model fits (and passes the check of
     its profile's runtime in `runtime_checks`, if any: for executorch, an ExecuTorch training form; the full
-    gradient-parity gate runs on the client), some data, and, where the server made the clients' shards
+    gradient-parity gate runs on the client), a training footprint at the run's `batch_size` within the profile's
+    memory_bytes ("over_memory", stating both numbers), some data, and, where the server made the clients' shards
     (`shard_sizes`: client id -> (train, test) examples), exactly the data sizes of its shard: a client's word on
-    its size sets its weight in FedAvg."""
+    its size sets its weight in FedAvg. Other refusals are "bad_spec"."""
     checks = dict(runtime_checks or {})
 
-    def check(info: ClientInfo) -> str | None:
+    def check(info: ClientInfo) -> Refusal | None:
+        problem = spec_problem(info)
+        if problem is not None:
+            return "bad_spec", problem
+        memory = training_fits(info.spec, get_profile(info.profile), min(batch_size, info.num_train))
+        if not memory.ok:
+            return "over_memory", f"model {info.spec.name} on device profile {info.profile}: {memory.failures[0]}"
+        return None
+
+    def spec_problem(info: ClientInfo) -> str | None:
         try:
             profile = get_profile(info.profile)
         except ProfileError as e:

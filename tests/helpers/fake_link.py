@@ -209,7 +209,7 @@ class FakeFederation:
     unless given, so a round that waits for what it should not fails as a missed deadline, not a hang."""
 
     def __init__(
-        self, check_info: Callable[[ClientInfo], str | None] = lambda info: None, **fleet_options: float
+        self, check_info: Callable[[ClientInfo], tuple[str, str] | None] = lambda info: None, **fleet_options: float
     ) -> None:
         self.net = FakeBroker()
         options = {"heartbeat_s": 60.0, "deadline_s": WAIT_S} | fleet_options

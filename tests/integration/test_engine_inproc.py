@@ -22,7 +22,18 @@ from server.runlog import CHECKPOINT_FILE, RunLog
 from server.strategy import StrategyConfig, StrategyError, create_strategy
 
 pytestmark = pytest.mark.timeout(300)
-ROW_KEYS = {"round", "client", "model", "params", "macs", "accuracy", "loss", "train_loss", "train_seconds"}
+ROW_KEYS = {
+    "round",
+    "client",
+    "model",
+    "params",
+    "macs",
+    "accuracy",
+    "loss",
+    "train_loss",
+    "train_seconds",
+    "peak_rss_bytes",
+}
 
 
 def config(tmp_path, **kw) -> RunConfig:

@@ -19,7 +19,7 @@ from server.runlog import CHECKPOINT_FILE
 from helpers.federation import make_config, read_rows, run_inproc
 
 pytestmark = pytest.mark.timeout(600)
-TIMING = ("seconds", "time_", "bytes_up")  # bytes_up carries the wall-clock train_seconds metric
+TIMING = ("seconds", "time_", "bytes_up", "rss_bytes")  # bytes_up carries the wall-clock metrics (train_seconds, rss)
 GROW_FAST = {"gamma": 1, "delta": 1, "beta": 10.0}  # a transformation whenever the newest model has 2 rounds
 
 

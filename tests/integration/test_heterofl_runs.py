@@ -17,7 +17,7 @@ from server.runlog import CHECKPOINT_FILE
 from helpers.federation import make_config, read_rows, run_inproc
 
 pytestmark = pytest.mark.timeout(600)
-TIMING = ("seconds", "time_", "bytes_up")  # bytes_up carries the wall-clock train_seconds metric
+TIMING = ("seconds", "time_", "bytes_up", "rss_bytes")  # bytes_up carries the wall-clock metrics (train_seconds, rss)
 
 
 def mixed(out, **kw):

@@ -14,7 +14,7 @@ from server.runlog import CHECKPOINT_FILE
 
 pytestmark = pytest.mark.timeout(600)
 # Wall-clock fields, and the reply's bytes, which hold the client's wall-clock train_seconds (its JSON length varies).
-TIMING = ("seconds", "time_", "bytes_up")
+TIMING = ("seconds", "time_", "bytes_up", "rss_bytes")
 # ...so simulated seconds may differ by a few bytes' upload per round: 64 B at 2.5 Mbit/s is 0.2 ms.
 SIM_SLACK_S = 1e-3
 

@@ -149,5 +149,6 @@ def test_the_server_refuses_registering_a_batchnorm_model_on_an_executorch_profi
     ok = make_agent(RunConfig(dataset="digits"), DIGITS, shard(), "cnn4", "rpi-4").info()
     bad = type(ok)(ok.client_id, ok.spec, "android-flagship", ok.num_train, ok.num_test)
     assert check(ok) is None
-    assert "cannot train on device profile android-flagship (runtime executorch)" in check(bad)
-    assert "BatchNorm" in check(bad)
+    assert check(bad)[0] == "bad_spec"
+    assert "cannot train on device profile android-flagship (runtime executorch)" in check(bad)[1]
+    assert "BatchNorm" in check(bad)[1]

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_a_refused_registration_stops_the_client_with_the_servers_reason():
-    with FakeFederation(check_info=lambda info: "cnn1 does not fit rpi-4") as fed:
+    with FakeFederation(check_info=lambda info: ("bad_spec", "cnn1 does not fit rpi-4")) as fed:
         refused = fed.client("0", registered=False)
         wait_until(refused.done, "the refused client to stop")
         assert isinstance(refused.error, ClientStopped) and "cnn1 does not fit rpi-4" in str(refused.error)
