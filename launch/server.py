@@ -9,11 +9,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+import torch
+
 from fedge import constants as C
 from fedge.checkpoint import load_tree
 from fedge.config import RunConfig
 from fedge.data import Dataset, load_dataset
-from fedge.messages import ClientInfo
+from fedge.messages import ClientInfo, Weights
 from fedge.mqtt import Broker, connector
 from fedge.partition import Partition
 from fedge.spec import ModelSpec
@@ -64,9 +66,26 @@ def resolve_options(cfg: RunConfig) -> RunConfig:
 def make_strategy(cfg: RunConfig, ds: Dataset, partition: Partition) -> Strategy:
     """The server's strategy with its options and the public data (with labels; a strategy may drop them)."""
     x_public, y_public = ds.tensors(partition.public)
-    return create_strategy(
+    strategy = create_strategy(
         cfg.strategy, strategy_config(cfg), PublicData(x_public, y_public), parse_options(cfg.strategy, cfg.options)
     )
+    if hasattr(strategy, "program_for"):  # a strategy that sends teachers ships executorch clients their programs
+        strategy.program_for = teacher_program_exporter(x_public)
+    return strategy
+
+
+def teacher_program_exporter(sample: torch.Tensor) -> Callable[[Weights], bytes]:
+    """The server's teacher program exporter (ReassemblyStrategy.program_for): a teacher's XNNPACK inference
+    program, loaded back and checked against eager on the first EXECUTORCH_TEACHER_BATCH samples of `sample` (the
+    public data). ExportError (a ValueError) when it cannot be exported or differs from eager; export and
+    executorch are imported only at the first export, i.e. only when an executorch client gets a teacher."""
+
+    def export(teacher: Weights) -> bytes:
+        from export.pte import teacher_program
+
+        return teacher_program(teacher, sample)
+
+    return export
 
 
 def run_federation_rounds(
