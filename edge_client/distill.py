@@ -10,6 +10,14 @@ from edge_client.tasks import train_config, train_settings
 from edge_client.training import Distillation
 from fedge.distill import check_kd_settings
 from fedge.messages import Result, Task
+from fedge.spec import ModelSpec
+from fedge.teacher_program import (
+    TEACHER_PROGRAM_ERROR,
+    TEACHER_PTE_SHA256,
+    TeacherProgramError,
+    sha256_hex,
+    shipped_program,
+)
 
 log = logging.getLogger(__name__)
 
@@ -27,16 +35,38 @@ def kd_settings(task: Task) -> tuple[float, float, str]:
     return t.kd_lambda, t.temperature, t.kd_direction
 
 
+def _check_teacher_spec(agent: ClientAgent, spec: ModelSpec) -> None:
+    if spec.input_shape != agent.spec.input_shape or spec.num_classes != agent.spec.num_classes:
+        raise TaskError(
+            f"client {agent.client_id}: teacher {spec.name!r} takes "
+            f"{list(spec.input_shape)} and gives {spec.num_classes} classes; "
+            f"this client needs {list(agent.spec.input_shape)} and {agent.spec.num_classes}"
+        )
+
+
+def _program_distillation(
+    agent: ClientAgent, program: bytes, spec: ModelSpec, settings: tuple[float, float, str]
+) -> Distillation:
+    """The logits of a teacher shipped as its ExecuTorch inference program (the executorch runtime loads and runs
+    it; no exporter on the client)."""
+    _check_teacher_spec(agent, spec)
+    run = getattr(agent.trainer, "program_logits", None)
+    if run is None:
+        raise TaskError(f"client {agent.client_id} runs {agent.trainer.runtime}; it cannot run a teacher program")
+    try:
+        logits = run(program, agent.data.x_train)
+    except ValueError as e:
+        raise TaskError(f"client {agent.client_id}: teacher {spec.name!r}'s program: {e}") from None
+    if tuple(logits.shape) != (len(agent.data.x_train), spec.num_classes):
+        raise TaskError(f"client {agent.client_id}: teacher program gives logits of shape {list(logits.shape)}")
+    return Distillation(logits, *settings)
+
+
 def _teacher_distillation(agent: ClientAgent, task: Task, settings: tuple[float, float, str]) -> Distillation:
     """The teacher's logits on the client's training data, by the client's runtime (eager, or the teacher's
     ExecuTorch inference program)."""
     weights = task.models["teacher"]
-    if weights.spec.input_shape != agent.spec.input_shape or weights.spec.num_classes != agent.spec.num_classes:
-        raise TaskError(
-            f"client {agent.client_id}: teacher {weights.spec.name!r} takes "
-            f"{list(weights.spec.input_shape)} and gives {weights.spec.num_classes} classes; "
-            f"this client needs {list(agent.spec.input_shape)} and {agent.spec.num_classes}"
-        )
+    _check_teacher_spec(agent, weights.spec)
     agent.module_for(weights)  # checks the weights against their spec (TaskError)
     try:
         logits = agent.trainer.teacher_logits(weights, agent.data.x_train)
@@ -51,19 +81,33 @@ def kd_train_task(agent: ClientAgent, task: Task) -> Result:
     "student_teacher"), CE alone without a teacher, on the client's runtime (eager Adam, or SGD through the
     ExecuTorch training program).
 
-    The teacher (task.models["teacher"], optional: absent at a client's first participation) is any
-    architecture with the client's input shape and classes. Config: the `train` keys (epochs, batch_size,
-    lr, seed), optional kd_lambda (0.2), temperature (1.0), kd_direction ("teacher_student"), upload. Bad
+    The teacher (task.models["teacher"], or for an executorch client its XNNPACK program shipped as
+    fedge.teacher_program describes; optional: absent at a client's first participation) is any
+    architecture with the client's input shape and classes; a shipped program whose SHA-256 differs from the
+    task's record is refused, and the result's records carry the SHA-256 of the program that ran. Config: the
+    `train` keys (epochs, batch_size, lr, seed), optional kd_lambda (0.2), temperature (1.0), kd_direction
+    ("teacher_student"), upload. Bad
     config or a teacher that does not fit raises TaskError. Metrics: train_loss (total), kd_loss (mean KL of
     the last epoch; 0 without a teacher), train_seconds (teacher inference included). Uploads `local` weights
     when config `upload` is true.
     """
     cfg = train_config(agent, task)
     settings = kd_settings(task)
+    try:
+        shipped = shipped_program(task)
+    except TeacherProgramError as e:
+        raise TaskError(f"client {agent.client_id}: {e}") from None
     start = time.perf_counter()
-    distill = _teacher_distillation(agent, task, settings) if "teacher" in task.models else None
-    if distill is None:
-        log.debug("client %s round %d: no teacher yet, training with CE only", agent.client_id, task.round)
+    records: dict[str, str] = {}
+    if shipped is not None:
+        distill = _program_distillation(agent, *shipped, settings)
+        records[TEACHER_PTE_SHA256] = sha256_hex(shipped[0])  # what it ran: the server can tie it to what it sent
+    elif "teacher" in task.models:
+        distill = _teacher_distillation(agent, task, settings)
+    else:
+        distill = None
+        why = task.records.get(TEACHER_PROGRAM_ERROR, "no teacher yet")
+        log.debug("client %s round %d: %s, training with CE only", agent.client_id, task.round, why)
     stats = agent.trainer.fit(agent.model, agent.data.x_train, agent.data.y_train, cfg, distill)
     seconds = time.perf_counter() - start
     models = {"local": agent.weights()} if train_settings(task).upload else {}
@@ -74,4 +118,5 @@ def kd_train_task(agent: ClientAgent, task: Task) -> Result:
         len(agent.data.y_train),
         {"train_loss": stats.loss, "train_seconds": seconds, "kd_loss": stats.kd},
         models,
+        records=records,
     )

@@ -5,7 +5,9 @@ The training program is loaded once (per batch size) and kept: each round the cl
 copied into its parameters, it steps with ExecuTorch's SGD, and the weights are copied back into the client's
 model, which uploads them as any other. `TrainingSession` is that loaded program, as an Android app's
 `TrainingModule` is. edge_client may not import export/, so the launcher (launch.client) hands in how to get a
-session (a TrainingSession of export.parity's gated program) and how to run a teacher (export.pte.teacher_logits_pte).
+session (a TrainingSession of export.parity's gated program) and, optionally, how to run a teacher that arrives as
+weights. A teacher normally arrives as its XNNPACK program, exported on the server (fedge.teacher_program): the
+client only loads and runs it (`program_logits`), with no exporter.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from fedge.executorch_program import (
 )
 from fedge.messages import Weights
 from fedge.spec import ModelSpec
+from fedge.teacher_program import InferenceProgram, sha256_hex
 from fedge.weights import State
 
 
@@ -119,7 +122,8 @@ def epoch_batches(n: int, batch: int, gen: torch.Generator) -> list[torch.Tensor
 class ExecuTorchTrainer:
     """Trains one client's architecture through ExecuTorch training programs; `session_for(batch)` loads the program
     for batches of `batch` (whatever it raises for a model that may not train propagates from the constructor,
-    which loads the one for `batch_size`), `teacher_logits(weights, x)` runs a teacher (ValueError if it cannot)."""
+    which loads the one for `batch_size`), `teacher_logits(weights, x)` runs a teacher sent as weights (ValueError
+    if it cannot; None: such a teacher is refused), `program_logits(program, x)` one sent as its program."""
 
     runtime = "executorch"
 
@@ -128,13 +132,31 @@ class ExecuTorchTrainer:
         spec: ModelSpec,
         batch_size: int,
         session_for: Callable[[int], ProgramSession],
-        teacher_logits: Callable[[Weights, torch.Tensor], torch.Tensor],
+        teacher_logits: Callable[[Weights, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.spec = spec
         self.session_for = session_for
-        self.teacher_logits = teacher_logits
+        self.weights_logits = teacher_logits
         self.sessions: dict[int, ProgramSession] = {}
+        self.teacher: tuple[str, InferenceProgram] | None = None  # the last teacher program loaded, by SHA-256
         self.session(batch_size)  # load (and gate) now, so a model that cannot train is refused at start-up
+
+    def teacher_logits(self, weights: Weights, x: torch.Tensor) -> torch.Tensor:
+        """A teacher sent as weights, run as the launcher said; ValueError when this client cannot run one."""
+        if self.weights_logits is None:
+            raise ValueError(
+                "an executorch client runs a teacher only as its ExecuTorch program; the task sent "
+                f"{weights.spec.name!r}'s weights (give the server's strategy a teacher program exporter)"
+            )
+        return self.weights_logits(weights, x)
+
+    def program_logits(self, program: bytes, x: torch.Tensor) -> torch.Tensor:
+        """A shipped teacher program's logits on `x` (the program is loaded through the ExecuTorch runtime and kept
+        until another arrives); TeacherProgramError (a ValueError) when it does not load or run on `x`."""
+        sha = sha256_hex(program)
+        if self.teacher is None or self.teacher[0] != sha:
+            self.teacher = (sha, InferenceProgram(program))
+        return self.teacher[1].logits(x)
 
     def session(self, batch: int) -> ProgramSession:
         """The loaded training program for batches of `batch` (loaded at first use)."""

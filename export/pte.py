@@ -18,6 +18,7 @@ from fedge.executorch_program import dense
 from fedge.files import atomic_write
 from fedge.messages import Weights
 from fedge.spec import ModelSpec, SpecModel
+from fedge.teacher_program import InferenceProgram, TeacherProgramError
 from fedge.weights import State, WeightsError, load_module
 
 log = logging.getLogger(__name__)
@@ -131,22 +132,21 @@ def predict_pte(path: str | os.PathLike[str], x: torch.Tensor) -> torch.Tensor:
     """Logits of the inference program at `path` on `x`, in batches of the program's fixed size (the last one
     padded with zeros, its padding dropped). An unreadable program or inputs of the wrong shape raise ExportError."""
     require("executorch")
-    from executorch.runtime import Runtime
-
     try:
-        method = Runtime.get().load_program(Path(path)).load_method("forward")
-        shape = tuple(method.metadata.input_tensor_meta(0).sizes())
-    except Exception as e:
-        raise ExportError(f"{path}: not a loadable ExecuTorch inference program: {type(e).__name__}: {e}") from e
-    if tuple(x.shape[1:]) != shape[1:]:
-        raise ExportError(f"{path} takes inputs of shape {list(shape[1:])}, got {list(x.shape[1:])}")
-    batch, out = shape[0], []
-    for xb in x.split(batch):
-        n = len(xb)
-        if n < batch:
-            xb = torch.cat([xb, xb.new_zeros(batch - n, *shape[1:])])
-        out.append(method.execute([dense(xb)])[0][:n])
-    return torch.cat(out)
+        return InferenceProgram(Path(path).read_bytes()).logits(x)
+    except (OSError, TeacherProgramError) as e:
+        raise ExportError(f"{path}: {e}") from e
+
+
+def teacher_program(teacher: Weights, sample: torch.Tensor, batch_size: int = C.EXECUTORCH_TEACHER_BATCH) -> bytes:
+    """A teacher's XNNPACK inference program for batches of min(batch_size, len(sample)), loaded back and checked
+    against eager on the first such batch of `sample` (export_pte): what the server ships to executorch clients.
+    ExportError when the teacher cannot be exported or the program differs from eager."""
+    batch = min(batch_size, len(sample))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "teacher.pte"
+        export_pte(teacher.spec, teacher.state, path, sample[:batch])
+        return path.read_bytes()
 
 
 def teacher_logits_pte(teacher: Weights, x: torch.Tensor, batch_size: int = C.EXECUTORCH_TEACHER_BATCH) -> torch.Tensor:

@@ -19,6 +19,7 @@ from fedge import constants as C
 from fedge.access import read_users
 from fedge.config import ConfigError, RunConfig
 from fedge.data import Dataset
+from fedge.messages import Weights
 from fedge.mqtt import Broker, connector
 from fedge.own_data import read_own_data
 from fedge.partition import ClientShard
@@ -70,7 +71,6 @@ def build_agent(
         from edge_client.executorch_trainer import ExecuTorchTrainer, TrainingSession
         from export import ExportError
         from export.parity import gated_training_program
-        from export.pte import teacher_logits_pte
         from fedge.executorch_program import ProgramError
 
         try:
@@ -78,7 +78,7 @@ def build_agent(
                 spec,
                 min(cfg.batch_size, len(data.y_train)),
                 lambda batch: TrainingSession(gated_training_program(spec, batch)),
-                teacher_logits_pte,
+                teacher_logits_from_weights,
             )
         except (ExportError, ProgramError) as e:
             raise ConfigError(
@@ -87,6 +87,15 @@ def build_agent(
                 "executorch profiles, or a torch profile"
             ) from None
     return ClientAgent(client_id, spec, data, profile_name, cfg.seed, state_dir, trainer)
+
+
+def teacher_logits_from_weights(teacher: Weights, x: torch.Tensor) -> torch.Tensor:
+    """An executorch client's teacher logits for a teacher sent as weights (a server without a teacher program
+    exporter): the client exports the teacher's XNNPACK program itself. A teacher shipped as its program never
+    comes here, and the exporter is imported only when one does. ValueError when it cannot run."""
+    from export.pte import teacher_logits_pte
+
+    return teacher_logits_pte(teacher, x)
 
 
 def client_agents(

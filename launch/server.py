@@ -9,11 +9,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+import torch
+
 from fedge import constants as C
 from fedge.checkpoint import load_tree
 from fedge.config import RunConfig
 from fedge.data import Dataset, load_dataset
-from fedge.messages import ClientInfo
+from fedge.messages import ClientInfo, Weights
 from fedge.mqtt import Broker, connector
 from fedge.own_data import read_public_data
 from fedge.partition import Partition
@@ -65,13 +67,31 @@ def resolve_options(cfg: RunConfig) -> RunConfig:
 def make_strategy(cfg: RunConfig, ds: Dataset, partition: Partition) -> Strategy:
     """The server's strategy with its options and the public data (with labels where it has them; a strategy may
     drop them): the operator's folder or .npz at cfg.public_data, read into the run's task (OwnDataError on bad
-    input), else the partition's public split of the dataset."""
+    input), else the partition's public split of the dataset. A strategy that sends teachers gets the exporter
+    that ships executorch clients their programs."""
     if cfg.public_data is None:
         public = PublicData(*ds.tensors(partition.public))
     else:
         public = PublicData(*read_public_data(cfg.public_data, data_task(cfg)))
         log.info("server: public set of %d images from %s", len(public.x), cfg.public_data)
-    return create_strategy(cfg.strategy, strategy_config(cfg), public, parse_options(cfg.strategy, cfg.options))
+    strategy = create_strategy(cfg.strategy, strategy_config(cfg), public, parse_options(cfg.strategy, cfg.options))
+    if hasattr(strategy, "program_for"):
+        strategy.program_for = teacher_program_exporter(public.x)
+    return strategy
+
+
+def teacher_program_exporter(sample: torch.Tensor) -> Callable[[Weights], bytes]:
+    """The server's teacher program exporter (ReassemblyStrategy.program_for): a teacher's XNNPACK inference
+    program, loaded back and checked against eager on the first EXECUTORCH_TEACHER_BATCH samples of `sample` (the
+    public data). ExportError (a ValueError) when it cannot be exported or differs from eager; export and
+    executorch are imported only at the first export, i.e. only when an executorch client gets a teacher."""
+
+    def export(teacher: Weights) -> bytes:
+        from export.pte import teacher_program
+
+        return teacher_program(teacher, sample)
+
+    return export
 
 
 def run_federation_rounds(

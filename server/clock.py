@@ -22,6 +22,7 @@ from fedge.checkpoint import Tree
 from fedge.codec import encode_result, encode_task
 from fedge.messages import Result, Task
 from fedge.spec import ModelSpec
+from fedge.teacher_program import shipped_spec
 
 
 def _count(value: object, what: str) -> int:
@@ -105,10 +106,12 @@ class ClientClock:
 
 def client_clock(task: Task, result: Result, trained: ModelSpec, epochs: int, profile: DeviceProfile) -> ClientClock:
     """The simulated exchange of a client that trained `trained` (Strategy.trained_spec) on result.num_examples
-    samples for `epochs` epochs, with the teacher's forward pass when the task carries a "teacher" model.
+    samples for `epochs` epochs, with the teacher's forward pass when the task carries a "teacher" model (or its
+    shipped program: fedge.teacher_program).
     Raises like train_macs, bytes_down and bytes_up."""
     teacher = task.models.get(C.TEACHER_ROLE)
-    macs = train_macs(trained.macs, result.num_examples, epochs, teacher.spec.macs if teacher is not None else 0)
+    spec = teacher.spec if teacher is not None else shipped_spec(task.records)  # or its shipped program's
+    macs = train_macs(trained.macs, result.num_examples, epochs, spec.macs if spec is not None else 0)
     down, up = bytes_down(task), bytes_up(result)
     return ClientClock(
         bytes_down=down,

@@ -21,6 +21,7 @@ from fedge.config import ConfigError
 from fedge.messages import ClientInfo, Result, Task, Weights, client_order
 from fedge.payloads import Expected
 from fedge.seeding import derive_seed
+from fedge.teacher_program import TEACHER_PROGRAM_ERROR, TEACHER_PTE_SHA256
 from server.assemble import STITCH_MODEL
 from server.blocks import Key, PoolBlock, split_blocks
 from server.cka import block_similarity, minibatch_block_similarity
@@ -28,6 +29,7 @@ from server.features import block_features
 from server.finetune import FinetuneConfig, finetune_candidates, select_teacher
 from server.grouping import group_blocks
 from server.strategy import PublicData, Strategy, StrategyError, StrategyOptions, option
+from server.teacher_programs import ProgramExporter, TeacherPrograms
 
 log = logging.getLogger(__name__)
 STAGES = ("features", "grouping", "candidates", "finetune", "matching")
@@ -111,7 +113,13 @@ def _finite_features(weights: Weights, x: torch.Tensor, device: str) -> bool:
 
 
 class ReassemblyStrategy(Strategy):
-    """Base of the block-reassembly strategies; subclasses implement `make_teachers`."""
+    """Base of the block-reassembly strategies; subclasses implement `make_teachers`.
+
+    `program_for` (set by the launcher before `setup`; None: executorch clients get the teacher's weights) exports
+    a teacher's parity-checked XNNPACK inference program; an executorch client's kd_train task then ships that
+    program (server.teacher_programs, exported once per distinct teacher) instead of the weights."""
+
+    program_for: ProgramExporter | None = None
 
     def setup(self, clients: Mapping[str, ClientInfo]) -> None:
         super().setup(clients)
@@ -129,6 +137,9 @@ class ReassemblyStrategy(Strategy):
         self.rows: dict[tuple[int, str], dict[str, Any]] = {}
         self.history: dict[str, list[dict[str, Any]]] = defaultdict(list)
         self.times: dict[str, float] = {}
+        # executorch clients get their teacher as an XNNPACK program exported here (when the launcher gave an exporter)
+        self.programs = None if self.program_for is None else TeacherPrograms(self.program_for)
+        self.program_errors: dict[tuple[int, str], str] = {}  # why a client's task went without its teacher
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
@@ -144,14 +155,28 @@ class ReassemblyStrategy(Strategy):
         kd = {"kd_lambda": self.options.kd_lambda, "kd_direction": self.options.kd_direction}
         config = self.train_task(upload=True, **kd).to_config()
         self.sent = set(active)
-        return {
-            cid: Task("kd_train", rnd, config, {"teacher": self.teachers[cid]} if cid in self.teachers else {})
-            for cid in active
-        }
+        tasks = {}
+        for cid in active:
+            teacher = self.teachers.get(cid)
+            if teacher is None:
+                tasks[cid] = Task("kd_train", rnd, config)
+            elif self.programs is not None and self.profiles[cid].runtime == "executorch":
+                tasks[cid] = self.programs.task(rnd, config, teacher)  # its program, not its weights
+                if TEACHER_PROGRAM_ERROR in tasks[cid].records:
+                    self.program_errors[(rnd, cid)] = tasks[cid].records[TEACHER_PROGRAM_ERROR]
+            else:
+                tasks[cid] = Task("kd_train", rnd, config, {C.TEACHER_ROLE: teacher})
+        if self.programs is not None:
+            self.programs.keep_only(self.teachers[c] for c in active if c in self.teachers)
+        return tasks
 
     def expects(self, task: Task, client: ClientInfo) -> Expected:
-        """A kd_train reply carries the client's own model (its registered architecture); an evaluation metrics."""
-        return Expected(models={"local": client.spec}) if task.type == "kd_train" else Expected()
+        """A kd_train reply carries the client's own model (its registered architecture) and, from a client that
+        ran a shipped teacher program, that program's SHA-256; an evaluation metrics."""
+        if task.type != "kd_train":
+            return Expected()
+        ran = frozenset({TEACHER_PTE_SHA256})
+        return Expected(models={"local": client.spec}, records=tuple(ran), optional=ran)
 
     def aggregate(self, rnd: int, results: Mapping[str, Result]) -> None:
         """Group the uploaded blocks, then build, fine-tune and match each uploader's teacher."""
@@ -178,6 +203,9 @@ class ReassemblyStrategy(Strategy):
             self.keep(rnd, cid, uploads[cid], teacher, info)
         for cid in uploads:
             self.rows.setdefault((rnd, cid), {}).update({f"time_{s}": self.times[s] for s in STAGES})
+            ran = results[cid].records.get(TEACHER_PTE_SHA256)
+            if ran is not None:  # the teacher program the client ran (the one this round's task shipped)
+                self.rows[(rnd, cid)][TEACHER_PTE_SHA256] = ran
 
     def finite_uploads(self, rnd: int, uploads: Mapping[str, Weights]) -> dict[str, Weights]:
         """The uploads whose every block gives finite outputs on the public data. Weights that are finite but huge
@@ -250,7 +278,9 @@ class ReassemblyStrategy(Strategy):
 
     def record(self, rnd: int, client: str) -> dict[str, Any]:
         """This round's teacher fields for the client (asked once per row, so it is handed over and dropped)."""
-        return self.rows.pop((rnd, client), {})
+        row = self.rows.pop((rnd, client), {})
+        error = self.program_errors.pop((rnd, client), None)
+        return row if error is None else row | {TEACHER_PROGRAM_ERROR: error}
 
     def summary(self) -> dict[str, Any]:
         """Per client: ϕ (Eq. (6): mean over the rounds it got a teacher), ϕ without the fallback rounds (own model
@@ -272,7 +302,13 @@ class ReassemblyStrategy(Strategy):
             "teacher_params": {c: mean(rows[c], "teacher_params") for c in cids},
             "candidates_per_client": {c: mean(rows[c], "candidates") for c in cids},
             "candidates_generated_per_client": {c: mean(rows[c], "candidates_total") for c in cids},
-        }
+        } | self.program_counts()
+
+    def program_counts(self) -> dict[str, Any]:
+        """How many teacher programs the server exported for executorch clients, and how many tasks reused one."""
+        if self.programs is None:
+            return {}
+        return {"teacher_programs_exported": self.programs.exports, "teacher_program_reuses": self.programs.hits}
 
     def final_models(self) -> dict[str, dict[str, Weights]]:
         """Each client's kept teacher (the one it would get at its next selection)."""

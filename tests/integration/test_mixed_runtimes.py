@@ -82,3 +82,15 @@ def test_an_executorch_profile_with_a_batchnorm_model_fails_before_anything_star
     assert done.returncode == 2
     assert "client 1: model cnn4 cannot train on device profile android-mid-range (runtime executorch)" in done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "bad" / "metrics.jsonl").exists()
+
+
+def test_executorch_clients_run_the_teacher_programs_the_server_shipped(tmp_path):
+    # execute: in one process (make_strategy gives pFedClub the server's teacher program exporter)
+    summary = run_inproc(mixed(tmp_path, "ship"))
+    # assert: in round 1 every executorch client distilled from a shipped program and said which one it ran;
+    # torch clients got the weights as before
+    got = [r for r in rows(tmp_path / "ship") if r["round"] == 1 and r["trained"]]
+    android = [r for r in got if RUNTIMES[r["client"]] == "executorch"]
+    assert android and all(len(r["teacher_pte_sha256"]) == 64 and r["kd_loss"] > 0 for r in android)
+    assert all("teacher_pte_sha256" not in r for r in got if RUNTIMES[r["client"]] == "torch")
+    assert 1 <= summary["teacher_programs_exported"] <= len(android)
