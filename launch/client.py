@@ -62,7 +62,7 @@ def make_agent(
         except (ExportError, ProgramError) as e:
             raise ConfigError(
                 f"client {shard.client_id}: model {model} cannot train on device profile {profile_name} "
-                f"(runtime executorch): {e}. Choose a BatchNorm-free model (cnn1-cnn3) for "
+                f"(runtime executorch): {e}. Choose a model that passes the gate (docs/android.md lists them) for "
                 "executorch profiles, or a torch profile"
             ) from None
     x_train, y_train = ds.tensors(shard.train)
