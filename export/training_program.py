@@ -62,13 +62,21 @@ class BlockPool(nn.Module):
         return x.amax(dim=(3, 5)) if self.mode == "max" else x.mean(dim=(3, 5))
 
 
+class _Recorded:
+    """The statistics a BatchStatNorm recorded in the current forward. A plain object, not a list on the module:
+    torch.export warns about tensors left in module attributes it can walk."""
+
+    def __init__(self) -> None:
+        self.stats: list[torch.Tensor] = []
+
+
 class BatchStatNorm(nn.Module):
     """Training-mode BatchNorm2d from core ops (mean, sub, mul, rsqrt): y = (x − μ_B) / √(σ²_B + ε) · γ + β with
     the batch mean and biased variance over (N, H, W), as torch's training-mode BatchNorm normalises.
 
     Training-mode BatchNorm does not export (`_native_batch_norm_legit_functional` is not core ATen). γ and β
     are the BatchNorm's own parameters (same names); the running statistics are not held here: each forward
-    appends (μ_B, unbiased σ²_B) detached to `recorded`, which the training wrapper returns as an output.
+    appends (μ_B, unbiased σ²_B) detached to `recorded.stats`, which the training wrapper returns as an output.
     """
 
     def __init__(self, bn: nn.BatchNorm2d, name: str) -> None:
@@ -76,7 +84,7 @@ class BatchStatNorm(nn.Module):
         if not bn.affine or not bn.track_running_stats:
             raise ExportError(f"layer {name}: only affine BatchNorm with running statistics has a training form")
         self.weight, self.bias, self.eps, self.momentum, self.name = bn.weight, bn.bias, bn.eps, bn.momentum, name
-        self.recorded: list[torch.Tensor] = []
+        self.recorded = _Recorded()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0] * x.shape[2] * x.shape[3]
@@ -85,7 +93,7 @@ class BatchStatNorm(nn.Module):
         mean = x.mean(dim=(0, 2, 3), keepdim=True)
         centred = x - mean
         var = (centred * centred).mean(dim=(0, 2, 3), keepdim=True)
-        self.recorded.append(torch.cat([mean.flatten(), var.flatten() * (n / (n - 1))]).detach())
+        self.recorded.stats.append(torch.cat([mean.flatten(), var.flatten() * (n / (n - 1))]).detach())
         # γ[:, None, None], not γ.reshape(1, -1, 1, 1): a view of a parameter fails ExecuTorch's emitter (its
         # external-weight constant tag) under external_mutable_weights
         return centred * torch.rsqrt(var + self.eps) * self.weight[:, None, None] + self.bias[:, None, None]
@@ -178,14 +186,14 @@ class KDTrainer(nn.Module):
         kd_direction: torch.Tensor,
     ):
         for norm in self._norms:
-            norm.recorded.clear()
+            norm.recorded.stats.clear()
         logits = self.student(x).float()  # a float64 twin's loss in float32: portable log_softmax has no float64
         loss, ce, kl = kd_terms(logits, y, teacher_logits, kd_lambda, temperature, kd_direction)
         if not self._norms:
             return loss, ce.detach(), kl.detach(), logits.detach()
-        if any(len(norm.recorded) != 1 for norm in self._norms):
+        if any(len(norm.recorded.stats) != 1 for norm in self._norms):
             raise ExportError("a BatchNorm layer used more than once per forward has no training program")
-        return loss, ce.detach(), kl.detach(), logits.detach(), torch.cat([n.recorded[0] for n in self._norms])
+        return loss, ce.detach(), kl.detach(), logits.detach(), torch.cat([n.recorded.stats[0] for n in self._norms])
 
 
 def _refuse_bad_ops(spec: ModelSpec, ep: torch.export.ExportedProgram) -> None:

@@ -33,7 +33,7 @@ def test_the_batchnorm_rewrite_equals_training_mode_batchnorm_and_its_running_st
     running = {f"bn.{k}": v.clone() for k, v in bn.state_dict().items() if k not in ("weight", "bias")}
     # execute
     y = rewritten(x)
-    update_running_stats(running, norms, rewritten.recorded[0])
+    update_running_stats(running, norms, rewritten.recorded.stats[0])
     ref = bn.train()(x)
     # assert: same output, same running statistics (unbiased variance, count), same parameters
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
