@@ -3,11 +3,13 @@ through the teacher's XNNPACK inference program; the same .pte files an Android 
 
 The training program is loaded once (per batch size) and kept: each round the client's current weights are
 copied into its parameters, it steps with ExecuTorch's SGD, and the weights are copied back into the client's
-model, which uploads them as any other. `TrainingSession` is that loaded program, as an Android app's
-`TrainingModule` is. edge_client may not import export/, so the launcher (launch.client) hands in how to get a
-session (a TrainingSession of export.parity's gated program) and, optionally, how to run a teacher that arrives as
-weights. A teacher normally arrives as its XNNPACK program, exported on the server (fedge.teacher_program): the
-client only loads and runs it (`program_logits`), with no exporter.
+model, which uploads them as any other. A model with BatchNorm trains on batch statistics: the program returns
+them and the session folds them into the running statistics after each step (as torch's BatchNorm does in
+training mode), which go back into the model's buffers with the weights. `TrainingSession` is that loaded program,
+as an Android app's `TrainingModule` is. edge_client may not import export/, so the launcher (launch.client) hands
+in how to get a session (a TrainingSession of export.parity's gated program) and, optionally, how to run a teacher
+that arrives as weights. A teacher normally arrives as its XNNPACK program, exported on the server
+(fedge.teacher_program): the client only loads and runs it (`program_logits`), with no exporter.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from fedge.executorch_program import (
     by_student_name,
     copy_parameters,
     load_training_module,
+    running_stat_names,
     train_inputs,
+    update_running_stats,
 )
 from fedge.messages import Weights
 from fedge.spec import ModelSpec
@@ -38,9 +42,11 @@ from fedge.weights import State
 class ProgramSession(Protocol):
     """A loaded training program (TrainingSession, or a stand-in in tests): parameters in and out, SGD steps."""
 
-    def load(self, params: State) -> None: ...
+    def load(self, params: State, running: State | None = None) -> None: ...
 
     def params(self) -> State: ...
+
+    def running_stats(self) -> State: ...
 
     def optimizer(self, lr: float, momentum: float) -> Any: ...
 
@@ -66,11 +72,22 @@ class TrainingSession:
     def __init__(self, program: TrainingProgram) -> None:
         self.program = program  # the runtime reads these buffers for the module's lifetime: keep them referenced
         self.module, self.live = load_training_module(program)
+        self.running: State = {}
 
-    def load(self, params: State) -> None:
-        """Copy `params` (exactly the program's trainable parameters, same shapes) into the live program;
+    def load(self, params: State, running: State | None = None) -> None:
+        """Copy `params` (exactly the program's trainable parameters, same shapes) into the live program, and
+        the BatchNorm running statistics from `running` (a state holding at least them) into the session;
         ProgramError otherwise."""
+        names = running_stat_names(self.program.norms)
+        missing = [k for k in names if running is None or k not in running]
+        if missing:
+            raise ProgramError(f"running statistics missing: {missing[:5]}")
         copy_parameters(self.live, params)
+        self.running = {k: running[k].detach().clone() for k in names} if running is not None else {}
+
+    def running_stats(self) -> State:
+        """A copy of the BatchNorm running statistics as updated by the steps since `load` (empty without BN)."""
+        return {k: v.clone() for k, v in self.running.items()}
 
     def params(self) -> State:
         """A copy of the live parameters."""
@@ -102,6 +119,8 @@ class TrainingSession:
             raise ProgramError(f"the training program takes batches of {self.program.batch_size}, got {len(x)}")
         inputs = train_inputs(x, y, teacher_logits, kd_lambda, temperature, direction)
         out = self.module.forward_backward("forward", inputs)
+        if self.program.norms:
+            update_running_stats(self.running, self.program.norms, out[4])
         if optimizer is not None:
             optimizer.step(self.module.named_gradients())
         return float(out[0]), float(out[1]), float(out[2])
@@ -177,8 +196,8 @@ class ExecuTorchTrainer:
             check_distillation(kd, x)
         batch = min(cfg.batch_size, len(x))
         session = self.session(batch)
-        params = dict(model.named_parameters())
-        session.load({k: p.detach() for k, p in params.items()})
+        params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+        session.load({k: p.detach() for k, p in params.items()}, buffers)
         opt = session.optimizer(cfg.sgd_lr, cfg.sgd_momentum)
         lam, temperature, direction = (
             (kd.kd_lambda, kd.temperature, kd.kd_direction) if kd is not None else (0.0, 1.0, KD_DIRECTION)
@@ -198,4 +217,6 @@ class ExecuTorchTrainer:
         with torch.no_grad():
             for name, value in session.params().items():
                 params[name].copy_(value)
+            for name, value in session.running_stats().items():
+                buffers[name].copy_(value)
         return stats

@@ -4,7 +4,9 @@ loading it with parameter handles by the student's own names.
 
 The program is the student wrapped so forward(x, y, teacher_logits, λ, T, w) returns (CE + λ·KL, CE, KL, logits)
 (fedge.distill.kd_terms; w picks the KL's direction), with forward and backward in one method and the weights in a
-separate .ptd.
+separate .ptd. A student with BatchNorm normalises by batch statistics in the program and returns them as one more
+output (BN_STATS); the runtime folds them into the running statistics (update_running_stats), as torch's
+BatchNorm does in training mode.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from fedge.weights import State
 # The training program's positional inputs and user outputs (the runtime appends gradients and parameters).
 TRAIN_INPUTS = ("input", "labels", "teacher_logits", "kd_lambda", "temperature", "kd_direction")
 TRAIN_OUTPUTS = ("loss", "ce", "kl", "logits")
+BN_STATS = "bn_stats"  # the extra output of a program with BatchNorm: per layer its batch mean, then unbiased variance
 STUDENT = "student"  # the training wrapper's attribute holding the model: the prefix of the program's parameter names
 
 
@@ -33,13 +36,26 @@ class ProgramError(UserError, ValueError):
 
 
 @dataclass(frozen=True)
+class NormLayer:
+    """A BatchNorm layer of a training program: its module path in the student (its state holds
+    `<name>.running_mean`, `.running_var`, `.num_batches_tracked`), channels and momentum (None: cumulative
+    average, as torch's BatchNorm)."""
+
+    name: str
+    channels: int
+    momentum: float | None
+
+
+@dataclass(frozen=True)
 class TrainingProgram:
     """A joint forward-backward program (.pte) and its trainable weights kept apart from it (.ptd).
 
     Inputs TRAIN_INPUTS: float32 (B, C, H, W), int64 (B,), float32 (B, classes), float32 λ, T and the KL's
     direction w (0-dim; fedge.distill.direction_weight: 1 = KL(teacher ‖ student), 0 = KL(student ‖ teacher));
-    user outputs TRAIN_OUTPUTS. `batch_size` B is fixed at export. The program holds no weights: a new
-    round's weights replace the .ptd (or are copied into the loaded parameters), the program stays.
+    user outputs TRAIN_OUTPUTS, then BN_STATS when `norms` is not empty (per layer of `norms`, in order: the
+    batch mean and the unbiased batch variance, `channels` entries each). `batch_size` B is fixed at export. The
+    program holds no weights and no running statistics: a new round's weights replace the .ptd (or are copied into
+    the loaded parameters), the program stays.
     """
 
     program: bytes
@@ -47,6 +63,8 @@ class TrainingProgram:
     batch_size: int
     input_shape: tuple[int, ...]
     num_classes: int
+    norms: tuple[NormLayer, ...] = ()
+    dtype: torch.dtype = torch.float32  # of the student and its input; float64 only for export.parity's twin
 
     def write(self, path: str | os.PathLike[str]) -> tuple[Path, Path]:
         """Write the program to `path` and the weights next to it as .ptd (atomically); returns both paths."""
@@ -57,11 +75,13 @@ class TrainingProgram:
         return pte, ptd
 
 
-def zero_train_inputs(batch_size: int, input_shape: tuple[int, ...], num_classes: int) -> tuple[torch.Tensor, ...]:
+def zero_train_inputs(
+    batch_size: int, input_shape: tuple[int, ...], num_classes: int, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, ...]:
     """The program's inputs for a batch of zeros with λ = 0, T = 1 and the default direction (plain CE): to trace
     it, and its first run."""
     return (
-        torch.zeros(batch_size, *input_shape),
+        torch.zeros(batch_size, *input_shape, dtype=dtype),
         torch.zeros(batch_size, dtype=torch.long),
         torch.zeros(batch_size, num_classes),
         torch.tensor(0.0),
@@ -87,12 +107,12 @@ def train_inputs(
     temperature: float,
     direction: str,
 ) -> tuple[torch.Tensor, ...]:
-    """The program's inputs (TRAIN_INPUTS) for one batch, laid out as the runtime reads them; an unknown
-    direction raises ValueError."""
+    """The program's inputs (TRAIN_INPUTS) for one batch, laid out as the runtime reads them (`x` keeps its
+    dtype, the other floats are float32); an unknown direction raises ValueError."""
     return (
         dense(x),
         dense(y.to(torch.long)),
-        dense(teacher_logits),
+        dense(teacher_logits.float()),
         torch.tensor(float(kd_lambda)),
         torch.tensor(float(temperature)),
         torch.tensor(direction_weight(direction)),
@@ -117,7 +137,7 @@ def load_training_module(program: TrainingProgram) -> tuple[Any, dict[str, torch
     try:
         module = TrainingModule(_load_for_executorch_from_buffer(program.program, program.weights))
         module.forward_backward(
-            "forward", zero_train_inputs(program.batch_size, program.input_shape, program.num_classes)
+            "forward", zero_train_inputs(program.batch_size, program.input_shape, program.num_classes, program.dtype)
         )
     except Exception as e:  # the runtime raises RuntimeError with an error code
         raise ProgramError(f"the training program does not load or run: {type(e).__name__}: {e}") from e
@@ -145,3 +165,27 @@ def copy_parameters(live: dict[str, torch.Tensor], params: State) -> None:
 def by_student_name(tensors: dict[str, torch.Tensor]) -> State:
     """Copies of a program's named tensors (parameters or gradients), keyed by student name."""
     return {student_name(k): v.clone() for k, v in tensors.items()}
+
+
+def running_stat_names(norms: tuple[NormLayer, ...]) -> list[str]:
+    """The state names of the running statistics of `norms` (what a program with BatchNorm does not hold)."""
+    return [f"{n.name}.{b}" for n in norms for b in ("running_mean", "running_var", "num_batches_tracked")]
+
+
+def update_running_stats(running: State, norms: tuple[NormLayer, ...], bn_stats: torch.Tensor) -> None:
+    """Fold one step's batch statistics (the program's BN_STATS output) into `running` in place, as torch's
+    BatchNorm does in training mode: count += 1; stat ← (1 − m)·stat + m·batch_stat with m the momentum (1/count
+    when None), the variance unbiased. ProgramError when `bn_stats` or `running` do not fit `norms`."""
+    sizes = [2 * n.channels for n in norms]
+    if bn_stats.dim() != 1 or len(bn_stats) != sum(sizes):
+        raise ProgramError(f"batch statistics of shape {list(bn_stats.shape)}, the program has {sum(sizes)}")
+    missing = [k for k in running_stat_names(norms) if k not in running]
+    if missing:
+        raise ProgramError(f"running statistics missing: {missing[:5]}")
+    for norm, stats in zip(norms, bn_stats.split(sizes)):
+        mean, var = stats.split(norm.channels)
+        count = running[f"{norm.name}.num_batches_tracked"]
+        count.add_(1)
+        m = norm.momentum if norm.momentum is not None else 1.0 / float(count)
+        running[f"{norm.name}.running_mean"].mul_(1 - m).add_(mean, alpha=m)
+        running[f"{norm.name}.running_var"].mul_(1 - m).add_(var, alpha=m)

@@ -305,7 +305,7 @@ class SqueezeExcite(nn.Module):
         self.expand = nn.Conv2d(hidden, channels, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = F.adaptive_avg_pool2d(x, 1)
+        scale = x.mean(dim=(2, 3), keepdim=True)  # = adaptive_avg_pool2d(x, 1), whose backward ExecuTorch lacks
         return x * F.hardsigmoid(self.expand(F.relu(self.reduce(scale))))
 
 

@@ -38,8 +38,8 @@ Parameters (and forward MACs per sample), 10 classes (`fedge zoo --widths paper 
 Paper-width MobileNetV1/V2 (3.2 M / 2.2 M; torchvision's 3,504,872 less its 1000-class classifier's 1,281,000
 plus 12,810 is V2's 2,236,682) are 3.5-19x CNN1/CNN2 (0.17-0.63 M), so a MobileNet client can be given a smaller
 teacher (pFedClub Fig. 3b, ϕ < 0); at cpu widths MobileNetV1/V2 are smaller than CNN2. Paper-width CNN4 exceeds
-the max_macs of the android-mid-range and android-flagship profiles (it has BatchNorm, so their executorch runtime
-refuses it anyway), and android-low-end and rpi-zero-2w take only CNN1; the default fleet (rpi-4, rpi-5,
+the max_macs of the android-mid-range and android-flagship profiles, and android-low-end and rpi-zero-2w take
+only CNN1; the default fleet (rpi-4, rpi-5,
 jetson-orin-nano) takes every model at both presets.
 """
 

@@ -83,7 +83,7 @@ def build_agent(
         except (ExportError, ProgramError) as e:
             raise ConfigError(
                 f"client {client_id}: model {model} cannot train on device profile {profile_name} "
-                f"(runtime executorch): {e}. Choose a BatchNorm-free model (cnn1-cnn3) for "
+                f"(runtime executorch): {e}. Choose a model that passes the gate (docs/android.md lists them) for "
                 "executorch profiles, or a torch profile"
             ) from None
     return ClientAgent(client_id, spec, data, profile_name, cfg.seed, state_dir, trainer)

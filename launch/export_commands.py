@@ -127,9 +127,10 @@ def _export_pte_train(weights: Any, out: Path, sample: Any, metadata: dict[str, 
     import torch
 
     from export import ExportError
-    from export.parity import gradient_parity
+    from export.parity import checked_parity
     from export.training_program import export_training
-    from fedge.executorch_program import TRAIN_INPUTS, TRAIN_OUTPUTS
+    from fedge.executorch_program import BN_STATS, TRAIN_INPUTS, TRAIN_OUTPUTS
+    from fedge.spec import build
 
     spec, b = weights.spec, args.batch
     program = export_training(spec, weights.state, b)
@@ -139,7 +140,7 @@ def _export_pte_train(weights: Any, out: Path, sample: Any, metadata: dict[str, 
     options = cfg.get("options", {})
     lam, temperature = options.get("kd_lambda", C.KD_LAMBDA), C.KD_TEMPERATURE
     direction = options.get("kd_direction", C.KD_DIRECTION)
-    report = gradient_parity(spec, weights.state, x, y, teacher, lam, temperature, program, direction)
+    report = checked_parity(spec, weights.state, x, y, teacher, lam, temperature, program, direction)
     if not report.passed:
         raise ExportError(
             f"{spec.name!r}: the training program fails gradient parity on real inputs (worst relative "
@@ -161,8 +162,16 @@ def _export_pte_train(weights: Any, out: Path, sample: Any, metadata: dict[str, 
             "outputs": [
                 {"name": n, "dtype": "float32", "shape": [b, spec.num_classes] if n == "logits" else []}
                 for n in TRAIN_OUTPUTS
-            ],
-            "parameters": {f"student.{k}": list(v.shape) for k, v in weights.state.items()},
+            ]
+            + (
+                [{"name": BN_STATS, "dtype": "float32", "shape": [2 * sum(n.channels for n in program.norms)]}]
+                if program.norms
+                else []
+            ),
+            # BatchNorm: per layer, in order, the batch mean then the unbiased batch variance (`channels` each);
+            # the app folds them into the running statistics: stat = (1 - momentum) * stat + momentum * batch_stat
+            "batchnorm": [{"name": n.name, "channels": n.channels, "momentum": n.momentum} for n in program.norms],
+            "parameters": {f"student.{k}": list(p.shape) for k, p in build(spec).named_parameters()},
             "kd_lambda": lam,
             "temperature": temperature,
             "kd_direction": direction,
@@ -173,6 +182,8 @@ def _export_pte_train(weights: Any, out: Path, sample: Any, metadata: dict[str, 
                 "loss_pte": report.loss_pte,
                 "loss_eager": report.loss_eager,
                 "worst_relative_gradient_error": report.worst,
+                "float64_twin_worst_relative_error": report.worst_twin,
+                "running_statistics_worst_relative_error": report.worst_stat,
             },
         },
     )

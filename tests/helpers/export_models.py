@@ -8,7 +8,7 @@ from fedge.zoo import MODELS
 
 SHAPE = (1, 28, 28)
 BN_MODELS = ["cnn4", "mobilenet_v1", "mobilenet_v2", "mobilenet_v3"]
-TRAINABLE = [m for m in MODELS if m not in BN_MODELS]
+TRAINABLE = [m for m in MODELS if m not in BN_MODELS]  # BN-free: their float32 programs match eager float64 directly
 
 
 def weights(spec, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -9,15 +9,17 @@ import edge_client  # noqa: F401  (registers the task handlers)
 from edge_client.agent import ClientAgent, ClientData
 from edge_client.executorch_trainer import ExecuTorchTrainer, TrainingSession, epoch_batches
 from edge_client.training import Distillation, TrainConfig, predict
-from export.parity import gated_training_program
+from export import ExportError
+from export.parity import gated_training_program, train_mode
 from export.pte import teacher_logits_pte
 from fedge.config import ConfigError, RunConfig
 from fedge.constants import KD_DIRECTION
 from fedge.data import load_dataset
 from fedge.distill import kd_loss
+from fedge.layers import LayerSpec as L
 from fedge.messages import Task, Weights
 from fedge.partition import ClientShard
-from fedge.spec import build
+from fedge.spec import build, make_spec
 from fedge.zoo import create
 from launch.client import make_agent
 from launch.server import RUNTIME_CHECKS
@@ -46,13 +48,18 @@ def init(spec, seed: int = 0) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in build(spec).state_dict().items()}
 
 
-def eager_sgd(spec, state, x, y, cfg: TrainConfig, batch: int, kd: Distillation | None) -> dict[str, torch.Tensor]:
-    """The reference: torch.optim.SGD on CE + λ·KL over the same batches, dropout off (as in the program)."""
-    model = build(spec).eval()
+def eager_sgd(
+    spec, state, x, y, cfg: TrainConfig, batch: int, kd: Distillation | None, dtype=torch.float32
+) -> dict[str, torch.Tensor]:
+    """The reference: torch.optim.SGD on CE + λ·KL over the same batches, BatchNorm on batch statistics and
+    dropout off (as in the program), in `dtype`."""
+    model = build(spec)
     model.load_state_dict(state)
+    train_mode(model.to(dtype))
+    x = x.to(dtype)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.sgd_lr, momentum=cfg.sgd_momentum)
     gen = torch.Generator().manual_seed(cfg.seed)
-    teacher = kd.teacher_logits if kd else torch.zeros(len(x), spec.num_classes)
+    teacher = (kd.teacher_logits if kd else torch.zeros(len(x), spec.num_classes)).to(dtype)
     lam, temperature, direction = (kd.kd_lambda, kd.temperature, kd.kd_direction) if kd else (0.0, 1.0, KD_DIRECTION)
     for _ in range(cfg.epochs):
         for idx in epoch_batches(len(x), batch, gen):
@@ -129,11 +136,38 @@ def shard(n: int = 24) -> ClientShard:
     return ClientShard(0, np.arange(n), np.arange(n, n + 8))
 
 
-def test_an_executorch_profile_refuses_a_batchnorm_model_at_start_up():
+@pytest.mark.parametrize("name", ["cnn4", "mobilenet_v1"])
+def test_a_batchnorm_model_trains_through_executorch_as_eager_with_its_running_statistics(digits, name):
+    # prepare: BatchNorm on batch statistics in the program, running statistics folded in by the session
+    x, y = digits
+    spec = create(name, SHAPE, CLASSES)
+    state = init(spec)
+    cfg = TrainConfig(epochs=1, batch_size=16, lr=1e-3, seed=5, sgd_lr=0.05, sgd_momentum=0.9)
+    model = build(spec)
+    model.load_state_dict(state)
+    # execute
+    et_trainer(spec, 16).fit(model, x, y, cfg)
+    # assert: weights and running statistics as eager SGD in training mode (3 steps), as close to float64 as eager
+    # float32 is (a MobileNet's float32 training is itself ~30 % of a step off float64 in some tensors: the
+    # flips at activation kinks of export.parity's docstring, compounded over steps); counts exact
+    want, want32 = (eager_sgd(spec, state, x, y, cfg, 16, None, dtype) for dtype in (torch.float64, torch.float32))
+    for k, v in model.state_dict().items():
+        if k.endswith("num_batches_tracked"):
+            assert int(v) == int(want[k]) == 3, k
+            continue
+        step, noise = float((want[k] - state[k].double()).norm()), float((want32[k].double() - want[k]).norm())
+        assert float((v.double() - want[k]).norm()) <= 3 * noise + 1e-3 * step + 1e-6, k
+        assert "running" not in k or not torch.equal(v, state[k]), f"{k} did not move"
+
+
+def test_an_executorch_profile_refuses_a_model_that_fails_the_gate_at_start_up(monkeypatch):
+    def failing(spec, batch):
+        raise ExportError(f"{spec.name!r} fails the ExecuTorch gradient-parity gate")
+
+    monkeypatch.setattr("export.parity.gated_training_program", failing)
     with pytest.raises(
         ConfigError,
-        match=r"cnn4 cannot train on device profile android-mid-range \(runtime "
-        r"executorch\).*BatchNorm",
+        match=r"cnn4 cannot train on device profile android-mid-range \(runtime executorch\).*parity gate",
     ):
         make_agent(RunConfig(dataset="digits"), DIGITS, shard(), "cnn4", "android-mid-range")
 
@@ -144,11 +178,21 @@ def test_an_executorch_profile_gets_the_executorch_runtime_and_torch_profiles_ke
     assert make_agent(cfg, DIGITS, shard(), "cnn4", "rpi-4").trainer.runtime == "torch"
 
 
-def test_the_server_refuses_registering_a_batchnorm_model_on_an_executorch_profile():
+def test_the_server_refuses_registering_a_model_without_a_training_form_on_an_executorch_profile():
     check = registration_check(runtime_checks=RUNTIME_CHECKS)
     ok = make_agent(RunConfig(dataset="digits"), DIGITS, shard(), "cnn4", "rpi-4").info()
-    bad = type(ok)(ok.client_id, ok.spec, "android-flagship", ok.num_train, ok.num_test)
-    assert check(ok) is None
+    overlap = make_spec(
+        "overlap",
+        SHAPE,
+        CLASSES,
+        [
+            ("c1", [L("conv2d", {"out_channels": 2, "kernel_size": 3}), L("maxpool", {"kernel_size": 3, "stride": 2})]),
+            ("fc", [L("flatten"), L("linear", {"out_features": CLASSES})]),
+        ],
+    )
+    bn = type(ok)(ok.client_id, ok.spec, "android-flagship", ok.num_train, ok.num_test)
+    bad = type(ok)(ok.client_id, overlap, "android-flagship", ok.num_train, ok.num_test)
+    assert check(ok) is None and check(bn) is None  # BatchNorm trains under executorch now
     assert check(bad)[0] == "bad_spec"
     assert "cannot train on device profile android-flagship (runtime executorch)" in check(bad)[1]
-    assert "BatchNorm" in check(bad)[1]
+    assert "MaxPool2d" in check(bad)[1]

@@ -71,10 +71,50 @@ def test_cli_exports_a_teacher_inference_program_equal_to_eager(run_dir, tmp_pat
     torch.testing.assert_close(predict_pte(tmp_path / "client2-teacher.pte", x), model(x).detach(), rtol=0, atol=1e-4)
 
 
+def test_cli_exports_a_batchnorm_students_program_with_its_batch_statistics(run_dir, tmp_path, capsys):
+    # prepare: client 0 has cnn4 (three BatchNorm layers: 32, 64 and 128 channels)
+    from executorch.extension.pybindings.portable_lib import _load_for_executorch
+    from executorch.extension.training import TrainingModule
+
+    # execute
+    code, out, err = cli(
+        capsys,
+        "export",
+        run_dir,
+        "--client",
+        "0",
+        "--what",
+        "student",
+        "--format",
+        "pte-train",
+        "--batch",
+        "4",
+        "--out",
+        tmp_path,
+    )
+    # assert: the manifest names the BN statistics output and its layout; the program returns it
+    assert code == 0, err
+    manifest = json.loads((tmp_path / "client0-student-train.json").read_text())
+    assert [(n["name"], n["channels"], n["momentum"]) for n in manifest["batchnorm"]] == [
+        ("blocks.0.1", 32, 0.1),
+        ("blocks.2.1", 64, 0.1),
+        ("blocks.4.1", 128, 0.1),
+    ]
+    assert manifest["outputs"][-1] == {"name": "bn_stats", "dtype": "float32", "shape": [2 * (32 + 64 + 128)]}
+    assert not any("running" in k for k in manifest["parameters"])
+    module = TrainingModule(
+        _load_for_executorch(str(tmp_path / manifest["program"]), str(tmp_path / manifest["weights"]))
+    )
+    dtypes = {"float32": torch.float32, "int64": torch.long}
+    inputs = [torch.randn(i["shape"]).to(dtypes[i["dtype"]]) for i in manifest["inputs"]]
+    inputs[1], inputs[4] = torch.zeros(4, dtype=torch.long), torch.tensor(1.0)
+    stats = module.forward_backward("forward", inputs)[-1]
+    assert stats.shape == (448,) and bool((stats[32:64] >= 0).all())  # layer 1's variances
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--client", "0", "--what", "student", "--format", "pte-train"], "'cnn4' cannot be trained under ExecuTorch"),
         (["--client", "1", "--what", "teacher", "--format", "pte-train"], "use --what student"),
         (["--client", "1", "--format", "pte", "--batch", "0"], "--batch must be positive"),
     ],

@@ -1,19 +1,21 @@
-"""The gradient-parity gate: one step through a training program equals eager PyTorch for every trainable zoo
-model in both KL directions, the pool rewrites are exact, and one program serves every λ, T and direction."""
+"""The gradient-parity gate: one step through a training program equals eager PyTorch for every zoo model (the
+BatchNorm ones through their float64 twin, running statistics included) in both KL directions, the pool rewrites
+are exact, and one program serves every λ, T and direction."""
 
 import executorch  # noqa: F401  (a test dependency: missing, this file must fail, not skip)
 import pytest
 import torch
 from torch.nn import functional as F
 
-from export.parity import ExportError, gradient_parity, train_step_pte
+from export.parity import TWIN_RTOL, ExportError, gate_inputs, gradient_parity, train_step_pte
 from export.training_program import export_training
 from fedge.constants import KD_DIRECTIONS
 from fedge.distill import kd_loss
+from fedge.executorch_program import running_stat_names
 from fedge.spec import build
 from fedge.zoo import create
 
-from helpers.export_models import POOLS, SHAPE, TRAINABLE, teacher_logits, weights
+from helpers.export_models import BN_MODELS, POOLS, SHAPE, TRAINABLE, teacher_logits, weights
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -30,6 +32,27 @@ def test_gradient_parity_of_trainable_zoo_models(name, mnist8):
         print(f"{name} {direction}: loss {report.loss_eager:.6f} vs {report.loss_pte:.6f}, worst {report.worst:.2e}")
         assert report.passed, (direction, report.max_rel_err)
         assert set(report.max_rel_err) == {k for k, _ in build(spec).named_parameters()}
+
+
+@pytest.mark.parametrize("name", BN_MODELS)
+def test_gradient_and_running_statistics_parity_of_batchnorm_zoo_models(name):
+    # prepare: the gate's inputs at batch 4; the program and its float64 twin
+    spec = create(name, SHAPE, 10)
+    state, x, y, t = gate_inputs(spec, 4)
+    program = export_training(spec, state, batch_size=4)
+    twin = export_training(spec, state, batch_size=4, dtype=torch.float64)
+    # execute
+    report = gradient_parity(spec, state, x, y, t, 0.2, 2.0, program, "teacher_student", twin)
+    # assert: the twin matches eager float64, the float32 program within rounding, running statistics updated
+    print(
+        f"{name}: loss {report.loss_eager:.6f} vs {report.loss_pte:.6f}, float32 worst {report.worst:.2e} "
+        f"(L2 {report.l2_rel_err:.2e}, eager float32 {report.eager_err:.2e}), running statistics "
+        f"{report.worst_stat:.2e}, float64 twin {report.worst_twin:.2e}"
+    )
+    assert report.passed, report
+    assert report.worst_twin <= TWIN_RTOL
+    assert set(report.stat_rel_err) == set(running_stat_names(program.norms)) and program.norms
+    assert report.worst_stat <= report.tolerance
 
 
 def test_pool_rewrites_give_exact_gradients_through_the_pte():

@@ -9,8 +9,9 @@ import export.parity as parity
 import export.training_program as tp
 from export.parity import gated_training_program, gradient_parity
 from export.training_program import ExportError, export_training
+from fedge.executorch_program import NormLayer, update_running_stats
 from fedge.layers import LayerSpec as L
-from fedge.spec import make_spec
+from fedge.spec import build, make_spec
 from fedge.zoo import create
 
 from helpers.export_models import BN_MODELS, POOLS, SHAPE, teacher_logits, weights
@@ -18,11 +19,49 @@ from helpers.export_models import BN_MODELS, POOLS, SHAPE, teacher_logits, weigh
 pytestmark = pytest.mark.timeout(300)
 
 
+def test_the_batchnorm_rewrite_equals_training_mode_batchnorm_and_its_running_statistics():
+    # prepare: a BatchNorm2d with non-trivial affine parameters and running statistics, momentum 0.3
+    bn = torch.nn.BatchNorm2d(3, momentum=0.3)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for t in (bn.weight, bn.bias, bn.running_mean):
+            t.copy_(torch.randn(3, generator=gen))
+        bn.running_var.copy_(torch.rand(3, generator=gen) + 0.5)
+    x = 2 + 3 * torch.randn(5, 3, 4, 4, generator=gen)
+    rewritten = tp.BatchStatNorm(bn, "bn")
+    norms = (NormLayer("bn", 3, 0.3),)
+    running = {f"bn.{k}": v.clone() for k, v in bn.state_dict().items() if k not in ("weight", "bias")}
+    # execute
+    y = rewritten(x)
+    update_running_stats(running, norms, rewritten.recorded.stats[0])
+    ref = bn.train()(x)
+    # assert: same output, same running statistics (unbiased variance, count), same parameters
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    for k, v in bn.state_dict().items():
+        if f"bn.{k}" in running:
+            torch.testing.assert_close(running[f"bn.{k}"], v, rtol=1e-6, atol=1e-6)
+    assert dict(rewritten.named_parameters()).keys() == {"weight", "bias"}
+
+
 @pytest.mark.parametrize("name", BN_MODELS)
-def test_batchnorm_models_are_refused_for_training(name):
+def test_batchnorm_models_are_rewritten_for_training(name):
     spec = create(name, SHAPE, 10)
-    with pytest.raises(ExportError, match=r"blocks\.\d+\.\d+ \(BatchNorm2d\) in block '\w+' is BatchNorm"):
-        export_training(spec, weights(spec), batch_size=4)
+    form = tp.trainable_form(spec, build(spec))
+    bns = [p for p, m in build(spec).named_modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert [n.name for n in tp.norm_layers(form)] == bns and bns
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in form.modules())
+    assert {k for k, _ in form.named_parameters()} == {k for k, _ in build(spec).named_parameters()}
+
+
+def test_a_batchnorm_without_affine_parameters_is_refused_naming_the_layer():
+    conv = L("conv2d", {"out_channels": 2, "kernel_size": 3})
+    spec = make_spec(
+        "bn", (1, 8, 8), 10, [("c1", [conv, L("bn2d")]), ("fc", [L("flatten"), L("linear", {"out_features": 10})])]
+    )
+    model = build(spec)
+    model.blocks[0][1] = torch.nn.BatchNorm2d(2, affine=False)
+    with pytest.raises(ExportError, match=r"layer blocks\.0\.1 \(BatchNorm2d\) in block 'c1': only affine"):
+        tp.trainable_form(spec, model)
 
 
 def test_a_pool_without_an_exact_form_is_refused_naming_the_layer():
