@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -103,8 +104,6 @@ def run_one(cfg: RunConfig) -> dict[str, Any]:
     if done.exists() and json.loads((out / "config.json").read_text()) == resolved:
         return json.loads(done.read_text())
     if out.exists():
-        import shutil
-
         shutil.rmtree(out)
     run_simulation(cfg, progress=False)
     return json.loads(done.read_text())

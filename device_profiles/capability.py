@@ -63,7 +63,7 @@ class Verdict:
         return self.ok
 
 
-def _count(value: object, what: str, minimum: int = 0) -> int:
+def checked_count(value: object, what: str, minimum: int = 0) -> int:
     """`value` as an int >= minimum; TypeError for non-ints (bools too), else ValueError."""
     if isinstance(value, bool):
         raise TypeError(f"{what} must be an integer, got {value!r}")
@@ -83,7 +83,7 @@ def training_memory_bytes(params: int) -> int:
     Activations and runtime overhead are not counted. Raises TypeError/ValueError for a
     non-integer or negative `params`.
     """
-    return _count(params, "params") * BYTES_PER_PARAM * TRAINING_COPIES
+    return checked_count(params, "params") * BYTES_PER_PARAM * TRAINING_COPIES
 
 
 MB = 1e6  # the unit of Footprint.describe
@@ -126,9 +126,9 @@ def training_footprint_bytes(model: TrainableModel, batch_size: int, optimizer: 
     Raises AttributeError if `model` lacks `params`/`activations`, TypeError/ValueError for non-integer or
     negative counts, a batch_size < 1 or an unknown optimizer.
     """
-    params = _count(model.params, "model.params")
-    elements = _count(model.activations, "model.activations")
-    batch = _count(batch_size, "batch_size", minimum=1)
+    params = checked_count(model.params, "model.params")
+    elements = checked_count(model.activations, "model.activations")
+    batch = checked_count(batch_size, "batch_size", minimum=1)
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}")
     weights = params * BYTES_PER_PARAM
@@ -167,8 +167,8 @@ def fits(model: SizedModel, profile: DeviceProfile) -> Verdict:
     Memory uses training_memory_bytes (an estimate). Raises AttributeError if `model`
     lacks `params`/`macs`, and TypeError/ValueError if they are not non-negative ints.
     """
-    params = _count(model.params, "model.params")
-    macs = _count(model.macs, "model.macs")
+    params = checked_count(model.params, "model.params")
+    macs = checked_count(model.macs, "model.macs")
     failures = []
     if params > profile.max_params:
         failures.append(_over("params", params, "max_params", profile.max_params))
@@ -190,8 +190,8 @@ def within_size_bound(candidate_params: int, client_params: int, eta: float) -> 
     exactly (1 + eta)|w| parameters passes. Raises ValueError for eta <= -1 or not
     finite, for negative candidate_params or client_params < 1; TypeError for non-ints.
     """
-    candidate = _count(candidate_params, "candidate_params")
-    client = _count(client_params, "client_params", minimum=1)
+    candidate = checked_count(candidate_params, "candidate_params")
+    client = checked_count(client_params, "client_params", minimum=1)
     if isinstance(eta, bool) or not isinstance(eta, (int, float)):
         raise TypeError(f"eta must be a number, got {eta!r}")
     if not math.isfinite(eta) or eta <= -1:
@@ -207,7 +207,7 @@ def compatible_models(models: Mapping[str, SizedModel], profile: DeviceProfile) 
     model fits; the caller decides the fallback (the authors' code falls back to
     model 0). Raises like fits() for a model without valid `macs`.
     """
-    macs = {name: _count(m.macs, f"models[{name!r}].macs") for name, m in models.items()}
+    macs = {name: checked_count(m.macs, f"models[{name!r}].macs") for name, m in models.items()}
     ok = [name for name, m in macs.items() if m <= profile.max_macs]
     return sorted(ok, key=lambda name: (macs[name], name))
 
@@ -222,9 +222,9 @@ def train_seconds(forward_macs_per_sample: int, samples: int, epochs: int, profi
     """
     work = (
         TRAIN_COST_FACTOR
-        * _count(forward_macs_per_sample, "forward_macs_per_sample")
-        * _count(samples, "samples")
-        * _count(epochs, "epochs")
+        * checked_count(forward_macs_per_sample, "forward_macs_per_sample")
+        * checked_count(samples, "samples")
+        * checked_count(epochs, "epochs")
     )
     return work / profile.train_macs_per_s
 
@@ -235,7 +235,7 @@ def transfer_seconds(num_bytes: int, profile: DeviceProfile, direction: str) -> 
     `direction` is "up" (device to server, uplink_bps) or "down" (downlink_bps). Raises
     ValueError for another direction or negative num_bytes, TypeError for non-ints.
     """
-    size = _count(num_bytes, "num_bytes")
+    size = checked_count(num_bytes, "num_bytes")
     if direction == DIRECTION_UP:
         bandwidth = profile.uplink_bps
     elif direction == DIRECTION_DOWN:

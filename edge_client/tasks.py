@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any
 
 import torch
 
@@ -12,7 +13,7 @@ from edge_client.agent import ClientAgent, TaskError, register_task
 from edge_client.training import TrainConfig, evaluate, fit
 from fedge.messages import Result, Task, Weights
 from fedge.seeding import derive_seed
-from fedge.tasks import TaskConfigError, TrainTask
+from fedge.tasks import TaskConfigError, TrainTask, is_cell_weight
 
 
 def train_settings(task: Task) -> TrainTask:
@@ -47,6 +48,14 @@ def train_task(agent: ClientAgent, task: Task) -> Result:
     loss = agent.trainer.fit(agent.model, agent.data.x_train, agent.data.y_train, cfg).loss
     seconds = time.perf_counter() - start
     models = {"local": agent.weights()} if train_settings(task).upload else {}
+    return training_result(agent, task, loss, seconds, models)
+
+
+def training_result(
+    agent: ClientAgent, task: Task, loss: float, seconds: float, models: dict[str, Weights], **records: Any
+) -> Result:
+    """The reply to a local-training task: the client's training-set size, its last-epoch loss and wall time,
+    the models and records it uploads."""
     return Result(
         agent.client_id,
         task.round,
@@ -54,6 +63,7 @@ def train_task(agent: ClientAgent, task: Task) -> Result:
         len(agent.data.y_train),
         {"train_loss": loss, "train_seconds": seconds},
         models,
+        records=records,
     )
 
 
@@ -61,7 +71,7 @@ class GradientMeans:
     """Running sums of each conv/linear weight's gradient over the steps of one local training (FedTrans §4.1)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.weights = {n: p for n, p in model.named_parameters() if n.endswith(".weight") and p.dim() >= 2}
+        self.weights = {n: p for n, p in model.named_parameters() if is_cell_weight(n, p.shape)}
         self.sums = {n: torch.zeros_like(p) for n, p in self.weights.items()}
         self.steps = 0
 
@@ -103,15 +113,8 @@ def train_model_task(agent: ClientAgent, task: Task) -> Result:
     loss = fit(model, agent.data.x_train, agent.data.y_train, cfg, after_backward=grads).loss
     seconds = time.perf_counter() - start
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return Result(
-        agent.client_id,
-        task.round,
-        task.type,
-        len(agent.data.y_train),
-        {"train_loss": loss, "train_seconds": seconds},
-        {"model": Weights(task.models["model"].spec, state)},
-        records={"activeness": grads.activeness()},
-    )
+    trained = {"model": Weights(task.models["model"].spec, state)}
+    return training_result(agent, task, loss, seconds, trained, activeness=grads.activeness())
 
 
 @register_task("evaluate", mutates=False)

@@ -7,7 +7,7 @@ import dataclasses
 import math
 import typing
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from fedge import constants as C
 
@@ -58,6 +58,12 @@ class TrainTask:
         """Read a Task's config; a missing required key, an unknown key, a value of the wrong type or out of range
         raises TaskConfigError naming it."""
         return read_config(cls, config)
+
+
+def is_cell_weight(name: str, shape: Sequence[int]) -> bool:
+    """Whether a state tensor is a conv or linear weight: a FedTrans cell, whose ‖mean gradient‖/‖W‖ a `train_model`
+    reply reports under its name in the `activeness` record (both halves use this one rule)."""
+    return name.endswith(".weight") and len(shape) >= 2
 
 
 def read_config(cls: Any, config: Mapping[str, Any]) -> Any:

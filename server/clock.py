@@ -11,11 +11,10 @@ as the codec puts them on the wire, so in-process and MQTT runs agree.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from device_profiles import DeviceProfile, transfer_seconds
+from device_profiles import DeviceProfile, checked_count, transfer_seconds
 from device_profiles.constants import DIRECTION_DOWN, DIRECTION_UP, TRAIN_COST_FACTOR
 from fedge import constants as C
 from fedge.checkpoint import Tree
@@ -25,32 +24,19 @@ from fedge.spec import ModelSpec
 from fedge.teacher_program import shipped_spec
 
 
-def _count(value: object, what: str) -> int:
-    """`value` as an int >= 0; TypeError for a non-int (a bool too), ValueError for a negative one."""
-    if isinstance(value, bool):
-        raise TypeError(f"{what} must be an integer, got {value!r}")
-    try:
-        number = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(f"{what} must be an integer, got {value!r}") from None
-    if number < 0:
-        raise ValueError(f"{what} must be >= 0, got {number}")
-    return number
-
-
 def train_macs(forward_macs: int, samples: int, epochs: int, teacher_macs: int = 0) -> int:
     """MACs of one local training: 3 x forward MACs x samples x epochs (FedScale/FedTrans), plus
     teacher_macs x samples for a teacher's forward pass over the samples (factor 1, once per task).
     Raises TypeError/ValueError for non-integer or negative inputs."""
-    n = _count(samples, "samples")
-    student = TRAIN_COST_FACTOR * _count(forward_macs, "forward_macs") * n * _count(epochs, "epochs")
-    return student + _count(teacher_macs, "teacher_macs") * n
+    n = checked_count(samples, "samples")
+    student = TRAIN_COST_FACTOR * checked_count(forward_macs, "forward_macs") * n * checked_count(epochs, "epochs")
+    return student + checked_count(teacher_macs, "teacher_macs") * n
 
 
 def compute_seconds(macs: int, profile: DeviceProfile) -> float:
     """Seconds the device takes for `macs` training MACs at its train_macs_per_s (the 3x is already in `macs`,
     see train_macs). Raises TypeError/ValueError for a non-integer or negative `macs`."""
-    return _count(macs, "macs") / profile.train_macs_per_s
+    return checked_count(macs, "macs") / profile.train_macs_per_s
 
 
 def bytes_down(task: Task) -> int:
@@ -162,8 +148,8 @@ class RunClock:
         if not isinstance(tree, dict):
             raise TypeError(f"the simulated clock's state must be a dict, got {type(tree).__name__}")
         self.seconds = float(tree.get("seconds", 0.0))
-        self.train_macs = _count(tree.get("train_macs", 0), "train_macs")
-        self.network_bytes = _count(tree.get("network_bytes", 0), "network_bytes")
+        self.train_macs = checked_count(tree.get("train_macs", 0), "train_macs")
+        self.network_bytes = checked_count(tree.get("network_bytes", 0), "network_bytes")
 
     def summary(self) -> dict[str, Any]:
         """Its summary.json fields."""

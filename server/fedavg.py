@@ -59,6 +59,15 @@ def weighted_average(states: Sequence[State], weights: Sequence[float]) -> State
     return out
 
 
+def checkpoint_global(current: Weights, state: Tree) -> Weights:
+    """The global model a checkpoint's strategy state holds; one of another architecture than `current` (the one
+    this fleet trains) raises StrategyError."""
+    model = state["global"]
+    if model.spec != current.spec:
+        raise StrategyError(f"checkpoint holds a global {model.spec.name!r}, this fleet trains {current.spec.name!r}")
+    return model
+
+
 @dataclass(frozen=True)
 class FedAvgOptions(StrategyOptions):
     """FedAvg's one option: how much of a round's average one client may get (its example count is its word)."""
@@ -135,9 +144,4 @@ class FedAvg(Strategy):
 
     def load_state(self, state: Tree) -> None:
         """Take the checkpoint's global model; one of another architecture raises StrategyError."""
-        model = state["global"]
-        if model.spec != self.global_model.spec:
-            raise StrategyError(
-                f"checkpoint holds a global {model.spec.name!r}, this fleet trains {self.global_model.spec.name!r}"
-            )
-        self.global_model = model
+        self.global_model = checkpoint_global(self.global_model, state)

@@ -27,6 +27,7 @@ from fedge.messages import ClientInfo, Result, Task, Weights, client_order
 from fedge.payloads import Expected
 from fedge.seeding import derive_seed
 from fedge.spec import ModelSpec, build, tensor_shapes
+from fedge.tasks import is_cell_weight
 from fedge.weights import State
 from server.capacity import client_capacities, compatible
 from server.fedavg import capped_shares, weighted_average
@@ -88,11 +89,7 @@ class FedTransOptions(StrategyOptions):
 
 def weight_cells(spec: ModelSpec) -> dict[str, int]:
     """Every conv and linear weight of a model (its cells for similarity, §4.2) → its parameter count."""
-    return {
-        n: math.prod(shape)
-        for n, (shape, _) in tensor_shapes(spec).items()
-        if n.endswith(".weight") and len(shape) >= 2
-    }
+    return {n: math.prod(shape) for n, (shape, _) in tensor_shapes(spec).items() if is_cell_weight(n, shape)}
 
 
 @register_strategy("fedtrans", FedTransOptions)

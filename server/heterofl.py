@@ -43,7 +43,7 @@ from fedge.payloads import Expected
 from fedge.seeding import derive_seed
 from fedge.spec import ModelSpec, build, tensor_shapes
 from server.capacity import CapacityError, client_capacities, compatible
-from server.fedavg import capped_shares
+from server.fedavg import capped_shares, checkpoint_global
 from server.slices import crop, sliced_average
 from server.strategy import Strategy, StrategyError, StrategyOptions, option, register_strategy
 from server.widths import scale_width, with_scalers
@@ -233,9 +233,4 @@ class HeteroFL(Strategy):
 
     def load_state(self, state: Tree) -> None:
         """Take the checkpoint's global model; one of another architecture raises StrategyError."""
-        model = state["global"]
-        if model.spec != self.global_model.spec:
-            raise StrategyError(
-                f"checkpoint holds a global {model.spec.name!r}, this fleet trains {self.global_model.spec.name!r}"
-            )
-        self.global_model = model
+        self.global_model = checkpoint_global(self.global_model, state)
