@@ -100,6 +100,37 @@ def read_rows(out: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+# Fields that differ between two runs of one config: wall-clock times, memory, and the reply's bytes, which hold the
+# client's wall-clock metrics (their JSON length varies).
+WALL_CLOCK_FIELDS = ("seconds", "time_", "bytes_up", "rss_bytes")
+
+
+def rows_without_wall_clock(out: Path) -> list[dict[str, Any]]:
+    """A run folder's metrics.jsonl rows without the WALL_CLOCK_FIELDS: what a resumed run must reproduce exactly."""
+    return [{k: v for k, v in r.items() if not any(t in k for t in WALL_CLOCK_FIELDS)} for r in read_rows(out)]
+
+
+class Crash(BaseException):
+    """The process dying: not an Exception, so nothing between the client and the test catches it."""
+
+
+def crash_at(monkeypatch: Any, rnd: int, nth: int) -> None:
+    """Kill the run (raise Crash) when the nth training task of round `rnd` reaches its client (earlier ones have
+    trained)."""
+    from edge_client.agent import ClientAgent
+
+    handle, seen = ClientAgent.handle, []
+
+    def crashing(agent: ClientAgent, task: Task) -> Result:
+        if task.round == rnd and task.type != "evaluate":
+            seen.append(agent.client_id)
+            if len(seen) == nth:
+                raise Crash
+        return handle(agent, task)
+
+    monkeypatch.setattr(ClientAgent, "handle", crashing)
+
+
 def trained_by_round(out: Path) -> dict[int, list[str]]:
     """Round → the clients whose training reply was aggregated that round (one entry per metrics row)."""
     rounds: dict[int, list[str]] = {}

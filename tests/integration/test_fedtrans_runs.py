@@ -8,7 +8,6 @@ import sys
 
 import pytest
 
-from edge_client.agent import ClientAgent
 from fedge import constants as C
 from fedge.checkpoint import load_tree, tree_digest
 from fedge.weights import load_model
@@ -16,10 +15,9 @@ from launch.cli import main as cli_main
 from launch.simulation import run_simulation
 from server.runlog import CHECKPOINT_FILE
 
-from helpers.federation import make_config, read_rows, run_inproc
+from helpers.federation import Crash, crash_at, make_config, read_rows, rows_without_wall_clock, run_inproc
 
 pytestmark = pytest.mark.timeout(600)
-TIMING = ("seconds", "time_", "bytes_up", "rss_bytes")  # bytes_up carries the wall-clock metrics (train_seconds, rss)
 GROW_FAST = {"gamma": 1, "delta": 1, "beta": 10.0}  # a transformation whenever the newest model has 2 rounds
 
 
@@ -49,29 +47,12 @@ def test_the_chain_grows_and_each_client_gets_models_within_its_capacity(tmp_pat
     assert (tmp_path / "x" / "client1-model.onnx").exists()
 
 
-class Crash(BaseException):
-    """The process dying: not an Exception, so nothing between the client and the test catches it."""
-
-
-def rows_without_timing(out):
-    return [{k: v for k, v in r.items() if not any(t in k for t in TIMING)} for r in read_rows(out)]
-
-
 def test_a_crashed_run_resumes_bit_identically(tmp_path, monkeypatch):
     def config(out):
         return fleet(out, rounds=5, transport="inproc")
 
     straight = run_simulation(config(tmp_path / "straight"), progress=False)
-    handle, seen = ClientAgent.handle, []
-
-    def crashing(agent, task):
-        if task.round == 3 and task.type != "evaluate":
-            seen.append(agent.client_id)
-            if len(seen) == 2:
-                raise Crash
-        return handle(agent, task)
-
-    monkeypatch.setattr(ClientAgent, "handle", crashing)
+    crash_at(monkeypatch, rnd=3, nth=2)
     with pytest.raises(Crash):
         run_simulation(config(tmp_path / "crashed"), progress=False)
     monkeypatch.undo()
@@ -81,7 +62,7 @@ def test_a_crashed_run_resumes_bit_identically(tmp_path, monkeypatch):
     assert resumed["final_accuracy"] == straight["final_accuracy"] and resumed["chain"] == straight["chain"]
     a, b = (load_tree(tmp_path / run / CHECKPOINT_FILE) for run in ("straight", "crashed"))
     assert tree_digest(a["strategy_state"]) == tree_digest(b["strategy_state"])
-    assert rows_without_timing(tmp_path / "crashed") == rows_without_timing(tmp_path / "straight")
+    assert rows_without_wall_clock(tmp_path / "crashed") == rows_without_wall_clock(tmp_path / "straight")
 
 
 def test_over_mqtt_with_client_processes_it_matches_the_inproc_run(tmp_path):

@@ -7,17 +7,15 @@ import sys
 
 import pytest
 
-from edge_client.agent import ClientAgent
 from fedge import constants as C
 from fedge.checkpoint import load_tree, tree_digest
 from fedge.weights import load_model
 from launch.simulation import run_simulation
 from server.runlog import CHECKPOINT_FILE
 
-from helpers.federation import make_config, read_rows, run_inproc
+from helpers.federation import Crash, crash_at, make_config, read_rows, rows_without_wall_clock, run_inproc
 
 pytestmark = pytest.mark.timeout(600)
-TIMING = ("seconds", "time_", "bytes_up", "rss_bytes")  # bytes_up carries the wall-clock metrics (train_seconds, rss)
 
 
 def mixed(out, **kw):
@@ -47,14 +45,6 @@ def test_a_mixed_fleet_trains_submodels_of_its_capacities(tmp_path):
     assert state.spec.name == "cnn4"
 
 
-class Crash(BaseException):
-    """The process dying: not an Exception, so nothing between the client and the test catches it."""
-
-
-def rows_without_timing(out):
-    return [{k: v for k, v in r.items() if not any(t in k for t in TIMING)} for r in read_rows(out)]
-
-
 def test_a_crashed_run_resumes_bit_identically(tmp_path, monkeypatch):
     capacities = tmp_path / "capacity.json"
     capacities.write_text(json.dumps({"0": 10**9, "1": 3_000_000, "2": 700_000}))
@@ -65,16 +55,7 @@ def test_a_crashed_run_resumes_bit_identically(tmp_path, monkeypatch):
         )
 
     straight = run_simulation(config(tmp_path / "straight"), progress=False)
-    handle, seen = ClientAgent.handle, []
-
-    def crashing(agent, task):
-        if task.round == 2 and task.type != "evaluate":
-            seen.append(agent.client_id)
-            if len(seen) == 2:
-                raise Crash
-        return handle(agent, task)
-
-    monkeypatch.setattr(ClientAgent, "handle", crashing)
+    crash_at(monkeypatch, rnd=2, nth=2)
     with pytest.raises(Crash):
         run_simulation(config(tmp_path / "crashed"), progress=False)
     monkeypatch.undo()
@@ -84,7 +65,7 @@ def test_a_crashed_run_resumes_bit_identically(tmp_path, monkeypatch):
     assert resumed["final_accuracy"] == straight["final_accuracy"] and resumed["rate"] == straight["rate"]
     a, b = (load_tree(tmp_path / run / CHECKPOINT_FILE) for run in ("straight", "crashed"))
     assert tree_digest(a["strategy_state"]) == tree_digest(b["strategy_state"])
-    assert rows_without_timing(tmp_path / "crashed") == rows_without_timing(tmp_path / "straight")
+    assert rows_without_wall_clock(tmp_path / "crashed") == rows_without_wall_clock(tmp_path / "straight")
 
 
 def test_over_mqtt_with_client_processes_it_matches_the_inproc_run(tmp_path):

@@ -1,26 +1,20 @@
 """Server crash and resume (reliability notes §10 test 9): a run killed in round 2, after the checkpoint of
 round 1, resumes from the run folder and ends bit-identical to a run that was never interrupted."""
 
-import json
-
 import pytest
 
-from edge_client.agent import ClientAgent
 from fedge.checkpoint import CheckpointError, load_tree, tree_digest
 from fedge.config import config_from
 from launch.simulation import run_simulation
 from server.coordinator import check_resumable, run_identity
 from server.runlog import CHECKPOINT_FILE
 
+from helpers.federation import Crash, crash_at, read_rows, rows_without_wall_clock
+
 pytestmark = pytest.mark.timeout(600)
-# Wall-clock fields, and the reply's bytes, which hold the client's wall-clock train_seconds (its JSON length varies).
-TIMING = ("seconds", "time_", "bytes_up", "rss_bytes")
-# ...so simulated seconds may differ by a few bytes' upload per round: 64 B at 2.5 Mbit/s is 0.2 ms.
+# The reply's bytes hold the client's wall-clock metrics (helpers.federation.WALL_CLOCK_FIELDS), so simulated
+# seconds may differ by a few bytes' upload per round: 64 B at 2.5 Mbit/s is 0.2 ms.
 SIM_SLACK_S = 1e-3
-
-
-class Crash(BaseException):
-    """The process dying: not an Exception, so nothing between the client and the test catches it."""
 
 
 def config(out, strategy, **kw):
@@ -41,33 +35,10 @@ def config(out, strategy, **kw):
     return config_from(base | small | kw)
 
 
-def crash_at(monkeypatch, rnd, nth):
-    """Kill the run when the nth training task of round `rnd` reaches its client (earlier ones have trained)."""
-    handle, seen = ClientAgent.handle, []
-
-    def crashing(agent, task):
-        if task.round == rnd and task.type != "evaluate":
-            seen.append(agent.client_id)
-            if len(seen) == nth:
-                raise Crash
-        return handle(agent, task)
-
-    monkeypatch.setattr(ClientAgent, "handle", crashing)
-
-
-def all_rows(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def rows(out):
-    """metrics.jsonl without the wall-clock fields."""
-    return [{k: v for k, v in row.items() if not any(t in k for t in TIMING)} for row in all_rows(out)]
-
-
 def check_clock(straight, crashed, checkpoint_of_round_1, strategy):
     """The resumed run's simulated clock continues from the checkpoint's counters exactly, and matches the
     uninterrupted run's (the simulated seconds up to a reply's few bytes of wall-clock metrics)."""
-    a, b = all_rows(straight), all_rows(crashed)
+    a, b = read_rows(straight), read_rows(crashed)
     first = {r["round"]: r for r in b}
     saved = checkpoint_of_round_1["sim_clock"]
     assert saved["seconds"] == first[1]["cumulative_sim_seconds"]
@@ -100,7 +71,7 @@ def test_a_crashed_run_resumes_bit_identically(tmp_path, monkeypatch, strategy):
     a, b = (load_tree(tmp_path / run / CHECKPOINT_FILE) for run in ("straight", "crashed"))
     assert a["next_round"] == b["next_round"] == 3
     assert tree_digest(a["strategy_state"]) == tree_digest(b["strategy_state"])
-    assert rows(tmp_path / "crashed") == rows(tmp_path / "straight")
+    assert rows_without_wall_clock(tmp_path / "crashed") == rows_without_wall_clock(tmp_path / "straight")
     assert len(resumed["server_seconds"]) == 3
     check_clock(tmp_path / "straight", tmp_path / "crashed", saved, strategy)
     assert a["sim_clock"]["train_macs"] == b["sim_clock"]["train_macs"] == resumed["train_macs_total"]
@@ -120,7 +91,7 @@ def test_a_finished_run_can_be_extended(tmp_path):
     run_simulation(config(tmp_path / "run", "local", rounds=1), progress=False)
     summary = run_simulation(config(tmp_path / "run", "local", rounds=2), progress=False, resume=True)
     assert summary["rounds"] == 2 and len(summary["server_seconds"]) == 2
-    assert sorted({r["round"] for r in rows(tmp_path / "run")}) == [0, 1]
+    assert sorted({r["round"] for r in read_rows(tmp_path / "run")}) == [0, 1]
 
 
 def test_a_checkpoint_from_before_widths_were_recorded_resumes_only_at_cpu_widths(tmp_path):
