@@ -110,6 +110,18 @@ def rows_without_wall_clock(out: Path) -> list[dict[str, Any]]:
     return [{k: v for k, v in r.items() if not any(t in k for t in WALL_CLOCK_FIELDS)} for r in read_rows(out)]
 
 
+def fedge_run_processes(cfg: RunConfig, config_path: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    """`fedge run --config <config_path>` (cfg written there as JSON) with clients as 2 OS processes, as a user
+    runs it: its exit code, stdout and stderr."""
+    Path(config_path).write_text(cfg.to_json())
+    return subprocess.run(
+        [sys.executable, "-m", "launch.cli", "run", "--config", str(config_path), "--processes", "2", "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 class Crash(BaseException):
     """The process dying: not an Exception, so nothing between the client and the test catches it."""
 

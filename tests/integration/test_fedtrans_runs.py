@@ -3,8 +3,6 @@ final models are exported to ONNX, a crashed run resumes bit-identically, and ov
 sizes travel both ways and give the in-process run's accuracies."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -15,7 +13,15 @@ from launch.cli import main as cli_main
 from launch.simulation import run_simulation
 from server.runlog import CHECKPOINT_FILE
 
-from helpers.federation import Crash, crash_at, make_config, read_rows, rows_without_wall_clock, run_inproc
+from helpers.federation import (
+    Crash,
+    crash_at,
+    fedge_run_processes,
+    make_config,
+    read_rows,
+    rows_without_wall_clock,
+    run_inproc,
+)
 
 pytestmark = pytest.mark.timeout(600)
 GROW_FAST = {"gamma": 1, "delta": 1, "beta": 10.0}  # a transformation whenever the newest model has 2 rounds
@@ -67,14 +73,7 @@ def test_a_crashed_run_resumes_bit_identically(tmp_path, monkeypatch):
 
 def test_over_mqtt_with_client_processes_it_matches_the_inproc_run(tmp_path):
     cfg = fleet(tmp_path / "mqtt", transport="mqtt", round_deadline_s=120.0, register_timeout_s=120.0, run_id="ft")
-    config = tmp_path / "mqtt.json"
-    config.write_text(cfg.to_json())
-    done = subprocess.run(
-        [sys.executable, "-m", "launch.cli", "run", "--config", str(config), "--processes", "2", "--no-progress"],
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
+    done = fedge_run_processes(cfg, tmp_path / "mqtt.json", timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "mqtt" / "summary.json").read_text())
     assert not summary["rejected_messages"] and not summary["rejected_replies"]

@@ -2,8 +2,6 @@
 evaluated on them, leaves them as final models; a crashed run resumes bit-identically."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -13,7 +11,15 @@ from fedge.weights import load_model
 from launch.simulation import run_simulation
 from server.runlog import CHECKPOINT_FILE
 
-from helpers.federation import Crash, crash_at, make_config, read_rows, rows_without_wall_clock, run_inproc
+from helpers.federation import (
+    Crash,
+    crash_at,
+    fedge_run_processes,
+    make_config,
+    read_rows,
+    rows_without_wall_clock,
+    run_inproc,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -72,14 +78,7 @@ def test_over_mqtt_with_client_processes_it_matches_the_inproc_run(tmp_path):
     """`fedge run` on the embedded broker, clients as 2 processes: submodels of three sizes go over the wire both
     ways (each reply sized by its own submodel), nothing is refused, and the accuracies are the in-process run's."""
     cfg = mixed(tmp_path / "mqtt", transport="mqtt", round_deadline_s=120.0, register_timeout_s=120.0, run_id="hfl")
-    config = tmp_path / "mqtt.json"
-    config.write_text(cfg.to_json())
-    done = subprocess.run(
-        [sys.executable, "-m", "launch.cli", "run", "--config", str(config), "--processes", "2", "--no-progress"],
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
+    done = fedge_run_processes(cfg, tmp_path / "mqtt.json", timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "mqtt" / "summary.json").read_text())
     assert not summary["rejected_messages"] and not summary["rejected_replies"]

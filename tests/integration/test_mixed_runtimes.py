@@ -3,14 +3,12 @@
 processes), with the same results as in one process."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from fedge.config import RunConfig, config_from
 
-from helpers.federation import run_inproc
+from helpers.federation import fedge_run_processes, read_rows, run_inproc
 
 pytestmark = pytest.mark.timeout(600)
 RUNTIMES = {"0": "torch", "1": "executorch", "2": "torch", "3": "executorch"}
@@ -40,28 +38,16 @@ def mixed(tmp_path, name: str, **kw) -> RunConfig:
     return config_from(base | kw)
 
 
-def rows(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_a_mixed_torch_and_executorch_fleet_completes_pfedclub_over_mqtt(tmp_path):
     # prepare
     cfg = mixed(tmp_path, "mqtt")
-    path = tmp_path / "mqtt.json"
-    path.write_text(cfg.to_json())
-    # execute
-    done = subprocess.run(
-        [sys.executable, "-m", "launch.cli", "run", "--config", str(path), "--processes", "2", "--no-progress"],
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
+    done = fedge_run_processes(cfg, tmp_path / "mqtt.json", timeout=540)
     # assert: every client trained in every round on its profile's runtime, and distilled in round 1
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "mqtt" / "summary.json").read_text())
     assert not summary["rejected_messages"] and not summary["failed_rounds"]
     assert summary["runtimes"] == RUNTIMES and "runtime" in done.stdout
-    got = rows(tmp_path / "mqtt")
+    got = read_rows(tmp_path / "mqtt")
     assert {(r["round"], r["client"]) for r in got if r["trained"]} == {(r, c) for r in (0, 1) for c in RUNTIMES}
     assert all(r["runtime"] == RUNTIMES[r["client"]] for r in got)
     assert all(r["kd_loss"] > 0 for r in got if r["round"] == 1)
@@ -73,21 +59,13 @@ def test_a_mixed_torch_and_executorch_fleet_completes_pfedclub_over_mqtt(tmp_pat
 def test_android_mobilenet_and_cnn4_train_through_executorch_in_a_mixed_fleet_over_mqtt(tmp_path):
     # prepare: BatchNorm models on the Android clients (1: mobilenet_v2, 3: cnn4), BN-free CNNs on the Pis
     cfg = mixed(tmp_path, "bn", zoo="cnn2,mobilenet_v2,cnn1,cnn4")
-    path = tmp_path / "bn.json"
-    path.write_text(cfg.to_json())
-    # execute
-    done = subprocess.run(
-        [sys.executable, "-m", "launch.cli", "run", "--config", str(path), "--processes", "2", "--no-progress"],
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
+    done = fedge_run_processes(cfg, tmp_path / "bn.json", timeout=540)
     # assert: every client trained in every round on its profile's runtime, and distilled in round 1
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "bn" / "summary.json").read_text())
     assert not summary["rejected_messages"] and not summary["failed_rounds"]
     assert summary["runtimes"] == RUNTIMES
-    got = rows(tmp_path / "bn")
+    got = read_rows(tmp_path / "bn")
     assert {(r["round"], r["client"]) for r in got if r["trained"]} == {(r, c) for r in (0, 1) for c in RUNTIMES}
     assert all(r["runtime"] == RUNTIMES[r["client"]] for r in got)
     assert all(r["kd_loss"] > 0 for r in got if r["round"] == 1)
@@ -98,7 +76,7 @@ def test_executorch_clients_run_the_teacher_programs_the_server_shipped(tmp_path
     summary = run_inproc(mixed(tmp_path, "ship"))
     # assert: in round 1 every executorch client distilled from a shipped program and said which one it ran;
     # torch clients got the weights as before
-    got = [r for r in rows(tmp_path / "ship") if r["round"] == 1 and r["trained"]]
+    got = [r for r in read_rows(tmp_path / "ship") if r["round"] == 1 and r["trained"]]
     android = [r for r in got if RUNTIMES[r["client"]] == "executorch"]
     assert android and all(len(r["teacher_pte_sha256"]) == 64 and r["kd_loss"] > 0 for r in android)
     assert all("teacher_pte_sha256" not in r for r in got if RUNTIMES[r["client"]] == "torch")
