@@ -1,6 +1,7 @@
 """The edge device agent: holds a client's model and data, and executes the server's tasks."""
 
 from edge_client import (
+    dcpfl,  # noqa: F401  (registers dc_train)
     distill,  # noqa: F401  (registers kd_train)
     tasks,  # noqa: F401  (registers the task handlers)
 )

@@ -11,7 +11,7 @@ import torch
 
 from edge_client.agent import ClientAgent, TaskError, register_task
 from edge_client.training import TrainConfig, evaluate, fit
-from fedge.messages import Result, Task, Weights
+from fedge.messages import Result, Task, Tensors, Weights
 from fedge.seeding import derive_seed
 from fedge.tasks import TaskConfigError, TrainTask, is_cell_weight
 
@@ -24,10 +24,10 @@ def train_settings(task: Task) -> TrainTask:
         raise TaskError(f"task {task.type} of round {task.round}: {e}") from None
 
 
-def train_config(agent: ClientAgent, task: Task) -> TrainConfig:
-    """The trainer's settings for a task: its TrainTask with this client's seed for this round; TaskError when the
-    task's config is bad."""
-    t = train_settings(task)
+def train_config(agent: ClientAgent, task: Task, settings: TrainTask | None = None) -> TrainConfig:
+    """The trainer's settings for a task: its TrainTask (`settings` when the handler read its config already, as
+    a subclass) with this client's seed for this round; TaskError when the task's config is bad."""
+    t = settings or train_settings(task)
     return TrainConfig(
         epochs=t.epochs,
         batch_size=t.batch_size,
@@ -52,17 +52,25 @@ def train_task(agent: ClientAgent, task: Task) -> Result:
 
 
 def training_result(
-    agent: ClientAgent, task: Task, loss: float, seconds: float, models: dict[str, Weights], **records: Any
+    agent: ClientAgent,
+    task: Task,
+    loss: float,
+    seconds: float,
+    models: dict[str, Weights],
+    tensors: Tensors | None = None,
+    metrics: dict[str, float] | None = None,
+    **records: Any,
 ) -> Result:
-    """The reply to a local-training task: the client's training-set size, its last-epoch loss and wall time,
-    the models and records it uploads."""
+    """The reply to a local-training task: the client's training-set size, its last-epoch loss and wall time (and
+    any further `metrics`), the models, named tensors and records it uploads."""
     return Result(
         agent.client_id,
         task.round,
         task.type,
         len(agent.data.y_train),
-        {"train_loss": loss, "train_seconds": seconds},
+        {"train_loss": loss, "train_seconds": seconds} | (metrics or {}),
         models,
+        tensors=tensors or {},
         records=records,
     )
 

@@ -45,7 +45,8 @@ class Distillation:
 
 @dataclass(frozen=True)
 class TrainStats:
-    """Mean losses of the last epoch: the optimised total, its CE part, and the (unweighted) KL part."""
+    """Mean losses of the last epoch: the optimised total, its CE part, and the (unweighted) auxiliary part (the KL
+    of distillation, DC-PFL's L_kd)."""
 
     loss: float
     ce: float
@@ -67,6 +68,28 @@ def check_distillation(kd: Distillation, x: torch.Tensor) -> None:
     check_kd_settings(kd.kd_lambda, kd.temperature, kd.kd_direction)
 
 
+# One batch's (loss to optimise, its cross-entropy part, its unweighted auxiliary part) from the batch's indices.
+Objective = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def ce_kd_objective(model: nn.Module, x: torch.Tensor, y: torch.Tensor, kd: Distillation | None) -> Objective:
+    """CE, plus λ·KL to the teacher when `kd` is given (pFedClub Eq. (5)); with λ = 0 exactly CE, the KL then
+    measured without gradient."""
+
+    def terms(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = model(x[idx])
+        if kd is not None and kd.kd_lambda > 0:
+            return kd_terms(logits, y[idx], kd.teacher_logits[idx], kd.kd_lambda, kd.temperature, kd.kd_direction)
+        ce = F.cross_entropy(logits, y[idx])
+        kl = torch.zeros(())
+        if kd is not None:
+            with torch.no_grad():
+                kl = kd_kl(logits, kd.teacher_logits[idx], kd.temperature, kd.kd_direction)
+        return ce, ce, kl
+
+    return terms
+
+
 def fit(
     model: nn.Module,
     x: torch.Tensor,
@@ -74,10 +97,11 @@ def fit(
     cfg: TrainConfig,
     kd: Distillation | None = None,
     after_backward: Callable[[], None] | None = None,
+    objective: Objective | None = None,
 ) -> TrainStats:
-    """Train in place with Adam on CE, plus λ·KL to a teacher when `kd` is given (pFedClub Eq. (5)).
-    `after_backward` is called after every step's backward pass, before the optimiser steps (FedTrans reads the
-    gradients there).
+    """Train in place with Adam on CE, plus λ·KL to a teacher when `kd` is given (pFedClub Eq. (5)), or on the
+    batch losses `objective` gives (DC-PFL's CE + λ·L_kd, edge_client/dcpfl.py). `after_backward` is called
+    after every step's backward pass, before the optimiser steps (FedTrans reads the gradients there).
 
     Without `kd` (or with λ = 0) the updates are exactly those of plain CE training; the KL is then
     still measured (without gradient) when teacher logits are given. Raises ValueError when the data
@@ -88,6 +112,7 @@ def fit(
         raise ValueError("no training data")
     if kd is not None:
         check_distillation(kd, x)
+    terms = objective or ce_kd_objective(model, x, y, kd)
     gen = torch.Generator().manual_seed(cfg.seed)
     torch.manual_seed(cfg.seed)  # dropout draws from the global generator
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
@@ -97,24 +122,14 @@ def fit(
         total, ce_sum, kd_sum, count = 0.0, 0.0, 0.0, 0
         for idx in torch.randperm(len(x), generator=gen).split(cfg.batch_size):
             opt.zero_grad(set_to_none=True)
-            logits = model(x[idx])
-            if kd is not None and kd.kd_lambda > 0:
-                loss, ce, kl = kd_terms(
-                    logits, y[idx], kd.teacher_logits[idx], kd.kd_lambda, kd.temperature, kd.kd_direction
-                )
-            else:
-                loss = ce = F.cross_entropy(logits, y[idx])
-                kl = torch.zeros(())
-                if kd is not None:
-                    with torch.no_grad():
-                        kl = kd_kl(logits, kd.teacher_logits[idx], kd.temperature, kd.kd_direction)
+            loss, ce, aux = terms(idx)
             loss.backward()
             if after_backward is not None:
                 after_backward()
             opt.step()
             total += float(loss.detach()) * len(idx)
             ce_sum += float(ce.detach()) * len(idx)
-            kd_sum += float(kl.detach()) * len(idx)
+            kd_sum += float(aux.detach()) * len(idx)
             count += len(idx)
         stats = TrainStats(total / count, ce_sum / count, kd_sum / count)
         if not math.isfinite(stats.loss):

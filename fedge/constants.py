@@ -145,6 +145,11 @@ MAX_CLIENT_SHARE = 0.5
 # ‖mean gradient‖/‖W‖ is far below 1 in practice) and is left out, counted in summary.json (`ignored_reports`).
 MAX_REPORTED_LOSS = 1e4
 MAX_REPORTED_ACTIVENESS = 1e4
+# DC-PFL / FedGH statistics uploads (server/dcpfl_math.statistics_rejection). Features of a trained network are
+# O(1-100); an entry beyond this is a lie (and its square would overflow float32 when sampled).
+MAX_FEATURE_MAGNITUDE = 1e6
+SYMMETRY_TOLERANCE = 1e-5  # max |Σ − Σᵀ| allowed, relative to max |Σ| (the client sends Σ exactly symmetric)
+PSD_TOLERANCE = 1e-4  # smallest eigenvalue allowed: −this x the largest (float32 rounding of a PSD matrix)
 
 # Brokers (fedge/embedded_broker.py and fedge/mosquitto.py).
 MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + 64 * 1024  # largest MQTT packet a broker accepts: one chunk plus headers

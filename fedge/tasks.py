@@ -60,6 +60,25 @@ class TrainTask:
         return read_config(cls, config)
 
 
+@dataclass(frozen=True)
+class DCTrainTask(TrainTask):
+    """A `dc_train` task (DC-PFL, FedGH): local training as TrainTask, plus λ of DC-PFL Eq. (4) (the weight of the
+    auxiliary loss L_kd toward the global class means the task carries; 0 = CE alone, Eq. (2)) and whether to
+    upload each class's covariance (Eq. 7) beside its mean and count (FedGH uploads means only)."""
+
+    aux_lambda: float = 0.0
+    covariance: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.aux_lambda >= 0:
+            raise TaskConfigError(f"aux_lambda must be >= 0, got {self.aux_lambda}")
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> DCTrainTask:
+        return read_config(cls, config)
+
+
 def is_cell_weight(name: str, shape: Sequence[int]) -> bool:
     """Whether a state tensor is a conv or linear weight: a FedTrans cell, whose ‖mean gradient‖/‖W‖ a `train_model`
     reply reports under its name in the `activeness` record (both halves use this one rule)."""

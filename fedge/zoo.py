@@ -84,8 +84,9 @@ def create(name: str, input_shape: Sequence[int], num_classes: int, widths: str 
     return factory(c, h, num_classes, widths)
 
 
-def _conv(out: int, k: int, stride: int = 1, bias: bool = True) -> L:
-    return L("conv2d", {"out_channels": out, "kernel_size": k, "stride": stride, "padding": k // 2, "bias": bias})
+def _conv(out: int, k: int, stride: int = 1, bias: bool = True, padding: int | None = None) -> L:
+    pad = k // 2 if padding is None else padding
+    return L("conv2d", {"out_channels": out, "kernel_size": k, "stride": stride, "padding": pad, "bias": bias})
 
 
 RELU, BN, POOL, FLAT = L("relu"), L("bn2d"), L("maxpool", {"kernel_size": 2}), L("flatten")
@@ -304,6 +305,44 @@ def mobilenet_v3(in_channels: int, image_size: int, num_classes: int, widths: st
     return make_spec("mobilenet_v3", (in_channels, image_size, image_size), num_classes, blocks)
 
 
+# FedGH's five CNNs (Yi et al. 2023; the authors' Models/CNNs.py, n_kernels 16), which DC-PFL uses: conv 5x5
+# (unpadded) channels and the FC1 width; FC2 gives the 500-d representation, FC3 is the shared 500 -> C head.
+FEDGH_CNNS: dict[str, tuple[int, int, int]] = {
+    "fedgh_cnn1": (16, 32, 2000),
+    "fedgh_cnn2": (16, 16, 2000),
+    "fedgh_cnn3": (16, 32, 1000),
+    "fedgh_cnn4": (16, 32, 800),
+    "fedgh_cnn5": (16, 32, 500),
+}
+FEDGH_REPRESENTATION = 500
+
+
+def _fedgh_cnn(name: str) -> Factory:
+    c1, c2, f1 = FEDGH_CNNS[name]
+
+    def factory(in_channels: int, image_size: int, num_classes: int, widths: str = C.DEFAULT_WIDTHS) -> ModelSpec:
+        check_widths(widths)  # the same at both presets: the authors' widths are already CPU-sized
+        return make_spec(
+            name,
+            (in_channels, image_size, image_size),
+            num_classes,
+            [
+                ("conv1", [_conv(c1, 5, padding=0), RELU, POOL]),
+                ("conv2", [_conv(c2, 5, padding=0), RELU, POOL]),
+                ("fc1", _fc(f1, flatten=True)),
+                ("fc2", _fc(FEDGH_REPRESENTATION)),
+                ("fc3", _fc(num_classes, relu=False)),
+            ],
+        )
+
+    factory.__doc__ = f"FedGH {name[6:]}: conv {c1}, conv {c2} (5x5, unpadded, ReLU, pool), FC {f1}, FC 500, head."
+    return factory
+
+
+for _name in FEDGH_CNNS:
+    register_model(_name)(_fedgh_cnn(_name))
+
+FEDGH_ZOO = "fedgh"
 # pFedClub §4.1: how many of N=50 clients get each model (Zoo I, II, III).
 ZOOS: dict[str, dict[str, int]] = {
     "I": {"cnn1": 8, "cnn2": 7, "cnn3": 7, "cnn4": 7, "mobilenet_v1": 7, "mobilenet_v2": 7, "mobilenet_v3": 7},
@@ -315,18 +354,19 @@ ZOOS: dict[str, dict[str, int]] = {
 def assign_models(zoo: str, num_clients: int, seed: int) -> list[str]:
     """Model name for each client 0..N-1: a zoo preset's proportions (scaled from N=50 by largest
     remainder) randomly placed by `seed`; one model name for a homogeneous fleet; or comma-separated model
-    names given to clients in turn (client i gets name i mod k, like the run's `profiles`).
+    names given to clients in turn (client i gets name i mod k, like the run's `profiles`); zoo "fedgh" is
+    FedGH's five CNNs in turn (client i gets fedgh_cnn{i mod 5 + 1}, as the authors' code).
 
     Raises ZooError for an unknown zoo or model name or a non-positive N.
     """
     if num_clients < 1:
         raise ZooError(f"number of clients must be positive, got {num_clients}")
-    names = zoo.split(",")
+    names = list(FEDGH_CNNS) if zoo == FEDGH_ZOO else zoo.split(",")
     if all(n in MODELS for n in names):
         return [names[i % len(names)] for i in range(num_clients)]
     if zoo not in ZOOS:
         raise ZooError(
-            f"unknown zoo {zoo!r}; use one of {', '.join(ZOOS)}, a model name, or comma-separated model "
+            f"unknown zoo {zoo!r}; use one of {', '.join([*ZOOS, FEDGH_ZOO])}, a model name, or comma-separated model "
             f"names ({', '.join(MODELS)})"
         )
     weights = ZOOS[zoo]

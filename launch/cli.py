@@ -58,7 +58,8 @@ def _shape(text: str) -> tuple[int, int, int]:
 def cmd_zoo(args: argparse.Namespace) -> None:
     from export import ExportError
     from export.training_program import check_trainable
-    from fedge.zoo import MODELS, ZOOS, create
+    from fedge.heads import HeadError, representation_size
+    from fedge.zoo import FEDGH_CNNS, FEDGH_ZOO, MODELS, ZOOS, create
 
     rows = []
     for name in MODELS:
@@ -68,6 +69,10 @@ def cmd_zoo(args: argparse.Namespace) -> None:
             executorch = "yes"
         except ExportError:
             executorch = "no"
+        try:
+            representation: int | None = representation_size(spec)
+        except HeadError:
+            representation = None
         rows.append(
             {
                 "name": name,
@@ -75,14 +80,16 @@ def cmd_zoo(args: argparse.Namespace) -> None:
                 "params": spec.params,
                 "macs": spec.macs,
                 "executorch_training": executorch,
+                "representation": representation,
                 "block_names": [b.name for b in spec.blocks],
             }
         )
-    _emit(args, rows, ["name", "blocks", "params", "macs", "executorch_training"])
+    _emit(args, rows, ["name", "blocks", "params", "macs", "executorch_training", "representation"])
     if not args.json:
         print("\nzoo presets (models: clients out of 50, pFedClub §4.1):")
         for zoo, weights in ZOOS.items():
             print(f"  {zoo:4s} " + ", ".join(f"{m}: {n}" for m, n in weights.items()))
+        print(f"  {FEDGH_ZOO} client i gets model i mod 5 of {', '.join(FEDGH_CNNS)} (FedGH, DC-PFL)")
 
 
 def cmd_profiles(args: argparse.Namespace) -> None:
@@ -400,7 +407,7 @@ def add_run_parser(sub: Any) -> None:
     p.add_argument("--data", help="path to dataset files, e.g. ../shared/data/mnist.npz")
     p.add_argument(
         "--zoo",
-        help="I, II, III, one model name (a homogeneous fleet), or model names "
+        help="I, II, III, fedgh (FedGH's five CNNs in turn), one model name (a homogeneous fleet), or model names "
         "separated by commas, given to clients in turn (e.g. cnn4,cnn2 with profiles rpi-4,android-mid-range)",
     )
     p.add_argument(

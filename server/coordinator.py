@@ -211,6 +211,8 @@ class Coordinator:
             else:
                 expected = self.strategy.expects(task, self.clients[cid]) if task is not None else Expected()
                 reason = rejection(res, task, self.clients[cid], expected, self.profiles[cid])
+                if reason is None and task is not None:
+                    reason = self.strategy.reply_rejection(task, self.clients[cid], res)
             if reason is None:
                 keep[cid] = res
             else:

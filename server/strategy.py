@@ -119,6 +119,12 @@ class Strategy:
         a reply with anything else, and the transport sizes replies by it. By default: metrics only."""
         return Expected()
 
+    def reply_rejection(self, task: Task, client: ClientInfo, result: Result) -> tuple[str, str] | None:
+        """The strategy's own check of a reply that already carries what `expects` declares (shapes, dtypes, finite
+        values): (reason code, message) to refuse it before `aggregate` sees it, counted in summary.json like
+        the coordinator's refusals; None (the default) to accept it."""
+        return None
+
     def trained_spec(self, task: Task, client: ClientInfo) -> ModelSpec:
         """The architecture `client` trains for `task` (one this strategy planned), which the simulated clock
         charges (server/clock.py): by default the model the task sends under role "model" (a strategy that

@@ -39,15 +39,23 @@ def make(name):
 
 def uploads(strategy, rnd, cids):
     """Round `rnd` planned by `strategy` for `cids`, and each client's reply to its task carrying a freshly
-    initialised model (seeded by the client) of every architecture the strategy expects back."""
+    initialised model (seeded by the client) of every architecture the strategy expects back, and seeded tensors
+    of every declared slot (floats in [0, 1), integers in 0..2)."""
     clients, out = fleet(), {}
     for cid, task in strategy.plan(rnd, cids).items():
-        models = {}
-        for role, spec in strategy.expects(task, clients[cid]).models.items():
+        expected, models, tensors = strategy.expects(task, clients[cid]), {}, {}
+        for role, spec in expected.models.items():
             torch.manual_seed(int(cid))
             spec = (spec or clients[cid].spec).with_origin(cid)
             models[role] = Weights(spec, build(spec).state_dict())
-        out[cid] = Result(cid, rnd, task.type, 20, {"train_loss": 1.0 + 0.1 * int(cid)}, models)
+        for tname, slot in expected.tensors.items():
+            gen, dtype = torch.Generator().manual_seed(int(cid)), DTYPES[slot.dtype]
+            tensors[tname] = (
+                torch.rand(slot.shape, generator=gen, dtype=dtype)
+                if dtype.is_floating_point
+                else torch.randint(0, 3, slot.shape, generator=gen, dtype=dtype)
+            )
+        out[cid] = Result(cid, rnd, task.type, 20, {"train_loss": 1.0 + 0.1 * int(cid)}, models, tensors=tensors)
     return out
 
 
@@ -85,7 +93,7 @@ def test_zero_and_one_replies_are_survived(name):
 def test_aggregation_is_order_independent_and_seed_deterministic(name):
     a, b = make(name), make(name)
     results = uploads(a, 0, ["0", "1", "2"])
-    assert any(r.models for r in results.values()) or name == "local"
+    assert any(r.models or r.tensors for r in results.values()) or name == "local"
     b.plan(0, ["0", "1", "2"])
     a.aggregate(0, results)
     b.aggregate(0, dict(reversed(list(results.items()))))

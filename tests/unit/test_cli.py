@@ -21,7 +21,15 @@ def test_zoo_json_contract(capsys):
     code, out, _ = run(capsys, "zoo", "--json", "--input", "1x28x28")
     rows = json.loads(out)
     assert code == 0
-    assert [r["name"] for r in rows] == ["cnn1", "cnn2", "cnn3", "cnn4", "mobilenet_v1", "mobilenet_v2", "mobilenet_v3"]
+    fedgh = [f"fedgh_cnn{i}" for i in range(1, 6)]
+    pfedclub = ["cnn1", "cnn2", "cnn3", "cnn4", "mobilenet_v1", "mobilenet_v2", "mobilenet_v3"]
+    assert [r["name"] for r in rows] == pfedclub + fedgh
+    # the representation a shared head (DC-PFL, FedGH) takes: none for MobileNetV1, whose last block pools a map
+    assert {r["name"]: r["representation"] for r in rows if r["name"] in ("cnn1", "mobilenet_v1", "fedgh_cnn3")} == {
+        "cnn1": 128,
+        "mobilenet_v1": None,
+        "fedgh_cnn3": 500,
+    }
     assert all(isinstance(r["params"], int) and isinstance(r["macs"], int) and r["blocks"] > 0 for r in rows)
     assert all(r["executorch_training"] == "yes" for r in rows)  # BatchNorm included (export.training_program)
 
@@ -87,7 +95,7 @@ def test_run_prints_per_client_accuracy(capsys, tmp_path):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["run", "--strategy", "nope"], "unknown strategy 'nope'; available: fedavg, "),
+        (["run", "--strategy", "nope"], "unknown strategy 'nope'; available: dcpfl, fedgh, fedavg, "),
         (["run", "--set", "bogus=1"], "strategy 'pfedclub' has no option(s) ['bogus']; its options: clusters,"),
         (["run", "--strategy", "fedavg", "--set", "eta=0.2"], "strategy 'fedavg' has no option(s) ['eta']"),
         (["run", "--strategy", "pfedclub+", "--set", "eta=-2"], "eta must be > -1"),

@@ -1,12 +1,13 @@
 """fedge.zoo's width presets: `cpu` is the zoo as it was, `paper` the authors' CNN widths and standard MobileNets."""
 
 import hashlib
+import math
 
 import pytest
 
-from device_profiles import fits, list_profiles
+from device_profiles import fits, get_profile, list_profiles
 from fedge import constants as C
-from fedge.zoo import MODELS, ZooError, create
+from fedge.zoo import FEDGH_CNNS, MODELS, ZooError, assign_models, create
 
 pytestmark = pytest.mark.timeout(60)
 SHAPES = [(1, 28, 28), (3, 32, 32)]
@@ -124,17 +125,36 @@ def test_unknown_widths_is_a_zoo_error_listing_the_presets(widths):
 
 # Which bundled profiles refuse which paper-width models (the same at 1x28x28 and 3x32x32); the default fleet
 # (rpi-4, rpi-5, jetson-orin-nano) takes them all.
+PFEDCLUB_MODELS = [name for name in MODELS if name not in FEDGH_CNNS]
 PAPER_REJECTED = {
     "android-flagship": {"cnn4"},
     "android-mid-range": {"cnn4"},
-    "android-low-end": set(MODELS) - {"cnn1"},
-    "rpi-zero-2w": set(MODELS) - {"cnn1"},
+    "android-low-end": set(PFEDCLUB_MODELS) - {"cnn1"},
+    "rpi-zero-2w": set(PFEDCLUB_MODELS) - {"cnn1"},
 }
 
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_paper_widths_against_the_bundled_profiles(shape):
-    specs = {name: create(name, shape, 10, "paper") for name in MODELS}
+    specs = {name: create(name, shape, 10, "paper") for name in PFEDCLUB_MODELS}
     rejected = {p.name: {n for n, s in specs.items() if not fits(s, p).ok} for p in list_profiles()}
     assert {name: names for name, names in rejected.items() if names} == PAPER_REJECTED
     assert all(not rejected[name] for name in C.DEFAULT_FLEET_PROFILES)
+
+
+def test_fedgh_cnns_are_the_authors_and_fit_the_default_fleet():
+    """FedGH's CNN_1..5 at 3x32x32: 800 flattened features (16 x 5 x 5 for CNN_2's 16-channel conv2: 400) into FC1
+    of 2000/2000/1000/800/500, a 500-d representation, a 500 -> 10 head; 1 M+ parameters, so the 1 M-parameter
+    phone and the Pi Zero take only CNN_5 (670 k)."""
+    params = {}
+    for name, fc1 in zip(FEDGH_CNNS, (2000, 2000, 1000, 800, 500)):
+        spec = create(name, (3, 32, 32), 10)
+        flat = 400 if name == "fedgh_cnn2" else 800
+        assert [b.out_shape for b in spec.blocks][2:] == [(fc1,), (500,), (10,)]
+        assert spec.blocks[2].in_shape == ((16 if name == "fedgh_cnn2" else 32), 5, 5) and flat == math.prod(
+            spec.blocks[2].in_shape
+        )
+        params[name] = spec.params
+        assert all(fits(spec, get_profile(p)).ok for p in C.DEFAULT_FLEET_PROFILES)
+    assert params["fedgh_cnn1"] == 3 * 16 * 25 + 16 + 16 * 32 * 25 + 32 + 800 * 2000 + 2000 + 2000 * 500 + 500 + 5010
+    assert assign_models("fedgh", 7, seed=0) == [f"fedgh_cnn{i % 5 + 1}" for i in range(7)]

@@ -48,9 +48,10 @@ def test_every_zoo_model_at_every_rate_is_a_top_left_slice_that_loads(name, inpu
         model = build(sub)
         model.load_state_dict({k: crop(v, shapes[k][0]) for k, v in full.items()})  # strict: every name, shape
         assert model.eval()(x).shape == (2, 10)
-        # params and MACs shrink about as rate² (the input and logits layers, whose one side is fixed, as rate)
+        # params and MACs shrink about as rate² (the input and logits layers, whose one side is fixed, as rate: FedGH's
+        # CNNs spend a quarter of their MACs in the first conv, which halves at rate 1/2, hence up to 0.34)
         for full_count, sub_count in ((spec.params, sub.params), (spec.macs, sub.macs)):
-            assert rate**2 * 0.99 <= sub_count / full_count <= (0.32 if rate == 0.5 else rate)
+            assert rate**2 * 0.99 <= sub_count / full_count <= (0.34 if rate == 0.5 else rate)
             assert rate < 1 or sub_count == full_count
 
 

@@ -1,0 +1,290 @@
+"""`dcpfl` (Tang et al., IJCAI 2024, Algorithm 1) and `fedgh` (Yi et al., ACM MM 2023): every client keeps its own
+feature extractor and all share one classifier head g_φ, which the server trains from per-class feature
+statistics; no model and no feature leaves a client.
+
+DC-PFL, each round (Algorithm 1, server lines 2-9):
+- send φ^t and the global class means µ_c^t (none in the first round) to the selected clients (line 4); they
+  train on L_sup + λ·L_kd and upload per-class counts, means and covariances (edge_client/dcpfl.py);
+- refuse an upload whose statistics are impossible before anything is pooled (dcpfl_math.statistics_rejection);
+- one SGD step of φ per reply, in client order, on that client's class means (line 5, Eqs. 8-9);
+- pool the round's statistics per class (line 7, Eqs. 10-11, float64); a class no reply holds keeps its previous
+  global statistics;
+- draw Σ|G_c| virtual features from N(µ_c, Σ_c), |G_c| ∝ |D_c| (line 8), and calibrate φ on them (line 9,
+  Eq. 12).
+Ablations (Table 1): `aux_lambda=0` is "w/o AL", `calibration=false` is "w/o GC".
+
+FedGH, from the same parts: clients train on CE alone (λ = 0) and upload class means (prototypes) and counts; the
+server takes one SGD step of the header per (client, class) prototype, in client order (the step the authors' code
+meant: theirs calls the last client's optimizer, so the header never trains, original-code-notes §5.2).
+
+Our choices where the papers are silent (README deviations): clients train with the run's optimizer (Adam at
+`lr`, as every fedge strategy; the paper's SGD 0.01 applies to the server's steps, option `server_lr`); λ
+(`aux_lambda`) defaults to 0.1 and the calibration to `calibration_steps` full-batch SGD steps; the personalized
+model a client is evaluated on is its own extractor with the head as its local training left it (w_k of Eq. 5).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from device_profiles import get_profile
+from fedge.checkpoint import Tree
+from fedge.class_stats import COUNTS, COVARIANCES, GLOBAL_MEANS, KNOWN_CLASSES, MEANS, ClassStats
+from fedge.config import ConfigError
+from fedge.heads import HeadError, head_spec
+from fedge.messages import ClientInfo, Result, Task, Weights, client_order
+from fedge.payloads import Expected, TensorSlot
+from fedge.seeding import derive_seed
+from fedge.spec import ModelSpec, build
+from fedge.tasks import DCTrainTask
+from fedge.weights import load_module
+from server.dcpfl_math import calibrate, ce_step, pool, statistics_rejection, virtual_features
+from server.strategy import Strategy, StrategyError, StrategyOptions, option, register_strategy
+
+log = logging.getLogger(__name__)
+SERVER_LR = 0.01  # η_φ: DC-PFL §6.1 (SGD, 0.01 for local and global classifier training); FedGH's code: 0.01
+
+
+def _check_server_lr(lr: float) -> None:
+    if not lr > 0:
+        raise ConfigError(f"server_lr must be > 0, got {lr}")
+
+
+@dataclass(frozen=True)
+class DCPFLOptions(StrategyOptions):
+    """λ of Eq. (4), the virtual features and calibration of Eq. (12), and η_φ of Eq. (8)."""
+
+    aux_lambda: float = option(
+        0.1, "λ of Eq. (4): weight of the auxiliary loss to the global class means (paper: unreported); 0 = w/o AL"
+    )
+    calibration: bool = option(True, "global classifier calibration on virtual features (Eq. 12); false = w/o GC")
+    virtual_samples: int = option(1000, "Σ|G_c|: virtual features drawn per round, split by class counts (Table 3)")
+    calibration_steps: int = option(
+        100, "full-batch SGD steps of Eq. (12) on the virtual features each round (paper: unreported)"
+    )
+    server_lr: float = option(SERVER_LR, "η_φ: the server's SGD learning rate in Eqs. (8) and (12) (paper: 0.01)")
+
+    def __post_init__(self) -> None:
+        if not self.aux_lambda >= 0:
+            raise ConfigError(f"aux_lambda must be >= 0 (0: the w/o AL ablation), got {self.aux_lambda}")
+        if self.virtual_samples < 1 or self.calibration_steps < 1:
+            raise ConfigError(
+                f"virtual_samples and calibration_steps must be >= 1 (calibration=false skips Eq. 12), got "
+                f"{self.virtual_samples} and {self.calibration_steps}"
+            )
+        _check_server_lr(self.server_lr)
+
+
+@dataclass(frozen=True)
+class FedGHOptions(StrategyOptions):
+    """FedGH's one server setting: the learning rate of the header's steps."""
+
+    server_lr: float = option(SERVER_LR, "the server's SGD learning rate for the header (the authors' code: 0.01)")
+
+    def __post_init__(self) -> None:
+        _check_server_lr(self.server_lr)
+
+
+class SharedHead(Strategy):
+    """What DC-PFL and FedGH share: a fleet of extractors with one head shape, the global head φ, the `dc_train`
+    task and the checks of its statistics. Subclasses say what the clients upload and how φ learns from it."""
+
+    covariance = True  # whether clients upload class covariances
+
+    def setup(self, clients: Mapping[str, ClientInfo]) -> None:
+        super().setup(clients)
+        order = sorted(clients, key=client_order)
+        others = [cid for cid in order if get_profile(clients[cid].profile).runtime != "torch"]
+        if others:
+            raise StrategyError(
+                f"{self.name} trains with an auxiliary loss on the extractor's features, which only the torch "
+                f"runtime can: clients {others} run another runtime. Use torch device profiles (--set profiles=...)"
+            )
+        heads: dict[str, list[str]] = {}  # a head's spec as JSON -> the clients with it
+        for cid in order:
+            try:
+                heads.setdefault(head_spec(clients[cid].spec).to_json(), []).append(cid)
+            except HeadError as e:
+                raise StrategyError(f"{self.name}: client {cid}: {e}") from None
+        if len(heads) > 1:
+            specs = {ModelSpec.from_json(key): ids for key, ids in heads.items()}
+            groups = "; ".join(
+                f"clients {ids} have a {spec.input_shape[0]}-d representation and head "
+                f"{[layer.to_dict() for layer in spec.blocks[0].layers]}"
+                for spec, ids in specs.items()
+            )
+            raise StrategyError(
+                f"{self.name} shares one classifier head, but this fleet's heads differ: {groups}. Use models whose "
+                "last block is the same linear layer on the same representation (e.g. --zoo fedgh)"
+            )
+        self.head_spec = ModelSpec.from_json(next(iter(heads)))
+        self.d, self.num_classes = self.head_spec.input_shape[0], self.head_spec.num_classes
+        torch.manual_seed(derive_seed(self.config.seed, f"{self.name}-init"))
+        self.head = Weights(self.head_spec, build(self.head_spec).state_dict())
+        self.uploaded: dict[str, int] = {}  # client -> classes its accepted reply held, this round
+
+    def task_config(self) -> dict[str, Any]:
+        """The dc_train config: the run's local training, λ and whether to upload covariances."""
+        t = self.train_task(upload=False)
+        return DCTrainTask(**vars(t), aux_lambda=self.aux_lambda(), covariance=self.covariance).to_config()
+
+    def aux_lambda(self) -> float:
+        """λ of the clients' Eq. (4); 0 unless the strategy sends global means."""
+        return 0.0
+
+    def task_tensors(self) -> dict[str, torch.Tensor]:
+        """Named tensors the dc_train task carries besides the head; none by default."""
+        return {}
+
+    def plan(self, rnd: int, active: Sequence[str]) -> dict[str, Task]:
+        self.uploaded = {}
+        config, tensors = self.task_config(), self.task_tensors()
+        return {cid: Task("dc_train", rnd, config, {"head": self.head}, tensors) for cid in active}
+
+    def expects(self, task: Task, client: ClientInfo) -> Expected:
+        """A dc_train reply carries the class means (C, d), counts (C,) and, when asked, covariances (C, d, d);
+        no model."""
+        if task.type != "dc_train":
+            return Expected()
+        c, d = self.num_classes, self.d
+        tensors = {MEANS: TensorSlot((c, d)), COUNTS: TensorSlot((c,), "int64")}
+        if self.covariance:
+            tensors[COVARIANCES] = TensorSlot((c, d, d))
+        return Expected(tensors=tensors)
+
+    def reply_rejection(self, task: Task, client: ClientInfo, result: Result) -> tuple[str, str] | None:
+        """Counts within the client's registered training-set size, entries of sane magnitude, covariances
+        symmetric and positive semi-definite (dcpfl_math.statistics_rejection)."""
+        if task.type != "dc_train":
+            return None
+        problem = statistics_rejection(self.stats_of(result), client.num_train)
+        return None if problem is None else (problem.code, problem.message)
+
+    def stats_of(self, result: Result) -> ClassStats:
+        """A checked reply's statistics."""
+        t = result.tensors
+        return ClassStats(t[COUNTS], t[MEANS], t.get(COVARIANCES))
+
+    def replies(self, results: Mapping[str, Result]) -> list[tuple[str, ClassStats]]:
+        """The dc_train replies in client order, as statistics; records how many classes each held."""
+        out = [
+            (cid, self.stats_of(results[cid]))
+            for cid in sorted(results, key=client_order)
+            if results[cid].type == "dc_train"
+        ]
+        self.uploaded = {cid: int((s.counts > 0).sum()) for cid, s in out}
+        return out
+
+    def head_module(self) -> torch.nn.Module:
+        return load_module(self.head.spec, self.head.state)
+
+    def keep_head(self, module: torch.nn.Module) -> None:
+        self.head = Weights(self.head.spec, {k: v.detach().clone() for k, v in module.state_dict().items()})
+
+    def record(self, rnd: int, client: str) -> dict[str, Any]:
+        """How many classes the client's statistics held this round."""
+        return {"classes_uploaded": self.uploaded[client]} if client in self.uploaded else {}
+
+    def summary(self) -> dict[str, Any]:
+        return {"representation_size": self.d, "head": self.head.spec.blocks[0].layers[-1].to_dict()}
+
+    def state(self) -> Tree:
+        return {"head": self.head}
+
+    def load_state(self, state: Tree) -> None:
+        """Take the checkpoint's head; one of another shape raises StrategyError."""
+        head = state["head"]
+        if head.spec != self.head.spec:
+            raise StrategyError(f"checkpoint holds a head for {head.spec.input_shape}, this fleet's is {self.d}-d")
+        self.head = head
+
+
+@register_strategy("dcpfl", DCPFLOptions)
+class DCPFL(SharedHead):
+    """Algorithm 1: Eq. (8) per reply, Eqs. (10)-(11) pooling, Eq. (12) calibration on Gaussian virtual
+    features; the global class means go back to the clients for L_kd (Eq. 3)."""
+
+    def setup(self, clients: Mapping[str, ClientInfo]) -> None:
+        super().setup(clients)
+        c, d = self.num_classes, self.d
+        # The global statistics per class; a class no reply has held yet has count 0.
+        self.stats = ClassStats(
+            torch.zeros(c, dtype=torch.int64),
+            torch.zeros(c, d, dtype=torch.float64),
+            torch.zeros(c, d, d, dtype=torch.float64),
+        )
+
+    def aux_lambda(self) -> float:
+        return self.options.aux_lambda
+
+    def task_tensors(self) -> dict[str, torch.Tensor]:
+        """The global class means µ_c^t and which classes have one; none before any statistics (the first round,
+        where clients train on L_sup alone) or with λ = 0."""
+        known = self.stats.counts > 0
+        if self.options.aux_lambda == 0 or not bool(known.any()):
+            return {}
+        return {GLOBAL_MEANS: self.stats.means.float(), KNOWN_CLASSES: known}
+
+    def aggregate(self, rnd: int, results: Mapping[str, Result]) -> None:
+        replies = self.replies(results)
+        if not replies:
+            return
+        head = self.head_module()
+        for _, s in replies:  # Algorithm 1 line 5: Eq. (8) once per client, in turn, on its class means (Eq. 9)
+            held = torch.nonzero(s.counts > 0).flatten()
+            ce_step(head, s.means[held], held, self.options.server_lr)
+        pooled = pool([s for _, s in replies], self.num_classes)  # line 7: Eqs. (10)-(11)
+        fresh = pooled.counts > 0  # a class absent this round keeps its previous statistics
+        counts, means, covs = self.stats.counts.clone(), self.stats.means.clone(), self.stats.covariances.clone()  # type: ignore[union-attr]
+        counts[fresh], means[fresh], covs[fresh] = pooled.counts[fresh], pooled.means[fresh], pooled.covariances[fresh]  # type: ignore[index]
+        self.stats = ClassStats(counts, means, covs)
+        if self.options.calibration:  # lines 8-9: virtual features from N(µ_c, Σ_c), Eq. (12)
+            gen = torch.Generator().manual_seed(derive_seed(self.config.seed, "dcpfl-virtual", rnd))
+            z, y = virtual_features(self.stats, self.options.virtual_samples, gen)
+            losses = calibrate(head, z, y, self.options.calibration_steps, self.options.server_lr)
+            log.info(
+                "round %d: calibration loss (Eq. 12) %.4f -> %.4f on %d virtual features",
+                rnd,
+                losses[0],
+                losses[-1],
+                len(y),
+            )
+        self.keep_head(head)
+
+    def summary(self) -> dict[str, Any]:
+        known = self.stats.counts > 0
+        return super().summary() | {"classes_with_statistics": int(known.sum())}
+
+    def state(self) -> Tree:
+        """The head and the global statistics of every class."""
+        s = self.stats
+        return super().state() | {"counts": s.counts, "means": s.means, "covariances": s.covariances}
+
+    def load_state(self, state: Tree) -> None:
+        super().load_state(state)
+        shapes = {"counts": self.stats.counts.shape, "means": self.stats.means.shape}
+        if any(tuple(state[k].shape) != tuple(v) for k, v in shapes.items()):
+            raise StrategyError(f"checkpoint statistics do not fit {self.num_classes} classes x {self.d}-d")
+        self.stats = ClassStats(state["counts"], state["means"], state["covariances"])
+
+
+@register_strategy("fedgh", FedGHOptions)
+class FedGH(SharedHead):
+    """FedGH: clients train on CE and upload class prototypes; the server takes one SGD step of the header per
+    (client, class) prototype, in client order."""
+
+    covariance = False
+
+    def aggregate(self, rnd: int, results: Mapping[str, Result]) -> None:
+        replies = self.replies(results)
+        if not replies:
+            return
+        head = self.head_module()
+        for _, s in replies:
+            for c in torch.nonzero(s.counts > 0).flatten().tolist():
+                ce_step(head, s.means[c : c + 1], torch.tensor([c]), self.options.server_lr)
+        self.keep_head(head)

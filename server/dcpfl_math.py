@@ -1,0 +1,142 @@
+"""DC-PFL's server equations (Tang et al., IJCAI 2024) and FedGH's header training as pure functions: the checks
+of a statistics upload, global classifier training on class means (Eqs. 8-9), count-weighted pooling (Eqs. 10-11),
+Gaussian virtual features and calibration (Eq. 12)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from fedge import constants as C
+from fedge.class_stats import ClassStats
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """Why a statistics upload is refused: a reason code (counted in summary.json) and a message."""
+
+    code: str
+    message: str
+
+
+def statistics_rejection(stats: ClassStats, num_train: int) -> Rejection | None:
+    """The first problem of an upload whose shapes, dtypes and finiteness were already checked, else None:
+    counts negative or above the client's registered training-set size (`statistics_counts`), a mean or
+    covariance entry beyond C.MAX_FEATURE_MAGNITUDE (`statistics_magnitude`), a covariance of a class with two or
+    more samples that is not symmetric (`statistics_asymmetric`) or has an eigenvalue below −C.PSD_TOLERANCE times
+    its largest (`statistics_not_psd`), relative tolerances for float32 arithmetic."""
+    counts = stats.counts
+    if bool((counts < 0).any()) or int(counts.sum()) > num_train or int(counts.sum()) < 1:
+        return Rejection(
+            "statistics_counts",
+            f"class counts {counts.tolist()} must be >= 0 and sum to 1..{num_train} (its training-set size)",
+        )
+    present = counts > 0
+    tensors = [stats.means[present]] + ([stats.covariances[present]] if stats.covariances is not None else [])
+    biggest = max(float(t.abs().max()) for t in tensors)
+    if biggest > C.MAX_FEATURE_MAGNITUDE:
+        return Rejection(
+            "statistics_magnitude",
+            f"a class mean or covariance entry is {biggest:.3g}, beyond {C.MAX_FEATURE_MAGNITUDE:g}",
+        )
+    if stats.covariances is None:
+        return None
+    for c in torch.nonzero(counts > 1).flatten().tolist():
+        cov = stats.covariances[c].double()
+        scale = max(float(cov.abs().max()), torch.finfo(torch.float32).tiny)
+        if float((cov - cov.T).abs().max()) > C.SYMMETRY_TOLERANCE * scale:
+            return Rejection("statistics_asymmetric", f"the covariance of class {c} is not symmetric")
+        eig = torch.linalg.eigvalsh(cov)
+        if float(eig[0]) < -C.PSD_TOLERANCE * max(float(eig[-1]), scale):
+            return Rejection(
+                "statistics_not_psd",
+                f"the covariance of class {c} has eigenvalue {float(eig[0]):.3g} (largest {float(eig[-1]):.3g}): "
+                "not positive semi-definite",
+            )
+    return None
+
+
+def ce_step(head: nn.Module, z: torch.Tensor, y: torch.Tensor, lr: float) -> float:
+    """One plain SGD step φ ← φ − η ∇ mean_i CE(g_φ(z_i), y_i), in place; the loss before the step. Eq. (8) with
+    the loss of Eq. (9) when z are one client's class means µ_c,k (CE averaged over its |C_k| classes); one step of
+    Eq. (12) when z are the virtual features."""
+    head.train()
+    head.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(head(z.to(torch.float32)), y)
+    loss.backward()
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.grad is not None:
+                p -= lr * p.grad
+    head.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+def pool(parts: Sequence[ClassStats], num_classes: int) -> ClassStats:
+    """Eqs. (10)-(11) in float64, per class over the parts holding it: N_c = Σ_k n_k, µ_c = Σ_k n_k µ_k / N_c,
+    Σ_c = Σ_k (n_k−1)/(N_c−1) Σ_k + Σ_k n_k/(N_c−1) µ_k µ_kᵀ − N_c/(N_c−1) µ_c µ_cᵀ (the unbiased covariance of
+    all their features together); N_c = 1 gives Σ_c = 0, N_c = 0 zeros. Covariances only when every part has them."""
+    d = parts[0].means.shape[1]
+    counts = torch.zeros(num_classes, dtype=torch.int64)
+    means = torch.zeros(num_classes, d, dtype=torch.float64)
+    with_cov = all(p.covariances is not None for p in parts)
+    covs = torch.zeros(num_classes, d, d, dtype=torch.float64) if with_cov else None
+    for c in range(num_classes):
+        held = [(int(p.counts[c]), p) for p in parts if int(p.counts[c]) > 0]
+        if not held:
+            continue
+        n = sum(k for k, _ in held)
+        mu = sum(k * p.means[c].double() for k, p in held) / n
+        counts[c], means[c] = n, mu
+        if covs is not None and n > 1:
+            total = -n * torch.outer(mu, mu)
+            for k, p in held:
+                m = p.means[c].double()
+                total += (k - 1) * p.covariances[c].double() + k * torch.outer(m, m)  # type: ignore[index]
+            covs[c] = (total + total.T) / (2 * (n - 1))
+    return ClassStats(counts, means, covs)
+
+
+def virtual_counts(counts: torch.Tensor, total: int) -> torch.Tensor:
+    """|G_c| for each class: `total` split in proportion to the class counts |D_c| / Σ|D_c| (§4.4) by largest
+    remainder, so they sum to `total` exactly; classes with no samples get none."""
+    counts = counts.to(torch.float64)
+    exact = total * counts / counts.sum()
+    out = exact.floor().to(torch.int64)
+    rest = total - int(out.sum())
+    order = sorted(range(len(counts)), key=lambda c: (-(float(exact[c]) - int(out[c])), c))
+    for c in order[:rest]:
+        out[c] += 1
+    return out
+
+
+def gaussian_samples(mean: torch.Tensor, cov: torch.Tensor, n: int, generator: torch.Generator) -> torch.Tensor:
+    """n draws from N(µ, Σ) in float64: µ + V diag(√λ) ε with Σ = V diag(λ) Vᵀ (eigen-decomposition; eigenvalues
+    clamped at 0, so a singular Σ gives samples in the subspace it spans), ε ~ N(0, I) from `generator`."""
+    eig, vecs = torch.linalg.eigh(cov.double())
+    scale = vecs * eig.clamp(min=0).sqrt()
+    eps = torch.randn(n, len(mean), generator=generator, dtype=torch.float64)
+    return mean.double() + eps @ scale.T
+
+
+def virtual_features(stats: ClassStats, total: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """§4.4: the virtual features G = ∪_c G_c, |G_c| from virtual_counts, each drawn from N(µ_c, Σ_c); (z, y) in
+    float32 / int64, classes in order."""
+    assert stats.covariances is not None
+    sizes = virtual_counts(stats.counts, total)
+    zs, ys = [], []
+    for c in torch.nonzero(sizes).flatten().tolist():
+        n = int(sizes[c])
+        zs.append(gaussian_samples(stats.means[c], stats.covariances[c], n, generator))
+        ys.append(torch.full((n,), c, dtype=torch.int64))
+    return torch.cat(zs).float(), torch.cat(ys)
+
+
+def calibrate(head: nn.Module, z: torch.Tensor, y: torch.Tensor, steps: int, lr: float) -> list[float]:
+    """Eq. (12): `steps` full-batch SGD steps on L_cali = 1/|G| Σ_(z,y)∈G CE(g_φ(z), y), in place; the loss before
+    each step."""
+    return [ce_step(head, z, y, lr) for _ in range(steps)]
