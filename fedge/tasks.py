@@ -74,10 +74,6 @@ class DCTrainTask(TrainTask):
         if not self.aux_lambda >= 0:
             raise TaskConfigError(f"aux_lambda must be >= 0, got {self.aux_lambda}")
 
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> DCTrainTask:
-        return read_config(cls, config)
-
 
 def is_cell_weight(name: str, shape: Sequence[int]) -> bool:
     """Whether a state tensor is a conv or linear weight: a FedTrans cell, whose ‖mean gradient‖/‖W‖ a `train_model`

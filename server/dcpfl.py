@@ -26,12 +26,13 @@ model a client is evaluated on is its own extractor with the head as its local t
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
 
-from device_profiles import get_profile
+from device_profiles import get_profile, training_footprint_bytes
 from fedge.checkpoint import Tree
 from fedge.class_stats import COUNTS, COVARIANCES, GLOBAL_MEANS, KNOWN_CLASSES, MEANS, ClassStats
 from fedge.config import ConfigError
@@ -47,11 +48,16 @@ from server.strategy import Strategy, StrategyError, StrategyOptions, option, re
 
 log = logging.getLogger(__name__)
 SERVER_LR = 0.01  # η_φ: DC-PFL §6.1 (SGD, 0.01 for local and global classifier training); FedGH's code: 0.01
+MAX_VIRTUAL_SAMPLES = 1_000_000  # Σ|G_c| and calibration steps beyond these only exhaust the server
+MAX_CALIBRATION_STEPS = 100_000
+# Bytes per covariance entry a client holds while it computes and sends its statistics: float64 (class_statistics),
+# the float32 copy it uploads, and that copy encoded.
+STATISTICS_BYTES_PER_ENTRY = 16
 
 
 def _check_server_lr(lr: float) -> None:
-    if not lr > 0:
-        raise ConfigError(f"server_lr must be > 0, got {lr}")
+    if not (lr > 0 and math.isfinite(lr)):
+        raise ConfigError(f"server_lr must be a finite number > 0, got {lr}")
 
 
 @dataclass(frozen=True)
@@ -69,12 +75,17 @@ class DCPFLOptions(StrategyOptions):
     server_lr: float = option(SERVER_LR, "η_φ: the server's SGD learning rate in Eqs. (8) and (12) (paper: 0.01)")
 
     def __post_init__(self) -> None:
-        if not self.aux_lambda >= 0:
-            raise ConfigError(f"aux_lambda must be >= 0 (0: the w/o AL ablation), got {self.aux_lambda}")
-        if self.virtual_samples < 1 or self.calibration_steps < 1:
+        if not (self.aux_lambda >= 0 and math.isfinite(self.aux_lambda)):
             raise ConfigError(
-                f"virtual_samples and calibration_steps must be >= 1 (calibration=false skips Eq. 12), got "
-                f"{self.virtual_samples} and {self.calibration_steps}"
+                f"aux_lambda must be a finite number >= 0 (0: the w/o AL ablation), got {self.aux_lambda}"
+            )
+        if not (
+            1 <= self.virtual_samples <= MAX_VIRTUAL_SAMPLES and 1 <= self.calibration_steps <= MAX_CALIBRATION_STEPS
+        ):
+            raise ConfigError(
+                f"virtual_samples must be in 1..{MAX_VIRTUAL_SAMPLES:,} and calibration_steps in "
+                f"1..{MAX_CALIBRATION_STEPS:,} (calibration=false skips Eq. 12), got {self.virtual_samples} and "
+                f"{self.calibration_steps}"
             )
         _check_server_lr(self.server_lr)
 
@@ -123,9 +134,34 @@ class SharedHead(Strategy):
             )
         self.head_spec = ModelSpec.from_json(next(iter(heads)))
         self.d, self.num_classes = self.head_spec.input_shape[0], self.head_spec.num_classes
+        self.check_memory(clients, order)
         torch.manual_seed(derive_seed(self.config.seed, f"{self.name}-init"))
         self.head = Weights(self.head_spec, build(self.head_spec).state_dict())
         self.uploaded: dict[str, int] = {}  # client -> classes its accepted reply held, this round
+
+    def check_memory(self, clients: Mapping[str, ClientInfo], order: Sequence[str]) -> None:
+        """StrategyError naming the clients whose device memory cannot hold their training footprint (Adam: the
+        runtime is torch) plus the class covariances they compute and send (C·d² entries, STATISTICS_BYTES_PER_ENTRY
+        bytes each)."""
+        if not self.covariance:
+            return
+        extra = STATISTICS_BYTES_PER_ENTRY * self.num_classes * self.d**2
+        over = [
+            cid
+            for cid in order
+            if training_footprint_bytes(
+                clients[cid].spec, min(self.config.batch_size, max(clients[cid].num_train, 1))
+            ).total
+            + extra
+            > get_profile(clients[cid].profile).memory_bytes
+        ]
+        if over:
+            raise StrategyError(
+                f"{self.name}: clients {over} cannot hold their {self.num_classes} class covariances "
+                f"({extra / 1e6:.0f} MB while computing and sending them, {self.num_classes} x {self.d}² entries) "
+                "beside their training footprint in their device profile's memory_bytes; use a model with a smaller "
+                "representation or a device with more memory"
+            )
 
     def task_config(self) -> dict[str, Any]:
         """The dc_train config: the run's local training, λ and whether to upload covariances."""
@@ -157,12 +193,11 @@ class SharedHead(Strategy):
         return Expected(tensors=tensors)
 
     def reply_rejection(self, task: Task, client: ClientInfo, result: Result) -> tuple[str, str] | None:
-        """Counts within the client's registered training-set size, entries of sane magnitude, covariances
-        symmetric and positive semi-definite (dcpfl_math.statistics_rejection)."""
+        """Counts that sum to the reply's example count (bounded by the client's registration), entries of sane
+        magnitude, covariances symmetric and positive semi-definite (dcpfl_math.statistics_rejection)."""
         if task.type != "dc_train":
             return None
-        problem = statistics_rejection(self.stats_of(result), client.num_train)
-        return None if problem is None else (problem.code, problem.message)
+        return statistics_rejection(self.stats_of(result), result.num_examples)
 
     def stats_of(self, result: Result) -> ClassStats:
         """A checked reply's statistics."""
@@ -266,8 +301,11 @@ class DCPFL(SharedHead):
 
     def load_state(self, state: Tree) -> None:
         super().load_state(state)
-        shapes = {"counts": self.stats.counts.shape, "means": self.stats.means.shape}
-        if any(tuple(state[k].shape) != tuple(v) for k, v in shapes.items()):
+        s = self.stats
+        if any(
+            tuple(state[k].shape) != tuple(mine.shape) or state[k].dtype != mine.dtype
+            for k, mine in (("counts", s.counts), ("means", s.means), ("covariances", s.covariances))
+        ):
             raise StrategyError(f"checkpoint statistics do not fit {self.num_classes} classes x {self.d}-d")
         self.stats = ClassStats(state["counts"], state["means"], state["covariances"])
 

@@ -4,7 +4,6 @@ Gaussian virtual features and calibration (Eq. 12)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -15,44 +14,38 @@ from fedge import constants as C
 from fedge.class_stats import ClassStats
 
 
-@dataclass(frozen=True)
-class Rejection:
-    """Why a statistics upload is refused: a reason code (counted in summary.json) and a message."""
-
-    code: str
-    message: str
-
-
-def statistics_rejection(stats: ClassStats, num_train: int) -> Rejection | None:
-    """The first problem of an upload whose shapes, dtypes and finiteness were already checked, else None:
-    counts negative or above the client's registered training-set size (`statistics_counts`), a mean or
-    covariance entry beyond C.MAX_FEATURE_MAGNITUDE (`statistics_magnitude`), a covariance of a class with two or
-    more samples that is not symmetric (`statistics_asymmetric`) or has an eigenvalue below −C.PSD_TOLERANCE times
-    its largest (`statistics_not_psd`), relative tolerances for float32 arithmetic."""
-    counts = stats.counts
-    if bool((counts < 0).any()) or int(counts.sum()) > num_train or int(counts.sum()) < 1:
-        return Rejection(
-            "statistics_counts",
-            f"class counts {counts.tolist()} must be >= 0 and sum to 1..{num_train} (its training-set size)",
-        )
-    present = counts > 0
-    tensors = [stats.means[present]] + ([stats.covariances[present]] if stats.covariances is not None else [])
-    biggest = max(float(t.abs().max()) for t in tensors)
-    if biggest > C.MAX_FEATURE_MAGNITUDE:
-        return Rejection(
-            "statistics_magnitude",
-            f"a class mean or covariance entry is {biggest:.3g}, beyond {C.MAX_FEATURE_MAGNITUDE:g}",
-        )
+def statistics_rejection(stats: ClassStats, num_examples: int) -> tuple[str, str] | None:
+    """(reason code, message) for the first problem of an upload whose shapes, dtypes and finiteness were already
+    checked, else None: class counts that are negative or do not sum to the reply's example count (the client's
+    training-set size, which the coordinator bounds by its registration; `statistics_counts`), a mean or covariance
+    entry beyond C.MAX_FEATURE_MAGNITUDE (`statistics_magnitude`), a covariance of a class with two or more samples
+    that is not symmetric (`statistics_asymmetric`) or has an eigenvalue below −C.PSD_TOLERANCE times its largest,
+    or none computable (`statistics_not_psd`); the tolerances are relative, for float32 rounding."""
+    counts = stats.counts.tolist()  # Python ints: a sum of int64 tensors could wrap around
+    if any(n < 0 or n > num_examples for n in counts) or sum(counts) != num_examples:
+        return "statistics_counts", f"class counts {counts} must be >= 0 and sum to its {num_examples} examples"
+    present = [c for c, n in enumerate(counts) if n > 0]
+    for c in present:
+        parts = [stats.means[c]] + ([stats.covariances[c]] if stats.covariances is not None else [])
+        biggest = max(float(t.abs().max()) for t in parts)
+        if biggest > C.MAX_FEATURE_MAGNITUDE:
+            return (
+                "statistics_magnitude",
+                f"class {c}'s mean or covariance has an entry of {biggest:.3g}, beyond {C.MAX_FEATURE_MAGNITUDE:g}",
+            )
     if stats.covariances is None:
         return None
-    for c in torch.nonzero(counts > 1).flatten().tolist():
+    for c in (c for c in present if counts[c] > 1):
         cov = stats.covariances[c].double()
         scale = max(float(cov.abs().max()), torch.finfo(torch.float32).tiny)
         if float((cov - cov.T).abs().max()) > C.SYMMETRY_TOLERANCE * scale:
-            return Rejection("statistics_asymmetric", f"the covariance of class {c} is not symmetric")
-        eig = torch.linalg.eigvalsh(cov)
+            return "statistics_asymmetric", f"the covariance of class {c} is not symmetric"
+        try:
+            eig = torch.linalg.eigvalsh(cov)
+        except torch.linalg.LinAlgError:
+            return "statistics_not_psd", f"the covariance of class {c} has no computable eigenvalues"
         if float(eig[0]) < -C.PSD_TOLERANCE * max(float(eig[-1]), scale):
-            return Rejection(
+            return (
                 "statistics_not_psd",
                 f"the covariance of class {c} has eigenvalue {float(eig[0]):.3g} (largest {float(eig[-1]):.3g}): "
                 "not positive semi-definite",
@@ -64,7 +57,7 @@ def ce_step(head: nn.Module, z: torch.Tensor, y: torch.Tensor, lr: float) -> flo
     """One plain SGD step φ ← φ − η ∇ mean_i CE(g_φ(z_i), y_i), in place; the loss before the step. Eq. (8) with
     the loss of Eq. (9) when z are one client's class means µ_c,k (CE averaged over its |C_k| classes); one step of
     Eq. (12) when z are the virtual features."""
-    head.train()
+    head.eval()  # a head's dropout (MobileNetV2's) stays off: the steps are deterministic, as a resume needs
     head.zero_grad(set_to_none=True)
     loss = F.cross_entropy(head(z.to(torch.float32)), y)
     loss.backward()
@@ -79,7 +72,8 @@ def ce_step(head: nn.Module, z: torch.Tensor, y: torch.Tensor, lr: float) -> flo
 def pool(parts: Sequence[ClassStats], num_classes: int) -> ClassStats:
     """Eqs. (10)-(11) in float64, per class over the parts holding it: N_c = Σ_k n_k, µ_c = Σ_k n_k µ_k / N_c,
     Σ_c = Σ_k (n_k−1)/(N_c−1) Σ_k + Σ_k n_k/(N_c−1) µ_k µ_kᵀ − N_c/(N_c−1) µ_c µ_cᵀ (the unbiased covariance of
-    all their features together); N_c = 1 gives Σ_c = 0, N_c = 0 zeros. Covariances only when every part has them."""
+    all their features together), computed as Σ_k [(n_k−1) Σ_k + n_k (µ_k−µ_c)(µ_k−µ_c)ᵀ] / (N_c−1), which is
+    equal and does not cancel; N_c = 1 gives Σ_c = 0, N_c = 0 zeros. Covariances only when every part has them."""
     d = parts[0].means.shape[1]
     counts = torch.zeros(num_classes, dtype=torch.int64)
     means = torch.zeros(num_classes, d, dtype=torch.float64)
@@ -93,10 +87,10 @@ def pool(parts: Sequence[ClassStats], num_classes: int) -> ClassStats:
         mu = sum(k * p.means[c].double() for k, p in held) / n
         counts[c], means[c] = n, mu
         if covs is not None and n > 1:
-            total = -n * torch.outer(mu, mu)
-            for k, p in held:
-                m = p.means[c].double()
-                total += (k - 1) * p.covariances[c].double() + k * torch.outer(m, m)  # type: ignore[index]
+            total = torch.zeros(d, d, dtype=torch.float64)
+            for k, p in held:  # Eq. (11) in its centred form (the same sum, without cancelling large means)
+                shift = p.means[c].double() - mu
+                total += (k - 1) * p.covariances[c].double() + k * torch.outer(shift, shift)  # type: ignore[index]
             covs[c] = (total + total.T) / (2 * (n - 1))
     return ClassStats(counts, means, covs)
 
@@ -117,7 +111,12 @@ def virtual_counts(counts: torch.Tensor, total: int) -> torch.Tensor:
 def gaussian_samples(mean: torch.Tensor, cov: torch.Tensor, n: int, generator: torch.Generator) -> torch.Tensor:
     """n draws from N(µ, Σ) in float64: µ + V diag(√λ) ε with Σ = V diag(λ) Vᵀ (eigen-decomposition; eigenvalues
     clamped at 0, so a singular Σ gives samples in the subspace it spans), ε ~ N(0, I) from `generator`."""
-    eig, vecs = torch.linalg.eigh(cov.double())
+    cov = cov.double()
+    try:
+        eig, vecs = torch.linalg.eigh(cov)
+    except torch.linalg.LinAlgError:  # LAPACK did not converge: retry with a jitter far below the spread
+        jitter = 1e-9 * max(float(cov.diagonal().abs().mean()), 1e-12)
+        eig, vecs = torch.linalg.eigh(cov + jitter * torch.eye(len(cov), dtype=torch.float64))
     scale = vecs * eig.clamp(min=0).sqrt()
     eps = torch.randn(n, len(mean), generator=generator, dtype=torch.float64)
     return mean.double() + eps @ scale.T
