@@ -30,10 +30,11 @@ def statistics_rejection(stats: ClassStats, num_train: int) -> Rejection | None:
     more samples that is not symmetric (`statistics_asymmetric`) or has an eigenvalue below −C.PSD_TOLERANCE times
     its largest (`statistics_not_psd`), relative tolerances for float32 arithmetic."""
     counts = stats.counts
-    if bool((counts < 0).any()) or int(counts.sum()) > num_train or int(counts.sum()) < 1:
+    listed = counts.tolist()  # summed as Python integers: an int64 sum can wrap around into 1..num_train
+    if min(listed) < 0 or not 1 <= sum(listed) <= num_train:
         return Rejection(
             "statistics_counts",
-            f"class counts {counts.tolist()} must be >= 0 and sum to 1..{num_train} (its training-set size)",
+            f"class counts {listed} must be >= 0 and sum to 1..{num_train} (its training-set size)",
         )
     present = counts > 0
     tensors = [stats.means[present]] + ([stats.covariances[present]] if stats.covariances is not None else [])
