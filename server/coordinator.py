@@ -201,8 +201,8 @@ class Coordinator:
         self.bar: tqdm | None = None
 
     def accepted(self, results: Mapping[str, Result], tasks: Mapping[str, Task]) -> dict[str, Result]:
-        """The replies that pass `rejection`, `beyond_bound` and `norm_outliers`; each other one is logged in one
-        line and counted."""
+        """The replies that pass `rejection`, the strategy's own `reply_rejection`, `beyond_bound` and
+        `norm_outliers`; each other one is logged in one line and counted."""
         keep, reasons = {}, {}
         for cid, res in results.items():
             task = tasks.get(cid)
