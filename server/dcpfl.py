@@ -111,11 +111,11 @@ class SharedHead(Strategy):
             except HeadError as e:
                 raise StrategyError(f"{self.name}: client {cid}: {e}") from None
         if len(heads) > 1:
-            specs = {ModelSpec.from_json(key): ids for key, ids in heads.items()}
+            specs = [(ModelSpec.from_json(key), ids) for key, ids in heads.items()]  # specs are not hashable
             groups = "; ".join(
                 f"clients {ids} have a {spec.input_shape[0]}-d representation and head "
                 f"{[layer.to_dict() for layer in spec.blocks[0].layers]}"
-                for spec, ids in specs.items()
+                for spec, ids in specs
             )
             raise StrategyError(
                 f"{self.name} shares one classifier head, but this fleet's heads differ: {groups}. Use models whose "
