@@ -179,6 +179,24 @@ class SharedHead(Strategy):
         self.uploaded = {cid: int((s.counts > 0).sum()) for cid, s in out}
         return out
 
+    def aggregate(self, rnd: int, results: Mapping[str, Result]) -> None:
+        """Train the global head on the round's statistics (train_head), if any reply came. The server's steps run
+        the head in train mode, so a head with dropout draws from the global RNG: it is seeded by the run's seed
+        and the round (and restored after), so that a round aggregates the same however the process got there
+        (a resumed run included)."""
+        replies = self.replies(results)
+        if not replies:
+            return
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed(self.config.seed, f"{self.name}-server", rnd))
+            head = self.head_module()
+            self.train_head(rnd, head, replies)
+        self.keep_head(head)
+
+    def train_head(self, rnd: int, head: torch.nn.Module, replies: Sequence[tuple[str, ClassStats]]) -> None:
+        """Update `head` (φ) in place from the round's replies (client order, at least one)."""
+        raise NotImplementedError
+
     def head_module(self) -> torch.nn.Module:
         return load_module(self.head.spec, self.head.state)
 
@@ -229,11 +247,7 @@ class DCPFL(SharedHead):
             return {}
         return {GLOBAL_MEANS: self.stats.means.float(), KNOWN_CLASSES: known}
 
-    def aggregate(self, rnd: int, results: Mapping[str, Result]) -> None:
-        replies = self.replies(results)
-        if not replies:
-            return
-        head = self.head_module()
+    def train_head(self, rnd: int, head: torch.nn.Module, replies: Sequence[tuple[str, ClassStats]]) -> None:
         for _, s in replies:  # Algorithm 1 line 5: Eq. (8) once per client, in turn, on its class means (Eq. 9)
             held = torch.nonzero(s.counts > 0).flatten()
             ce_step(head, s.means[held], held, self.options.server_lr)
@@ -253,7 +267,6 @@ class DCPFL(SharedHead):
                 losses[-1],
                 len(y),
             )
-        self.keep_head(head)
 
     def summary(self) -> dict[str, Any]:
         known = self.stats.counts > 0
@@ -279,12 +292,7 @@ class FedGH(SharedHead):
 
     covariance = False
 
-    def aggregate(self, rnd: int, results: Mapping[str, Result]) -> None:
-        replies = self.replies(results)
-        if not replies:
-            return
-        head = self.head_module()
+    def train_head(self, rnd: int, head: torch.nn.Module, replies: Sequence[tuple[str, ClassStats]]) -> None:
         for _, s in replies:
             for c in torch.nonzero(s.counts > 0).flatten().tolist():
                 ce_step(head, s.means[c : c + 1], torch.tensor([c]), self.options.server_lr)
-        self.keep_head(head)
