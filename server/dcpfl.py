@@ -214,8 +214,25 @@ class SharedHead(Strategy):
         self.uploaded = {cid: int((s.counts > 0).sum()) for cid, s in out}
         return out
 
+    def aggregate(self, rnd: int, results: Mapping[str, Result]) -> None:
+        """Train the global head on the round's statistics (train_head), if any reply came. The steps run the head
+        in eval mode (dcpfl_math.ce_step): a head's dropout draws nothing, so a round aggregates the same however
+        the process got there (a resumed run included)."""
+        replies = self.replies(results)
+        if not replies:
+            return
+        head = self.head_module()
+        self.train_head(rnd, head, replies)
+        self.keep_head(head)
+
+    def train_head(self, rnd: int, head: torch.nn.Module, replies: Sequence[tuple[str, ClassStats]]) -> None:
+        """Update `head` (φ) in place from the round's replies (client order, at least one)."""
+        raise NotImplementedError
+
     def head_module(self) -> torch.nn.Module:
-        return load_module(self.head.spec, self.head.state)
+        """The global head as a module; building it leaves the process's global RNG as it was."""
+        with torch.random.fork_rng(devices=[]):
+            return load_module(self.head.spec, self.head.state)
 
     def keep_head(self, module: torch.nn.Module) -> None:
         self.head = Weights(self.head.spec, {k: v.detach().clone() for k, v in module.state_dict().items()})
@@ -264,11 +281,7 @@ class DCPFL(SharedHead):
             return {}
         return {GLOBAL_MEANS: self.stats.means.float(), KNOWN_CLASSES: known}
 
-    def aggregate(self, rnd: int, results: Mapping[str, Result]) -> None:
-        replies = self.replies(results)
-        if not replies:
-            return
-        head = self.head_module()
+    def train_head(self, rnd: int, head: torch.nn.Module, replies: Sequence[tuple[str, ClassStats]]) -> None:
         for _, s in replies:  # Algorithm 1 line 5: Eq. (8) once per client, in turn, on its class means (Eq. 9)
             held = torch.nonzero(s.counts > 0).flatten()
             ce_step(head, s.means[held], held, self.options.server_lr)
@@ -288,7 +301,6 @@ class DCPFL(SharedHead):
                 losses[-1],
                 len(y),
             )
-        self.keep_head(head)
 
     def summary(self) -> dict[str, Any]:
         known = self.stats.counts > 0
@@ -317,12 +329,7 @@ class FedGH(SharedHead):
 
     covariance = False
 
-    def aggregate(self, rnd: int, results: Mapping[str, Result]) -> None:
-        replies = self.replies(results)
-        if not replies:
-            return
-        head = self.head_module()
+    def train_head(self, rnd: int, head: torch.nn.Module, replies: Sequence[tuple[str, ClassStats]]) -> None:
         for _, s in replies:
             for c in torch.nonzero(s.counts > 0).flatten().tolist():
                 ce_step(head, s.means[c : c + 1], torch.tensor([c]), self.options.server_lr)
-        self.keep_head(head)
