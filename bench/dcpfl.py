@@ -64,6 +64,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--tables", nargs="+", default=["1", "2", "3"], choices=["1", "2", "3"])
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS), metavar="METHOD")
+    p.add_argument(
+        "--settings",
+        nargs="+",
+        choices=[label for table in SETTINGS.values() for label in table],
+        metavar="SETTING",
+        help="only these settings of Tables 1 and 2 (default: all), e.g. 'K=10, 100%%'",
+    )
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--local-epochs", type=int, default=2)
@@ -185,6 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     jobs: list[tuple[str, str, str, int | None, RunConfig]] = []  # (table, setting, method, virtual, config)
     for table in (t for t in args.tables if t in SETTINGS):
         for label, setting in SETTINGS[table].items():
+            if args.settings and label not in args.settings:
+                continue
             for method in args.methods:
                 if table == "2" and method not in PAPER[label]:
                     continue
