@@ -201,9 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "3" in args.tables:
         setting = SETTINGS["1"]["K=10, 100%"]
         jobs += [
-            ("3", f"Σ|G_c| = {v}", "DC-PFL", v, run_config(args, setting, "DC-PFL", s, v))
-            for v in VIRTUAL
-            for s in args.seeds
+            ("3", f"{v:,}", "DC-PFL", v, run_config(args, setting, "DC-PFL", s, v)) for v in VIRTUAL for s in args.seeds
         ]
     numbers = run_all(args, [job[-1] for job in jobs])
     per_run: dict[str, dict[str, dict[str, list[float]]]] = {}
@@ -214,7 +212,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows = per_run[table]
             report += ["", f"## Table {table}", "", *table12(rows, args.methods), "", *checks12(rows)]
     if "3" in per_run:
-        report += ["", "## Table 3 (K=10, 100 %)", "", "| Σ|G_c| | DC-PFL accuracy % |", "|---|---|"]
+        report += [
+            "",
+            "## Table 3 (K=10, 100 %)",
+            "",
+            "| virtual features Σ\\|G_c\\| | DC-PFL accuracy % |",
+            "|---|---|",
+        ]
         report += [f"| {label} | {cell(rows['DC-PFL'])} |" for label, rows in per_run["3"].items()]
     costs: dict[str, list[dict[str, float]]] = {}
     for (_, _, method, _, _), result in zip(jobs, numbers):

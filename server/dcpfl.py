@@ -43,7 +43,7 @@ from fedge.seeding import derive_seed
 from fedge.spec import ModelSpec, build
 from fedge.tasks import DCTrainTask
 from fedge.weights import load_module
-from server.dcpfl_math import calibrate, ce_step, pool, statistics_rejection, virtual_features
+from server.dcpfl_math import calibrate, ce_step, pool, statistics_rejection, updated, virtual_features
 from server.strategy import Strategy, StrategyError, StrategyOptions, option, register_strategy
 
 log = logging.getLogger(__name__)
@@ -112,8 +112,8 @@ class SharedHead(Strategy):
         others = [cid for cid in order if get_profile(clients[cid].profile).runtime != "torch"]
         if others:
             raise StrategyError(
-                f"{self.name} trains with an auxiliary loss on the extractor's features, which only the torch "
-                f"runtime can: clients {others} run another runtime. Use torch device profiles (--set profiles=...)"
+                f"{self.name} trains through the dc_train task (feature statistics, an auxiliary loss), which only "
+                f"the torch runtime runs: clients {others} run another. Use torch device profiles (--set profiles=...)"
             )
         heads: dict[str, list[str]] = {}  # a head's spec as JSON -> the clients with it
         for cid in order:
@@ -146,15 +146,12 @@ class SharedHead(Strategy):
         if not self.covariance:
             return
         extra = STATISTICS_BYTES_PER_ENTRY * self.num_classes * self.d**2
-        over = [
-            cid
-            for cid in order
-            if training_footprint_bytes(
-                clients[cid].spec, min(self.config.batch_size, max(clients[cid].num_train, 1))
-            ).total
-            + extra
-            > get_profile(clients[cid].profile).memory_bytes
-        ]
+        over = []
+        for cid in order:
+            info = clients[cid]
+            training = training_footprint_bytes(info.spec, min(self.config.batch_size, max(info.num_train, 1))).total
+            if training + extra > get_profile(info.profile).memory_bytes:
+                over.append(cid)
         if over:
             raise StrategyError(
                 f"{self.name}: clients {over} cannot hold their {self.num_classes} class covariances "
@@ -285,11 +282,7 @@ class DCPFL(SharedHead):
         for _, s in replies:  # Algorithm 1 line 5: Eq. (8) once per client, in turn, on its class means (Eq. 9)
             held = torch.nonzero(s.counts > 0).flatten()
             ce_step(head, s.means[held], held, self.options.server_lr)
-        pooled = pool([s for _, s in replies], self.num_classes)  # line 7: Eqs. (10)-(11)
-        fresh = pooled.counts > 0  # a class absent this round keeps its previous statistics
-        counts, means, covs = self.stats.counts.clone(), self.stats.means.clone(), self.stats.covariances.clone()  # type: ignore[union-attr]
-        counts[fresh], means[fresh], covs[fresh] = pooled.counts[fresh], pooled.means[fresh], pooled.covariances[fresh]  # type: ignore[index]
-        self.stats = ClassStats(counts, means, covs)
+        self.stats = updated(self.stats, pool([s for _, s in replies], self.num_classes))  # line 7: Eqs. (10)-(11)
         if self.options.calibration:  # lines 8-9: virtual features from N(µ_c, Σ_c), Eq. (12)
             gen = torch.Generator().manual_seed(derive_seed(self.config.seed, "dcpfl-virtual", rnd))
             z, y = virtual_features(self.stats, self.options.virtual_samples, gen)

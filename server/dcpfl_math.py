@@ -95,6 +95,24 @@ def pool(parts: Sequence[ClassStats], num_classes: int) -> ClassStats:
     return ClassStats(counts, means, covs)
 
 
+def updated(previous: ClassStats, pooled: ClassStats) -> ClassStats:
+    """The global statistics after a round: each class the round's replies held takes its pooled statistics, a class
+    they did not hold keeps its previous ones (new tensors; `previous` is left as it is)."""
+    fresh = pooled.counts > 0
+
+    def take(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        out = old.clone()
+        out[fresh] = new[fresh]
+        return out
+
+    covs = previous.covariances, pooled.covariances
+    return ClassStats(
+        take(previous.counts, pooled.counts),
+        take(previous.means, pooled.means),
+        None if covs[0] is None or covs[1] is None else take(*covs),
+    )
+
+
 def virtual_counts(counts: torch.Tensor, total: int) -> torch.Tensor:
     """|G_c| for each class: `total` split in proportion to the class counts |D_c| / Σ|D_c| (§4.4) by largest
     remainder, so they sum to `total` exactly; classes with no samples get none."""

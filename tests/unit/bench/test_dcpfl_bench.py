@@ -41,7 +41,7 @@ def test_a_tiny_benchmark_runs_and_reuses_its_finished_runs(tmp_path, capsys):
     argv += ["--rounds", "1", "--local-epochs", "1", "--samples", "30", "--data", str(data), "--out", str(tmp_path)]
     assert dcpfl.main(argv) == 0
     out = capsys.readouterr().out
-    assert "| local |" in out and "| DC-PFL |" in out and "| Σ|G_c| = 5000 |" in out
+    assert "| local |" in out and "| DC-PFL |" in out and "| 5,000 |" in out
     summaries = sorted(tmp_path.glob("*/*/summary.json"))
     assert len(summaries) == 2 + 4  # Table 3's Σ|G_c| = 1,000 is Table 1's DC-PFL run
     stamps = [p.stat().st_mtime_ns for p in summaries]
