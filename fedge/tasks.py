@@ -7,7 +7,7 @@ import dataclasses
 import math
 import typing
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Self, Sequence
 
 from fedge import constants as C
 
@@ -54,7 +54,7 @@ class TrainTask:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> TrainTask:
+    def from_config(cls, config: Mapping[str, Any]) -> Self:
         """Read a Task's config; a missing required key, an unknown key, a value of the wrong type or out of range
         raises TaskConfigError naming it."""
         return read_config(cls, config)
