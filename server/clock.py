@@ -5,7 +5,8 @@ Only training tasks (those a strategy's `plan` makes) are charged; evaluation is
 charges a round by its training clients. Compute counts FedScale's and FedTrans's training cost,
 3 x forward MACs x samples x epochs (backward ~ 2x forward), plus, for a distillation task that carries a
 "teacher" model, the teacher's forward pass over the client's samples once (the client computes the teacher's
-logits once per task, edge_client/distill.py). Transfer charges the real payload bytes of the task and the reply
+logits once per task, edge_client/distill.py) and what else a strategy says its task does once per sample
+(Strategy.other_macs: DC-PFL's statistics pass). Transfer charges the real payload bytes of the task and the reply
 as the codec puts them on the wire, so in-process and MQTT runs agree.
 """
 
@@ -26,7 +27,8 @@ from fedge.teacher_program import shipped_spec
 
 def train_macs(forward_macs: int, samples: int, epochs: int, teacher_macs: int = 0) -> int:
     """MACs of one local training: 3 x forward MACs x samples x epochs (FedScale/FedTrans), plus
-    teacher_macs x samples for a teacher's forward pass over the samples (factor 1, once per task).
+    teacher_macs x samples for a teacher's forward pass (or other per-sample work) over the samples (factor 1,
+    once per task).
     Raises TypeError/ValueError for non-integer or negative inputs."""
     n = checked_count(samples, "samples")
     student = TRAIN_COST_FACTOR * checked_count(forward_macs, "forward_macs") * n * checked_count(epochs, "epochs")
@@ -90,14 +92,18 @@ class ClientClock:
         }
 
 
-def client_clock(task: Task, result: Result, trained: ModelSpec, epochs: int, profile: DeviceProfile) -> ClientClock:
+def client_clock(
+    task: Task, result: Result, trained: ModelSpec, epochs: int, profile: DeviceProfile, other_macs: int = 0
+) -> ClientClock:
     """The simulated exchange of a client that trained `trained` (Strategy.trained_spec) on result.num_examples
     samples for `epochs` epochs, with the teacher's forward pass when the task carries a "teacher" model (or its
-    shipped program: fedge.teacher_program).
+    shipped program: fedge.teacher_program) and `other_macs` per sample of the task's other work over its samples
+    (Strategy.other_macs: DC-PFL's pass for the class statistics).
     Raises like train_macs, bytes_down and bytes_up."""
     teacher = task.models.get(C.TEACHER_ROLE)
     spec = teacher.spec if teacher is not None else shipped_spec(task.records)  # or its shipped program's
-    macs = train_macs(trained.macs, result.num_examples, epochs, spec.macs if spec is not None else 0)
+    once = (spec.macs if spec is not None else 0) + checked_count(other_macs, "other_macs")
+    macs = train_macs(trained.macs, result.num_examples, epochs, once)
     down, up = bytes_down(task), bytes_up(result)
     return ClientClock(
         bytes_down=down,

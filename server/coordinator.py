@@ -424,6 +424,7 @@ class Coordinator:
                 self.strategy.trained_spec(tasks[cid], self.clients[cid]),
                 task_epochs(tasks[cid], self.loop.local_epochs),
                 self.profiles[cid],
+                self.strategy.other_macs(tasks[cid], self.clients[cid]),
             )
             for cid, res in results.items()
         }

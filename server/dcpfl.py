@@ -189,6 +189,13 @@ class SharedHead(Strategy):
             tensors[COVARIANCES] = TensorSlot((c, d, d))
         return Expected(tensors=tensors)
 
+    def other_macs(self, task: Task, client: ClientInfo) -> int:
+        """The statistics of a dc_train task, per training sample: one forward pass of the client's model (its
+        extractor gives z; the head's few MACs included) and, with covariances, z zᵀ's d² multiply-adds."""
+        if task.type != "dc_train":
+            return 0
+        return client.spec.macs + (self.d**2 if self.covariance else 0)
+
     def reply_rejection(self, task: Task, client: ClientInfo, result: Result) -> tuple[str, str] | None:
         """Counts that sum to the reply's example count (bounded by the client's registration), entries of sane
         magnitude, covariances symmetric and positive semi-definite (dcpfl_math.statistics_rejection)."""

@@ -133,6 +133,11 @@ class Strategy:
         sent = task.models.get(C.TRAINED_MODEL_ROLE)
         return sent.spec if sent is not None else client.spec
 
+    def other_macs(self, task: Task, client: ClientInfo) -> int:
+        """MACs per training sample that `task` costs `client` once, besides training `trained_spec` and a teacher's
+        forward pass (the clock adds both itself); 0 by default."""
+        return 0
+
     def evaluation(self, rnd: int, clients: Sequence[str]) -> dict[str, Task]:
         """Evaluation tasks; by default each client evaluates its own current model."""
         return {cid: Task("evaluate", rnd) for cid in clients}

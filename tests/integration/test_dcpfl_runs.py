@@ -98,6 +98,9 @@ def test_dcpfl_and_fedgh_train_one_head_and_the_clock_charges_their_uploads(dcpf
         # DC-PFL sends the global class means from round 1 on (L_kd then acts); FedGH never does
         assert gh["aux_loss"] == 0 and (dc["aux_loss"] > 0) == (dc["round"] > 0)
         assert (dc["bytes_down"] > gh["bytes_down"]) == (dc["round"] > 0)
+        # training (3 x forward x samples x 1 epoch) plus the statistics pass: a forward and, for DC-PFL, z zᵀ
+        n, macs = dc["num_examples"], dc["macs"]
+        assert dc["train_macs"] == 3 * macs * n + (macs + D * D) * n and gh["train_macs"] == 3 * macs * n + macs * n
     assert dcpfl["sim_seconds_total"] > fedgh["sim_seconds_total"]
 
 

@@ -71,6 +71,14 @@ def test_a_distillation_teacher_is_charged_one_forward_pass_per_sample(sized_pay
     assert c.compute_seconds == pytest.approx(650e6 / 2.975e9)
 
 
+def test_a_strategys_other_work_is_charged_once_per_sample_beside_the_teachers(sized_payloads):
+    teacher = SimpleNamespace(spec=SimpleNamespace(macs=500_000))
+    task = Task("kd_train", 1, {"epochs": 2}, {"teacher": teacher})
+    c = client_clock(task, Result("0", 1, "kd_train", 100), SimpleNamespace(macs=1_000_000), 2, RPI, 250_000)
+
+    assert c.train_macs == 600_000_000 + 100 * (500_000 + 250_000)
+
+
 def test_payload_bytes_are_the_codecs():
     spec = create("cnn1", (1, 8, 8), 10)
     weights = Weights(spec, build(spec).state_dict())

@@ -195,3 +195,12 @@ def test_a_head_with_dropout_aggregates_the_same_whatever_the_global_rng(name):
         assert torch.equal(torch.get_rng_state(), rng)  # nor does it move the global RNG
         heads.append(head_of(s))
     assert same(*heads)
+
+
+def test_the_clock_is_told_of_the_statistics_pass():
+    """dc_train's statistics cost a forward pass per sample and, with covariances, d² multiply-adds (z zᵀ)."""
+    dc, gh = strategy(), strategy("fedgh")
+    client = dc.clients["0"]
+    assert dc.other_macs(dc.plan(0, ["0"])["0"], client) == client.spec.macs + D**2
+    assert gh.other_macs(gh.plan(0, ["0"])["0"], client) == client.spec.macs
+    assert dc.other_macs(dc.evaluation(0, ["0"])["0"], client) == 0
