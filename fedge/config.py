@@ -51,6 +51,7 @@ class RunConfig:
     partition: str = C.DEFAULT_PARTITION
     classes_per_client: int = C.CLASSES_PER_CLIENT
     alpha: float = C.DIRICHLET_ALPHA
+    label_clusters: int = C.LABEL_CLUSTERS  # partition "clustered": FedEM's class groups, each split by Dir(alpha)
     max_samples_per_client: int | None = None
     max_public_samples: int | None = None
     # A device's own data (fedge/own_data.py): where each client reads it (a folder of class folders, or an .npz;
@@ -79,7 +80,7 @@ class RunConfig:
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # the strategy's options, by name
 
     def __post_init__(self) -> None:
-        positive = ("clients", "active", "rounds", "local_epochs", "batch_size", "classes_per_client")
+        positive = ("clients", "active", "rounds", "local_epochs", "batch_size", "classes_per_client", "label_clusters")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}")

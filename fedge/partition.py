@@ -16,6 +16,7 @@ from fedge.constants import (
     DIRICHLET_ALPHA,
     DIRICHLET_MAX_DRAWS,
     DIRICHLET_MIN_CLIENT_SAMPLES,
+    LABEL_CLUSTERS,
     PUBLIC_FRACTION,
     TEST_FRACTION_OF_CLIENT,
 )
@@ -44,8 +45,9 @@ def _require_fraction(field: str, value: object, low_open: bool) -> None:
 class PartitionConfig:
     """How to split a dataset among clients (pFedClub §4.1: 72 % train / 20 % test / 8 % public).
 
-    `scheme` is "iid", "noniid" (`classes_per_client` classes each) or "dirichlet" (per-class
-    proportions ~ Dir(`alpha`)). `test_fraction` is the share of each client's own data held out
+    `scheme` is "iid", "noniid" (`classes_per_client` classes each), "dirichlet" (per-class
+    proportions ~ Dir(`alpha`)) or "clustered" (FedEM's: classes in `label_clusters` groups, per-group proportions
+    ~ Dir(`alpha`)). `test_fraction` is the share of each client's own data held out
     as its test set. `max_samples_per_client` caps train + test of every client, and
     `max_public_samples` the public set, both keeping class proportions. Invalid values raise PartitionError
     naming the field and the allowed range.
@@ -55,6 +57,7 @@ class PartitionConfig:
     num_clients: int
     classes_per_client: int = CLASSES_PER_CLIENT
     alpha: float = DIRICHLET_ALPHA
+    label_clusters: int = LABEL_CLUSTERS
     public_fraction: float = PUBLIC_FRACTION
     test_fraction: float = TEST_FRACTION_OF_CLIENT
     seed: int = DEFAULT_SEED
@@ -66,6 +69,7 @@ class PartitionConfig:
             raise PartitionError(f"PartitionConfig.scheme must be one of {sorted(_ASSIGNERS)}, got {self.scheme!r}")
         _require_int("num_clients", self.num_clients, 1)
         _require_int("classes_per_client", self.classes_per_client, 1)
+        _require_int("label_clusters", self.label_clusters, 1)
         _require_int("seed", self.seed, 0)
         if self.max_samples_per_client is not None:
             _require_int("max_samples_per_client", self.max_samples_per_client, 1)
@@ -168,36 +172,59 @@ def _assign_noniid(pools: list[np.ndarray], config: PartitionConfig, rng: np.ran
     return [np.concatenate(p) for p in parts]
 
 
-def _assign_dirichlet(
-    pools: list[np.ndarray],
+def _assign_dirichlet(pools: list[np.ndarray], config: PartitionConfig, rng: np.random.Generator) -> list[np.ndarray]:
+    """Per class, proportions over clients ~ Dir(alpha) (Hsu et al. 2019); see _dirichlet_split."""
+    return _dirichlet_split(pools, config, rng, "dirichlet")
+
+
+def _assign_clustered(pools: list[np.ndarray], config: PartitionConfig, rng: np.random.Generator) -> list[np.ndarray]:
+    """FedEM's split (Marfoq et al. 2021, used by FedMN): the classes that have samples are shuffled into
+    `label_clusters` groups of (nearly) equal size, and each group's samples, in random order, are split over the
+    clients by proportions ~ Dir(alpha) drawn once per group; see _dirichlet_split. Raises PartitionError when
+    there are fewer classes with samples than groups."""
+    available = [c for c, pool in enumerate(pools) if len(pool)]
+    if config.label_clusters > len(available):
+        raise PartitionError(
+            f"PartitionConfig.label_clusters={config.label_clusters} exceeds the {len(available)} classes that "
+            f"have samples; allowed 1..{len(available)}"
+        )
+    groups = np.array_split(rng.permutation(available), config.label_clusters)
+    return _dirichlet_split(
+        [rng.permutation(np.concatenate([pools[c] for c in g])) for g in groups], config, rng, "clustered"
+    )
+
+
+def _dirichlet_split(
+    groups: list[np.ndarray],
     config: PartitionConfig,
     rng: np.random.Generator,
+    scheme: str,
     min_samples: int = DIRICHLET_MIN_CLIENT_SAMPLES,
     max_draws: int = DIRICHLET_MAX_DRAWS,
 ) -> list[np.ndarray]:
-    """Per class, proportions over clients ~ Dir(alpha) (Hsu et al. 2019).
+    """Each group's samples split over the clients in proportions ~ Dir(alpha), drawn per group.
 
     Redraws the whole split (up to `max_draws` times) while any client has fewer than
     `min_samples` samples (train + test), then raises PartitionError asking for a larger alpha
     or fewer clients.
     """
     n = config.num_clients
-    total = sum(len(p) for p in pools)
+    total = sum(len(g) for g in groups)
     if total < n * min_samples:
         raise PartitionError(
-            f"dirichlet: {total} samples cannot give each of PartitionConfig.num_clients"
+            f"{scheme}: {total} samples cannot give each of PartitionConfig.num_clients"
             f"={n} clients {min_samples}; use fewer clients"
         )
     for _ in range(max_draws):
         parts: list[list[np.ndarray]] = [[] for _ in range(n)]
-        for pool in pools:
-            cuts = (np.cumsum(rng.dirichlet(np.full(n, config.alpha)))[:-1] * len(pool)).astype(np.int64)
-            for client, chunk in enumerate(np.split(pool, cuts)):
+        for group in groups:
+            cuts = (np.cumsum(rng.dirichlet(np.full(n, config.alpha)))[:-1] * len(group)).astype(np.int64)
+            for client, chunk in enumerate(np.split(group, cuts)):
                 parts[client].append(chunk)
         if min(sum(len(c) for c in p) for p in parts) >= min_samples:
             return [np.concatenate(p) for p in parts]
     raise PartitionError(
-        f"dirichlet: after {max_draws} draws some client still had fewer than "
+        f"{scheme}: after {max_draws} draws some client still had fewer than "
         f"{min_samples} samples; use a larger PartitionConfig.alpha (got {config.alpha}) "
         "or fewer num_clients"
     )
@@ -207,6 +234,7 @@ _ASSIGNERS: dict[str, Assigner] = {
     "iid": _assign_iid,
     "noniid": _assign_noniid,
     "dirichlet": _assign_dirichlet,
+    "clustered": _assign_clustered,
 }
 SCHEMES: tuple[str, ...] = tuple(_ASSIGNERS)
 

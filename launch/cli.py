@@ -122,6 +122,7 @@ def cmd_data(args: argparse.Namespace) -> None:
             num_clients=args.clients,
             classes_per_client=args.classes_per_client,
             alpha=args.alpha,
+            label_clusters=args.label_clusters,
             seed=args.seed,
         ),
     )
@@ -372,7 +373,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--partition", default=C.DEFAULT_PARTITION, choices=SCHEMES)
     p.add_argument("--clients", type=int, default=C.DEFAULT_CLIENTS)
     p.add_argument("--classes-per-client", type=int, default=C.CLASSES_PER_CLIENT)
-    p.add_argument("--alpha", type=float, default=C.DIRICHLET_ALPHA)
+    p.add_argument("--alpha", type=float, default=C.DIRICHLET_ALPHA, help="Dirichlet α (dirichlet, clustered)")
+    p.add_argument(
+        "--label-clusters", type=int, default=C.LABEL_CLUSTERS, help="class groups of the clustered partition"
+    )
     p.add_argument("--seed", type=int, default=C.DEFAULT_SEED)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_data)

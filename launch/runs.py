@@ -30,6 +30,7 @@ def partition_config(cfg: RunConfig) -> PartitionConfig:
         num_clients=cfg.clients,
         classes_per_client=cfg.classes_per_client,
         alpha=cfg.alpha,
+        label_clusters=cfg.label_clusters,
         seed=cfg.seed,
         max_samples_per_client=cfg.max_samples_per_client,
         max_public_samples=cfg.max_public_samples,

@@ -130,6 +130,31 @@ def test_dirichlet_is_deterministic_and_skewed(y: np.ndarray) -> None:
     assert flat == 10 and skewed < 8
 
 
+def test_clustered_splits_each_class_group_over_the_clients_by_one_dirichlet_draw() -> None:
+    """FedEM's split: 10 classes in 3 groups; within a group every class is spread over the clients in the same
+    proportions (one Dir(alpha) draw per group, on the group's samples in random order), and the groups differ."""
+    labels = np.repeat(np.arange(10), 2000)
+    config = PartitionConfig("clustered", 8, alpha=0.4, label_clusters=3, seed=3, public_fraction=0.0)
+    partition = make_partition(labels, 10, config)
+    shards = [np.concatenate([s.train, s.test]) for s in partition.clients]
+    assert sorted(np.concatenate(shards).tolist()) == list(range(len(labels)))  # disjoint, every sample once
+    shares = np.array([[np.mean(labels[shard] == c) * len(shard) / 2000 for c in range(10)] for shard in shards])
+    assert np.allclose(shares.sum(0), 1)  # column c: how class c is spread over the 8 clients
+    groups: list[list[int]] = []  # classes spread alike belong to one group
+    for c in range(10):
+        home = next((g for g in groups if np.abs(shares[:, g[0]] - shares[:, c]).max() < 0.05), None)
+        if home is None:
+            groups.append([c])
+        else:
+            home.append(c)
+    assert sorted(len(g) for g in groups) == [3, 3, 4]
+    assert make_partition(labels, 10, config).clients[5].train.tolist() == partition.clients[5].train.tolist()
+    with pytest.raises(PartitionError, match=r"label_clusters=11 exceeds the 10 classes"):
+        make_partition(labels, 10, PartitionConfig("clustered", 8, label_clusters=11))
+    with pytest.raises(PartitionError, match=r"label_clusters must be an integer >= 1"):
+        PartitionConfig("clustered", 8, label_clusters=0)
+
+
 def test_dirichlet_gives_up_with_a_clear_message(y: np.ndarray) -> None:
     with pytest.raises(PartitionError, match=r"larger PartitionConfig.alpha"):
         make_partition(y, 10, PartitionConfig("dirichlet", 200, alpha=0.001))
