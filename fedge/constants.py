@@ -147,7 +147,7 @@ MAX_CLIENT_SHARE = 0.5
 MAX_REPORTED_LOSS = 1e4
 MAX_REPORTED_ACTIVENESS = 1e4
 # DC-PFL / FedGH statistics uploads (server/dcpfl_math.statistics_rejection). Features of a trained network are
-# O(1-100); an entry beyond this is a lie (and its square would overflow float32 when sampled).
+# O(1-100); a class mean entry beyond this, or a covariance entry beyond its square, is a lie.
 MAX_FEATURE_MAGNITUDE = 1e6
 SYMMETRY_TOLERANCE = 1e-5  # max |Σ − Σᵀ| allowed, relative to max |Σ| (the client sends Σ exactly symmetric)
 PSD_TOLERANCE = 1e-4  # smallest eigenvalue allowed: −this x the largest (float32 rounding of a PSD matrix)

@@ -17,22 +17,24 @@ from fedge.class_stats import ClassStats
 def statistics_rejection(stats: ClassStats, num_examples: int) -> tuple[str, str] | None:
     """(reason code, message) for the first problem of an upload whose shapes, dtypes and finiteness were already
     checked, else None: class counts that are negative or do not sum to the reply's example count (the client's
-    training-set size, which the coordinator bounds by its registration; `statistics_counts`), a mean or covariance
-    entry beyond C.MAX_FEATURE_MAGNITUDE (`statistics_magnitude`), a covariance of a class with two or more samples
-    that is not symmetric (`statistics_asymmetric`) or has an eigenvalue below −C.PSD_TOLERANCE times its largest,
-    or none computable (`statistics_not_psd`); the tolerances are relative, for float32 rounding."""
+    training-set size, which the coordinator bounds by its registration; `statistics_counts`), a mean entry beyond
+    M = C.MAX_FEATURE_MAGNITUDE or a covariance entry beyond M² (`statistics_magnitude`), a covariance of a class
+    with two or more samples that is not symmetric (`statistics_asymmetric`) or has an eigenvalue below
+    −C.PSD_TOLERANCE times its largest, or none computable (`statistics_not_psd`); the tolerances are relative, for
+    float32 rounding."""
     counts = stats.counts.tolist()  # Python ints: a sum of int64 tensors could wrap around
     if any(n < 0 or n > num_examples for n in counts) or sum(counts) != num_examples:
         return "statistics_counts", f"class counts {counts} must be >= 0 and sum to its {num_examples} examples"
     present = [c for c, n in enumerate(counts) if n > 0]
+    limit = C.MAX_FEATURE_MAGNITUDE
     for c in present:
-        parts = [stats.means[c]] + ([stats.covariances[c]] if stats.covariances is not None else [])
-        biggest = max(float(t.abs().max()) for t in parts)
-        if biggest > C.MAX_FEATURE_MAGNITUDE:
-            return (
-                "statistics_magnitude",
-                f"class {c}'s mean or covariance has an entry of {biggest:.3g}, beyond {C.MAX_FEATURE_MAGNITUDE:g}",
-            )
+        parts = [("mean", stats.means[c], limit)]
+        if stats.covariances is not None:
+            parts.append(("covariance", stats.covariances[c], limit**2))  # a covariance is in squared units
+        for what, t, bound in parts:
+            biggest = float(t.abs().max())
+            if biggest > bound:
+                return "statistics_magnitude", f"class {c}'s {what} has an entry of {biggest:.3g}, beyond {bound:g}"
     if stats.covariances is None:
         return None
     for c in (c for c in present if counts[c] > 1):

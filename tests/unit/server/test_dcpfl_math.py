@@ -262,6 +262,8 @@ def test_a_huge_mean_or_covariance_entry_is_refused():
     assert code(replaced(s, means=means)) == "statistics_magnitude"
     covs = s.covariances.clone()
     covs[4] *= 2 * K.MAX_FEATURE_MAGNITUDE / float(covs[4].abs().max())
+    assert code(replaced(s, covariances=covs)) is None  # a covariance is in squared units: 2M is within M²
+    covs[4] *= K.MAX_FEATURE_MAGNITUDE
     assert code(replaced(s, covariances=covs)) == "statistics_magnitude"
     means_only = good_upload(covariance=False)
     assert code(replaced(means_only, means=means)) == "statistics_magnitude"
