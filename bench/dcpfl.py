@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import multiprocessing
 import statistics
 import sys
 import time
@@ -166,8 +167,10 @@ def run_all(args: argparse.Namespace, configs: list[RunConfig]) -> list[dict[str
     started = time.perf_counter()
     unique = list({cfg.out: cfg for cfg in configs}.values())  # Table 3's default Σ|G_c| is Table 1's DC-PFL run
     done: dict[str | None, dict[str, float]] = {}
-    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        for i, result in enumerate(pool.map(accuracy, unique)):
+    # Fresh interpreters for the workers: a fork of a process with threads (a test run's brokers) can deadlock.
+    pool = ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) if args.jobs > 1 else None
+    try:
+        for i, result in enumerate(pool.map(accuracy, unique) if pool else map(accuracy, unique)):
             done[unique[i].out] = result
             print(
                 f"[{i + 1}/{len(unique)}] {unique[i].out}: acc {result['acc']:.2f}% "
@@ -175,6 +178,9 @@ def run_all(args: argparse.Namespace, configs: list[RunConfig]) -> list[dict[str
                 file=sys.stderr,
                 flush=True,
             )
+    finally:
+        if pool:
+            pool.shutdown()
     return [done[cfg.out] for cfg in configs]
 
 

@@ -23,8 +23,9 @@ def model(request):
     return spec, build(spec).eval()
 
 
-def test_all_seven_models_are_registered():
-    assert list(MODELS) == ["cnn1", "cnn2", "cnn3", "cnn4", "mobilenet_v1", "mobilenet_v2", "mobilenet_v3"]
+def test_pfedclubs_seven_models_and_fedghs_five_are_registered():
+    pfedclub = ["cnn1", "cnn2", "cnn3", "cnn4", "mobilenet_v1", "mobilenet_v2", "mobilenet_v3"]
+    assert list(MODELS) == pfedclub + [f"fedgh_cnn{i}" for i in range(1, 6)]
 
 
 def test_output_shape(model):
