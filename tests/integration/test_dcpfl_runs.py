@@ -117,8 +117,14 @@ def test_over_mqtt_with_client_processes_it_matches_the_inproc_run(dcpfl_run, tm
     assert len(rows) == 6 and all(r["trained"] and r["bytes_up"] > 10_000_000 for r in rows)
     assert summary["final_accuracy"]["per_client"] == inproc["final_accuracy"]["per_client"]
     assert summary["classes_with_statistics"] == inproc["classes_with_statistics"]
-    a, b = (load_tree(out / CHECKPOINT_FILE) for out in (tmp_path / "mqtt", inproc_out))
-    assert tree_digest(a["strategy_state"]) == tree_digest(b["strategy_state"])  # the same head and statistics
+    a, b = (load_tree(out / CHECKPOINT_FILE)["strategy_state"] for out in (tmp_path / "mqtt", inproc_out))
+    # the same head and statistics; to float rounding only, as the client processes may use other torch thread
+    # counts than this one (reductions in another order)
+    assert torch.equal(a["counts"], b["counts"])
+    for x, y in [(a[k], b[k]) for k in ("means", "covariances")] + [
+        (a["head"].state[k], b["head"].state[k]) for k in a["head"].state
+    ]:
+        assert torch.allclose(x, y, rtol=1e-4, atol=1e-5)
 
 
 def test_each_personalized_model_exports_to_onnx_and_scores_its_final_accuracy(dcpfl_run, tmp_path, capsys):

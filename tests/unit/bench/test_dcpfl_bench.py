@@ -44,6 +44,9 @@ def test_a_tiny_benchmark_runs_and_reuses_its_finished_runs(tmp_path, capsys):
     assert "| local |" in out and "| DC-PFL |" in out and "| 5,000 |" in out
     summaries = sorted(tmp_path.glob("*/*/summary.json"))
     assert len(summaries) == 2 + 4  # Table 3's Σ|G_c| = 1,000 is Table 1's DC-PFL run
+    # a finished run keeps its numbers, not its clients' snapshots or its checkpoint
+    assert not list(tmp_path.glob("*/*/clients")) and not list(tmp_path.glob("*/*/checkpoint.safetensors"))
+    assert all((p.parent / "metrics.jsonl").exists() for p in summaries)
     stamps = [p.stat().st_mtime_ns for p in summaries]
     assert dcpfl.main(argv) == 0
     assert [p.stat().st_mtime_ns for p in summaries] == stamps
