@@ -17,6 +17,8 @@ import pytest
 from fedge.access import generate_users
 from fedge.embedded_broker import EmbeddedBroker
 
+from helpers.federation import default_sigint
+
 pytestmark = pytest.mark.timeout(300)
 # What a device must not load: our server and launch wiring, the embedded broker, and the extras' packages.
 FORBIDDEN = (
@@ -105,6 +107,7 @@ def test_fedge_client_imports_neither_the_server_nor_the_embedded_broker(tmp_pat
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
+                preexec_fn=default_sigint,  # the SIGINT below must stop it, also under a backgrounded test run
             )
             came_online = online.wait(90)
             proc.send_signal(signal.SIGINT)
