@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from edge_client.agent import ClientAgent
 from fedge.access import generate_users
 from fedge.config import RunConfig, config_from
 from fedge.embedded_broker import EmbeddedBroker
@@ -29,6 +30,7 @@ from fedge.files import atomic_write
 from fedge.messages import Result, Task
 from fedge.mqtt import Broker
 from launch import federation, server
+from launch.client import client_agents, run_clients
 from launch.simulation import run_simulation
 from server.fleet import Fleet, FleetError
 from server.strategy import STRATEGIES
@@ -78,6 +80,33 @@ def run_inproc(cfg: RunConfig) -> dict[str, Any]:
         return run_simulation(dataclasses.replace(cfg, transport="inproc"), progress=False)
     finally:
         torch.set_num_threads(threads)
+
+
+def over_embedded_broker(cfg: RunConfig) -> tuple[dict[str, Any], list[ClientAgent]]:
+    """The server (launch.server.serve) and clients 0..N-1 (launch.client.run_clients, each on its own connection)
+    in threads of this process, through the embedded broker with passwords and ACLs: the run's summary and the
+    agents (which must all exit with 0)."""
+    ids = [str(i) for i in range(cfg.clients)]
+    users = generate_users(ids)
+    with EmbeddedBroker(users=users) as broker:
+        agents = client_agents(cfg, ids)
+        codes: list[int] = []
+        clients = threading.Thread(
+            target=lambda: codes.append(
+                run_clients(
+                    agents, lambda cid: Broker("127.0.0.1", broker.port, username=cid, password=users[cid]), cfg
+                )
+            )
+        )
+        clients.start()
+        try:
+            summary = server.serve(
+                cfg, Broker("127.0.0.1", broker.port, username="server", password=users["server"]), progress=False
+            )
+        finally:
+            clients.join(60)
+    assert codes == [0]
+    return summary, agents
 
 
 def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> Any:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import threading
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -18,17 +17,14 @@ import pytest
 import torch
 
 from edge_client.agent import TASKS, ClientAgent, register_task
-from fedge.access import generate_users
 from fedge.checkpoint import Tree
 from fedge.config import ConfigError, config_from
-from fedge.embedded_broker import EmbeddedBroker
 from fedge.messages import ClientInfo, Result, Task
-from fedge.mqtt import Broker
 from fedge.payloads import Expected, TensorSlot
-from launch.client import client_agents, run_clients
-from launch.server import serve
 from launch.simulation import run_simulation
 from server.strategy import STRATEGIES, Strategy, StrategyError, StrategyOptions, option, register_strategy
+
+from helpers.federation import over_embedded_broker
 
 pytestmark = pytest.mark.timeout(240)
 NAME = "test-class-means"
@@ -145,35 +141,9 @@ def config(tmp_path, name: str, **kw):
     return config_from(values | kw)
 
 
-def over_mqtt(cfg) -> dict:
-    """The server (launch.server.serve) and the clients (launch.client.run_clients, each on its own connection)
-    in threads of this process, through the embedded broker with passwords and ACLs."""
-    ids = [str(i) for i in range(cfg.clients)]
-    users = generate_users(ids)
-    with EmbeddedBroker(users=users) as broker:
-        agents = client_agents(cfg, ids)
-        codes: list[int] = []
-        clients = threading.Thread(
-            target=lambda: codes.append(
-                run_clients(
-                    agents, lambda cid: Broker("127.0.0.1", broker.port, username=cid, password=users[cid]), cfg
-                )
-            )
-        )
-        clients.start()
-        try:
-            summary = serve(
-                cfg, Broker("127.0.0.1", broker.port, username="server", password=users["server"]), progress=False
-            )
-        finally:
-            clients.join(60)
-    assert codes == [0]
-    return summary
-
-
 def test_a_strategy_defined_in_a_test_runs_in_process_and_over_the_embedded_broker_alike(tmp_path):
     inproc = run_simulation(config(tmp_path, "inproc", transport="inproc"), progress=False)
-    mqtt = over_mqtt(config(tmp_path, "mqtt"))
+    mqtt, _ = over_embedded_broker(config(tmp_path, "mqtt"))
 
     # the option reached the strategy and the tensors the server sent reached the clients (round 0 had none)
     assert json.loads((tmp_path / "mqtt" / "config.json").read_text())["options"] == {"scale": 0.5}

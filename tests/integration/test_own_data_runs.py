@@ -4,21 +4,18 @@
 import dataclasses
 import json
 import logging
-import threading
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from fedge.access import generate_users
 from fedge.codec import encode_info
 from fedge.config import config_from
 from fedge.data import load_dataset
-from fedge.embedded_broker import EmbeddedBroker
-from fedge.mqtt import Broker
-from launch.client import client_agents, run_clients
-from launch.server import serve
+from launch.client import client_agents
 from launch.simulation import run_simulation
+
+from helpers.federation import over_embedded_broker
 
 pytestmark = pytest.mark.timeout(300)
 IDS = ["0", "1", "2"]
@@ -71,24 +68,8 @@ def test_clients_on_their_own_folders_over_the_embedded_broker(tmp_path):
     folder (80 % train, 20 % test held out) and the rounds run on them."""
     write_fleet(tmp_path)
     cfg = config(tmp_path, "mqtt")
-    users = generate_users(IDS)
-    with EmbeddedBroker(users=users) as broker:
-        agents = client_agents(cfg, IDS)
-        codes: list[int] = []
-        clients = threading.Thread(
-            target=lambda: codes.append(
-                run_clients(agents, lambda c: Broker("127.0.0.1", broker.port, username=c, password=users[c]), cfg)
-            )
-        )
-        clients.start()
-        try:
-            summary = serve(
-                cfg, Broker("127.0.0.1", broker.port, username="server", password=users["server"]), progress=False
-            )
-        finally:
-            clients.join(60)
+    summary, agents = over_embedded_broker(cfg)
 
-    assert codes == [0]
     assert {(a.info().num_train, a.info().num_test) for a in agents} == {(24, 6)}
     for i, a in enumerate(agents):  # labels by class folder: device i has digits 2i and 2i+1 only
         assert set(a.data.y_train.tolist()) == {2 * i, 2 * i + 1} and set(a.data.y_test.tolist()) == {2 * i, 2 * i + 1}
