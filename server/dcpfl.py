@@ -32,7 +32,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from device_profiles import get_profile, training_footprint_bytes
+from device_profiles import DeviceProfile, training_footprint_bytes
 from fedge.checkpoint import Tree
 from fedge.class_stats import COUNTS, COVARIANCES, GLOBAL_MEANS, KNOWN_CLASSES, MEANS, ClassStats
 from fedge.config import ConfigError
@@ -44,7 +44,7 @@ from fedge.spec import ModelSpec, build
 from fedge.tasks import DCTrainTask
 from fedge.weights import load_module
 from server.dcpfl_math import calibrate, ce_step, pool, statistics_rejection, updated, virtual_features
-from server.strategy import Strategy, StrategyError, StrategyOptions, option, register_strategy
+from server.strategy import Strategy, StrategyError, StrategyOptions, option, register_strategy, torch_profiles
 
 log = logging.getLogger(__name__)
 SERVER_LR = 0.01  # η_φ: DC-PFL §6.1 (SGD, 0.01 for local and global classifier training); FedGH's code: 0.01
@@ -109,12 +109,9 @@ class SharedHead(Strategy):
     def setup(self, clients: Mapping[str, ClientInfo]) -> None:
         super().setup(clients)
         order = sorted(clients, key=client_order)
-        others = [cid for cid in order if get_profile(clients[cid].profile).runtime != "torch"]
-        if others:
-            raise StrategyError(
-                f"{self.name} trains through the dc_train task (feature statistics, an auxiliary loss), which only "
-                f"the torch runtime runs: clients {others} run another. Use torch device profiles (--set profiles=...)"
-            )
+        profiles = torch_profiles(
+            self.name, clients, "trains through the dc_train task (an auxiliary loss, statistics)"
+        )
         heads: dict[str, list[str]] = {}  # a head's spec as JSON -> the clients with it
         for cid in order:
             try:
@@ -134,12 +131,14 @@ class SharedHead(Strategy):
             )
         self.head_spec = ModelSpec.from_json(next(iter(heads)))
         self.d, self.num_classes = self.head_spec.input_shape[0], self.head_spec.num_classes
-        self.check_memory(clients, order)
+        self.check_memory(clients, profiles, order)
         torch.manual_seed(derive_seed(self.config.seed, f"{self.name}-init"))
         self.head = Weights(self.head_spec, build(self.head_spec).state_dict())
         self.uploaded: dict[str, int] = {}  # client -> classes its accepted reply held, this round
 
-    def check_memory(self, clients: Mapping[str, ClientInfo], order: Sequence[str]) -> None:
+    def check_memory(
+        self, clients: Mapping[str, ClientInfo], profiles: Mapping[str, DeviceProfile], order: Sequence[str]
+    ) -> None:
         """StrategyError naming the clients whose device memory cannot hold their training footprint (Adam: the
         runtime is torch) plus the class covariances they compute and send (C·d² entries, STATISTICS_BYTES_PER_ENTRY
         bytes each)."""
@@ -150,7 +149,7 @@ class SharedHead(Strategy):
         for cid in order:
             info = clients[cid]
             training = training_footprint_bytes(info.spec, min(self.config.batch_size, max(info.num_train, 1))).total
-            if training + extra > get_profile(info.profile).memory_bytes:
+            if training + extra > profiles[cid].memory_bytes:
                 over.append(cid)
         if over:
             raise StrategyError(

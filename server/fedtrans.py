@@ -19,7 +19,6 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from device_profiles import get_profile
 from fedge import constants as C
 from fedge.checkpoint import Tree
 from fedge.config import ConfigError
@@ -41,7 +40,7 @@ from server.fedtrans_math import (
     update_utilities,
 )
 from server.slices import crop, sliced_average
-from server.strategy import Strategy, StrategyError, StrategyOptions, option, register_strategy
+from server.strategy import Strategy, StrategyError, StrategyOptions, option, register_strategy, torch_profiles
 from server.transforms import TransformError, can_deepen, can_widen, cells, deepen, widen
 
 log = logging.getLogger(__name__)
@@ -100,13 +99,9 @@ class FedTrans(Strategy):
 
     def setup(self, clients: Mapping[str, ClientInfo]) -> None:
         super().setup(clients)
-        self.profiles = {cid: get_profile(info.profile) for cid, info in clients.items()}
-        foreign = sorted((cid for cid, p in self.profiles.items() if p.runtime != "torch"), key=client_order)
-        if foreign:
-            raise StrategyError(
-                f"fedtrans sends each client a model of the server's choosing, which only the torch runtime can "
-                f"train; clients {foreign} run {self.profiles[foreign[0]].runtime}"
-            )
+        self.profiles = torch_profiles(
+            self.name, clients, "sends each client a model of the server's choosing to train"
+        )
         self.capacity = client_capacities(self.profiles, self.options.capacity_file or None)
         initial = self.initial_spec(clients)
         misfits = sorted(

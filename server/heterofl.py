@@ -34,7 +34,6 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from device_profiles import get_profile
 from fedge import constants as C
 from fedge.checkpoint import Tree
 from fedge.config import ConfigError
@@ -45,7 +44,7 @@ from fedge.spec import ModelSpec, build, tensor_shapes
 from server.capacity import CapacityError, client_capacities, compatible
 from server.fedavg import capped_shares, checkpoint_global
 from server.slices import crop, sliced_average
-from server.strategy import Strategy, StrategyError, StrategyOptions, option, register_strategy
+from server.strategy import Strategy, StrategyError, StrategyOptions, option, register_strategy, torch_profiles
 from server.widths import scale_width, with_scalers
 
 log = logging.getLogger(__name__)
@@ -105,14 +104,7 @@ class HeteroFL(Strategy):
 
     def setup(self, clients: Mapping[str, ClientInfo]) -> None:
         super().setup(clients)
-        profiles = {cid: get_profile(info.profile) for cid, info in clients.items()}
-        others = sorted((cid for cid, p in profiles.items() if p.runtime != "torch"), key=client_order)
-        if others:
-            raise StrategyError(
-                f"heterofl trains a slice of the global model on every client, which only the torch runtime can: "
-                f"clients {others} run {sorted({profiles[c].runtime for c in others})} (their training program is "
-                "built for their own model). Use torch device profiles (--set profiles=...)"
-            )
+        profiles = torch_profiles(self.name, clients, "trains a slice of the global model on every client")
         try:
             self.capacity = client_capacities(profiles, self.options.capacity_file)
         except CapacityError as e:

@@ -10,11 +10,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from device_profiles import DeviceProfile, get_profile
 from fedge import constants as C
 from fedge.checkpoint import Tree
 from fedge.config import ConfigError, coerce
 from fedge.errors import UserError
-from fedge.messages import ClientInfo, Result, Task, Weights
+from fedge.messages import ClientInfo, Result, Task, Weights, client_order
 from fedge.payloads import Expected
 from fedge.registry import Registry
 from fedge.spec import ModelSpec
@@ -64,6 +65,20 @@ class PublicData:
 
     x: torch.Tensor
     y: torch.Tensor | None
+
+
+def torch_profiles(name: str, clients: Mapping[str, ClientInfo], why: str) -> dict[str, DeviceProfile]:
+    """Every client's device profile; StrategyError naming the clients on another runtime, for a strategy whose
+    clients train what only the torch runtime can (an ExecuTorch training program is built for the client's own
+    model and plain cross-entropy): `why` says what, e.g. "trains a slice of the global model on every client"."""
+    profiles = {cid: get_profile(info.profile) for cid, info in clients.items()}
+    others = sorted((cid for cid, p in profiles.items() if p.runtime != "torch"), key=client_order)
+    if others:
+        raise StrategyError(
+            f"{name} {why}, which only the torch runtime can: clients {others} run "
+            f"{sorted({profiles[c].runtime for c in others})}. Use torch device profiles (--set profiles=...)"
+        )
+    return profiles
 
 
 class Strategy:

@@ -74,7 +74,7 @@ def test_a_fleet_whose_heads_differ_is_refused_naming_the_clients_of_each_head()
 def test_a_model_without_a_head_and_an_executorch_client_are_refused():
     with pytest.raises(StrategyError, match=r"client 1: model 'mobilenet_v1' cannot be cut"):
         strategy("dcpfl", {"0": info("0"), "1": info("1", "mobilenet_v1")})
-    with pytest.raises(StrategyError, match=r"only the torch runtime runs: clients \['1'\] run another"):
+    with pytest.raises(StrategyError, match=r"only the torch runtime can: clients \['1'\] run \['executorch'\]"):
         strategy("dcpfl", {"0": info("0"), "1": info("1", profile="android-mid-range")})
 
 
