@@ -3,5 +3,6 @@
 from edge_client import (
     dcpfl,  # noqa: F401  (registers dc_train)
     distill,  # noqa: F401  (registers kd_train)
+    fedmn,  # noqa: F401  (registers modular_train, modular_evaluate)
     tasks,  # noqa: F401  (registers the task handlers)
 )

@@ -45,6 +45,7 @@ jetson-orin-nano) takes every model at both presets.
 
 from __future__ import annotations
 
+import re
 from typing import Callable, Sequence
 
 import numpy as np
@@ -52,6 +53,7 @@ import numpy as np
 from fedge import constants as C
 from fedge.errors import UserError
 from fedge.layers import LayerSpec as L
+from fedge.layers import SpecError
 from fedge.registry import Registry
 from fedge.spec import ModelSpec, make_spec
 
@@ -76,12 +78,21 @@ def check_widths(widths: str) -> str:
 def create(name: str, input_shape: Sequence[int], num_classes: int, widths: str = C.DEFAULT_WIDTHS) -> ModelSpec:
     """Build the spec of a zoo model for a (C, H, W) input at a width preset; unknown names or widths raise
     ZooError."""
-    factory = MODELS.get(name)
+    modular = FEDMN_NAME.fullmatch(name)
+    factory = MODELS.get(name) if modular is None else None
     check_widths(widths)
     c, h, w = input_shape
     if h != w:
         raise ZooError(f"zoo models take square images, got {h}x{w}")
+    if modular is not None:
+        return fedmn_network(name, modular[1], modular[2], (c, h, w), num_classes, widths)
     return factory(c, h, num_classes, widths)
+
+
+def is_model(name: str) -> bool:
+    """Whether `name` is a zoo model: a registered one or a FedMN modular network (fedmn_<units>_<encoder>)."""
+    match = FEDMN_NAME.fullmatch(name)
+    return name in MODELS if match is None else match[2] in MODELS or match[2] == FEDMN_FC
 
 
 def _conv(out: int, k: int, stride: int = 1, bias: bool = True, padding: int | None = None) -> L:
@@ -362,12 +373,12 @@ def assign_models(zoo: str, num_clients: int, seed: int) -> list[str]:
     if num_clients < 1:
         raise ZooError(f"number of clients must be positive, got {num_clients}")
     names = list(FEDGH_CNNS) if zoo == FEDGH_ZOO else zoo.split(",")
-    if all(n in MODELS for n in names):
+    if all(is_model(n) for n in names):
         return [names[i % len(names)] for i in range(num_clients)]
     if zoo not in ZOOS:
         raise ZooError(
             f"unknown zoo {zoo!r}; use one of {', '.join([*ZOOS, FEDGH_ZOO])}, a model name, or comma-separated model "
-            f"names ({', '.join(MODELS)})"
+            f"names ({', '.join(MODELS)}, or a FedMN pool such as fedmn_2x2x2_cnn1)"
         )
     weights = ZOOS[zoo]
     total = sum(weights.values())
@@ -379,3 +390,49 @@ def assign_models(zoo: str, num_clients: int, seed: int) -> list[str]:
     names = [m for m in weights for _ in range(counts[m])]
     order = np.random.default_rng(seed).permutation(num_clients)
     return [names[i] for i in order]
+
+
+# FedMN's modular networks (Wang et al. 2022, fedge/modular.py), named fedmn_<units>_<encoder>: e.g.
+# fedmn_2x2x2_mobilenet_v2 (the paper's CIFAR-10 pool, Table I), fedmn_3x3x3_cnn1, fedmn_1x4x3_fc (§IV-D's MLP pool).
+# The encoder is a zoo model without its last block (its representation), or "fc": one linear layer of the hidden
+# width. The MLP blocks are Linear(hidden) → ReLU → Dropout(0.5) (the authors' MLP_block; their modular_hdims
+# [512, 256] give 256 at the paper preset), the last layer's blocks give the logits. The routing hypernetwork's φx is
+# the encoder's architecture with a linear map to 128 (for "fc": one linear layer, §IV-D), φy maps the one-hot
+# label to 64 (the authors' policy_hdim_x / policy_hdim_y).
+FEDMN_NAME = re.compile(r"fedmn_(\d+(?:x\d+)+)_(\w+)")
+FEDMN_FC = "fc"
+FEDMN_HIDDEN = {"cpu": 128, "paper": 256}
+FEDMN_DROPOUT = 0.5
+FEDMN_ROUTER_X, FEDMN_ROUTER_Y = 128, 64
+
+
+def fedmn_network(
+    name: str, units: str, encoder: str, input_shape: tuple[int, int, int], num_classes: int, widths: str
+) -> ModelSpec:
+    """The modular network `name` (fedmn_<units>_<encoder>); ZooError for an unknown encoder or one whose last block
+    does not take a vector."""
+    hidden = FEDMN_HIDDEN[widths]
+    if encoder == FEDMN_FC:
+        layers = [FLAT, L("linear", {"out_features": hidden}), RELU]
+        phi_x = [FLAT, L("linear", {"out_features": FEDMN_ROUTER_X})]
+    else:
+        if encoder not in MODELS:
+            raise ZooError(f"unknown FedMN encoder {encoder!r} in {name!r}; use fc or one of {', '.join(MODELS)}")
+        full = create(encoder, input_shape, num_classes, widths)
+        if len(full.blocks[-1].in_shape) != 1:
+            raise ZooError(f"{encoder!r} cannot be a FedMN encoder: its last block takes a map, not a vector")
+        layers = [layer for block in full.blocks[:-1] for layer in block.layers]
+        phi_x = [*layers, L("linear", {"out_features": FEDMN_ROUTER_X})]
+    counts = [int(n) for n in units.split("x")]
+    args = {
+        "units": counts,
+        "encoder": [layer.to_dict() for layer in layers],
+        "widths": [hidden] * (len(counts) - 2) + [num_classes],
+        "dropout": FEDMN_DROPOUT,
+        "router_x": [layer.to_dict() for layer in phi_x],
+        "router_y": FEDMN_ROUTER_Y,
+    }
+    try:
+        return make_spec(name, input_shape, num_classes, [("modular", [L("modular", args)])])
+    except SpecError as e:
+        raise ZooError(f"{name!r}: {e}") from None

@@ -24,24 +24,27 @@ SMALL = {"finetune_epochs": 1, "max_candidates": 2}  # where a strategy has thes
 PUBLIC = PublicData(torch.randn(24, 1, 8, 8, generator=torch.Generator().manual_seed(0)), torch.arange(24) % 10)
 
 
-def fleet(n=4):
+MODEL = {"fedmn": "fedmn_2x2x2_cnn1"}  # a strategy whose fleet must hold another model than cnn1
+
+
+def fleet(n=4, model="cnn1"):
     return {
-        str(i): ClientInfo(str(i), create("cnn1", (1, 8, 8), 10).with_origin(str(i)), "rpi-4", 20, 5) for i in range(n)
+        str(i): ClientInfo(str(i), create(model, (1, 8, 8), 10).with_origin(str(i)), "rpi-4", 20, 5) for i in range(n)
     }
 
 
 def make(name):
     known = {option for option, *_ in STRATEGIES.get(name).options_type.describe()}
     s = create_strategy(name, CONFIG, PUBLIC, {k: v for k, v in SMALL.items() if k in known})
-    s.setup(fleet())
+    s.setup(fleet(model=MODEL.get(name, "cnn1")))
     return s
 
 
 def uploads(strategy, rnd, cids):
     """Round `rnd` planned by `strategy` for `cids`, and each client's reply to its task carrying a freshly
     initialised model (seeded by the client) of every architecture the strategy expects back, and seeded tensors
-    of every declared slot (floats in [0, 1), integers in 0..2)."""
-    clients, out = fleet(), {}
+    of every declared slot (floats in [0, 1), integers in 0..2, booleans true)."""
+    clients, out = strategy.clients, {}
     for cid, task in strategy.plan(rnd, cids).items():
         expected, models, tensors = strategy.expects(task, clients[cid]), {}, {}
         for role, spec in expected.models.items():
@@ -53,6 +56,8 @@ def uploads(strategy, rnd, cids):
             tensors[tname] = (
                 torch.rand(slot.shape, generator=gen, dtype=dtype)
                 if dtype.is_floating_point
+                else torch.ones(slot.shape, dtype=dtype)
+                if dtype == torch.bool
                 else torch.randint(0, 3, slot.shape, generator=gen, dtype=dtype)
             )
         out[cid] = Result(cid, rnd, task.type, 20, {"train_loss": 1.0 + 0.1 * int(cid)}, models, tensors=tensors)
@@ -157,7 +162,8 @@ def conforming(task, expected, info):
 
 
 def test_every_task_declares_what_its_reply_carries_and_sizes_it(name):
-    strategy, clients = make(name), fleet()
+    strategy = make(name)
+    clients = strategy.clients
     strategy.aggregate(0, uploads(strategy, 0, ["0", "1", "2"]))
     profile = get_profile("rpi-4")
     for tasks in (strategy.plan(1, ["0", "1", "3"]), strategy.evaluation(1, ["0", "1", "3"])):

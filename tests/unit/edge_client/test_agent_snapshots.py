@@ -41,9 +41,9 @@ def equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_only_evaluate_and_train_model_leave_the_own_model_alone():
+def test_only_evaluations_and_train_model_leave_the_own_model_alone():
     """train_model trains a copy of the model the server sent, never the client's own."""
-    assert {name for name in TASKS if not TASKS.get(name).mutates} == {"evaluate", "train_model"}
+    assert {name for name in TASKS if not TASKS.get(name).mutates} == {"evaluate", "modular_evaluate", "train_model"}
 
 
 def test_a_resent_task_gives_the_same_result():
