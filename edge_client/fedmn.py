@@ -69,12 +69,12 @@ def straight_through(route: torch.Tensor, soft: torch.Tensor) -> torch.Tensor:
 
 
 def path_logits(router: Router, x: torch.Tensor, y: torch.Tensor, batch: int) -> torch.Tensor:
-    """G of Eqs. (9)-(10): the mean of h([φx(x_i), φy(y_i)]) over the whole dataset, so Π = σ(G); in batches, eval
-    mode, without autograd."""
+    """G of Eqs. (9)-(10): the mean of h([φx(x_i), φy(y_i)]) over the whole dataset, so Π = σ(G); in batches
+    (summed in float64), eval mode, without autograd; in x's dtype."""
     router.eval()
     with torch.no_grad():
         total = sum(router(xb, yb).double().sum(0) for xb, yb in zip(x.split(batch), y.split(batch)))
-    return (total / len(x)).float()
+    return (total / len(x)).to(x.dtype)
 
 
 def router_backward(router: Router, x: torch.Tensor, y: torch.Tensor, grad: torch.Tensor, batch: int) -> None:
