@@ -43,9 +43,11 @@ from fedge.messages import ClientInfo, Result, Task, Weights, client_order
 from fedge.modular import (
     NEXT_ROUTE,
     ROUTE,
+    ROUTER,
     ROUTING,
     Layout,
     block_names,
+    block_of,
     elements,
     exchanged,
     has_path,
@@ -64,6 +66,20 @@ from server.slices import sliced_average
 from server.strategy import Strategy, StrategyError, StrategyOptions, option, register_strategy, torch_profiles
 
 ROUTER_PASSES = 5  # router forward passes per sample per routed task: Π, its gradient pass (~3), the next decision
+
+
+def part_norms(tensors: Mapping[str, torch.Tensor]) -> dict[Any, float]:
+    """The L2 norm over the floating-point tensors of each block (and of the router) among `tensors`."""
+    squares: dict[Any, float] = {}
+    for name, t in tensors.items():
+        part = block_of(name) if name not in (ROUTE, NEXT_ROUTE, ROUTING) else None
+        if part is not None and t.is_floating_point():
+            squares[part] = squares.get(part, 0.0) + float(t.double().square().sum())
+    return {part: math.sqrt(v) for part, v in squares.items()}
+
+
+def part_name(part: Any) -> str:
+    return ROUTER if part == ROUTER else f"block {part[1]} of layer {part[0]}"
 
 
 @dataclass(frozen=True)
@@ -166,7 +182,9 @@ class FedMN(Strategy):
 
     def reply_rejection(self, task: Task, client: ClientInfo, result: Result) -> tuple[str, str] | None:
         """Code "route": a reply for another route than the task's, or a next or most likely route without a path
-        from the input to the output."""
+        from the input to the output. Code "norm_bound" (the coordinator's bound on uploaded models, which named
+        tensors do not pass through): a block or the router whose L2 norm exceeds UPLOAD_NORM_FACTOR times the norm
+        of what the task sent of it."""
         if task.type != "modular_train":
             return None
         if not torch.equal(result.tensors[ROUTE], task.tensors[ROUTE]):
@@ -174,6 +192,13 @@ class FedMN(Strategy):
         for name in (NEXT_ROUTE, ROUTING):
             if not has_path(self.layout, result.tensors[name].tolist()):
                 return "route", f"its {name} connects no encoder to the output"
+        sent, got = part_norms(task.tensors), part_norms(result.tensors)
+        for part, norm in got.items():
+            if norm > C.UPLOAD_NORM_FACTOR * sent[part]:
+                return "norm_bound", (
+                    f"{part_name(part)} has norm {norm:.4g}, over {C.UPLOAD_NORM_FACTOR:g} x the {sent[part]:.4g} "
+                    "it was sent"
+                )
         return None
 
     def other_macs(self, task: Task, client: ClientInfo) -> int:

@@ -41,11 +41,11 @@ def chain(encoder, middle, out):
 
 
 def reply(task, cid, seed, next_route=None, n=None):
-    """The client's reply to `task`: its tensors replaced by seeded random ones, the task's route, and a next and
-    most likely route."""
+    """The client's reply to `task`: its tensors moved by seeded noise of 1/10 their scale, the task's route, and a
+    next and most likely route."""
     gen = torch.Generator().manual_seed(seed)
     tensors = {
-        k: (torch.randn(v.shape, generator=gen) if v.is_floating_point() else v.clone())
+        k: (v + 0.1 * v.abs().mean() * torch.randn(v.shape, generator=gen) if v.is_floating_point() else v.clone())
         for k, v in task.tensors.items()
         if k != ROUTE
     }
@@ -146,6 +146,8 @@ def test_an_upload_with_an_inactive_block_a_wrong_shape_or_another_route_is_refu
         "0", 1, task.type, 10, {}, tensors=good.tensors | {NEXT_ROUTE: torch.zeros(LAYOUT.paths, dtype=torch.bool)}
     )
     assert check(s, task, dead)[0] == "route"
+    huge = good.tensors | {name: task.tensors[name] * 11}  # finite and of its shape, but 11 x what it was sent
+    assert check(s, task, Result("0", 1, task.type, 10, {}, tensors=huge))[0] == "norm_bound"
     missing = {k: v for k, v in good.tensors.items() if k != name}
     assert check(s, task, Result("0", 1, task.type, 10, {}, tensors=missing))[0] == "payload"
 
