@@ -2,23 +2,25 @@
 tasks on a client whose own model is a modular network (fedge/modular.py).
 
 `modular_train`, one round:
-- take the router and the blocks of the task's route from the server (line 9, §II-E): only those tensors arrive;
+- take the router and the blocks the task's route reaches from the server (line 9, §II-E): only those arrive;
 - the route V is the one this client sampled at the end of its previous round (lines 6-7, Eqs. 5, 10), which the
-  server learnt from its reply and sent back with exactly its blocks; it is fixed for the round (§II-B);
-- train the used blocks with the objective (Eqs. 4, 6, line 11) on V as a straight-through hard decision: forward
-  runs V exactly (an inactive block gets no input), backward differentiates the relaxed sample σ((L + G)/τ) of Eq. 5
-  with respect to G, the argument of σ in Eq. (10);
-- G depends on the router θ_h through the mean over the whole local dataset (Eq. 9); Algorithm 1 computes Π once
-  per round (line 6), so the router's gradient of every batch is J^T ∂L_b/∂G with one Jacobian J = ∂G/∂θ_h. We sum
-  ∂L_b/∂G over the batches and take J^T of the sum in one pass over the data: with the router on plain SGD this is
-  the sum of its per-batch steps, exactly;
+  server learnt from its reply and sent back with its blocks; it is fixed for the round (§II-B);
+- train the route's blocks with the objective (Eqs. 4, 6, line 11) on V as a straight-through hard decision:
+  forward runs V exactly (an inactive block gets no input), backward differentiates a relaxed sample σ((L + G)/τ) of
+  Eq. (5) with respect to G, the argument of σ in Eq. (10), at the router just received. Its logistic noise L is
+  drawn conditioned on V (L + G > 0 exactly on V's paths), so the relaxed sample is one whose hard decision is V;
+- G depends on the router θ_h through the mean over the whole local dataset (Eq. 9). Algorithm 1 computes Π once per
+  round (line 6), so every batch's router gradient is J^T ∂L_b/∂G with the one Jacobian J = ∂G/∂θ_h of line 6. We
+  sum ∂L_b/∂G over the batches (of every epoch) and take J^T of the sum in one more pass over the data, then one SGD
+  step at `router_lr`: the sum of the per-batch SGD steps of Algorithm 1 (line 19) with Π as line 6 computed it;
 - sample the next round's route with the trained router (lines 6-7 of the next round: nothing changes the local
   router in between), and the most likely route (evaluation), each with a forced path to the output if it has none;
-- upload the router and the route's used blocks (line 13), and the three routes.
+- upload the router and the blocks the route used (line 13), and the three routes.
 
 Our choices where the paper is silent (README deviations): blocks train with the run's optimizer (Adam at `lr`, as
 every fedge strategy), the router with SGD at the task's `router_lr`; the router's passes run in eval mode (no
-dropout; BatchNorm on running statistics), so Π is one deterministic function of the data.
+dropout), so Π is one deterministic function of the data; a router with BatchNorm (a MobileNet φx) first re-estimates
+its running statistics over the data (one pass in training mode, cumulative averages).
 """
 
 from __future__ import annotations
@@ -42,9 +44,10 @@ from fedge.modular import (
     ModularNet,
     Router,
     block_names,
-    exchanged,
+    downloaded,
     has_path,
     net_of,
+    uploaded,
     with_path,
 )
 from fedge.seeding import derive_seed
@@ -54,8 +57,21 @@ from fedge.tasks import ModularTrainTask, TaskConfigError
 
 def logistic_noise(paths: int, gen: torch.Generator) -> torch.Tensor:
     """log ε − log(1 − ε), ε ~ Uniform(0, 1), per path (Eq. 5's noise)."""
-    eps = torch.rand(paths, generator=gen, dtype=torch.float64).clamp(1e-12, 1 - 1e-12)
-    return (eps.log() - torch.log1p(-eps)).float()
+    return _logit(torch.rand(paths, generator=gen, dtype=torch.float64)).float()
+
+
+def _logit(eps: torch.Tensor) -> torch.Tensor:
+    eps = eps.clamp(1e-12, 1 - 1e-12)
+    return eps.log() - torch.log1p(-eps)
+
+
+def noise_given(route: torch.Tensor, logits: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Eq. (5)'s noise L conditioned on the hard decision: L + G > 0 exactly where `route` is on (ε uniform on
+    (σ(−G), 1) for a path that is on, on (0, σ(−G)) for one that is off), so σ((L + G)/τ) is a relaxed sample whose
+    decision is `route`."""
+    eps = torch.rand(len(route), generator=gen, dtype=torch.float64)
+    cut = torch.sigmoid(-logits.detach().double())
+    return _logit(torch.where(route, cut + eps * (1 - cut), eps * cut)).to(logits.dtype)
 
 
 def relaxed_bernoulli(logits: torch.Tensor, noise: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -83,6 +99,25 @@ def router_backward(router: Router, x: torch.Tensor, y: torch.Tensor, grad: torc
     router.eval()
     for xb, yb in zip(x.split(batch), y.split(batch)):
         (router(xb, yb).sum(0) @ grad / len(x)).backward()
+
+
+def refresh_batchnorm(router: Router, x: torch.Tensor, y: torch.Tensor, batch: int) -> None:
+    """Re-estimate the running statistics of the router's BatchNorm layers over the data (training mode, cumulative
+    averages, no autograd), so that eval-mode passes normalise with this data's statistics."""
+    norms = [m for m in router.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    if not norms:
+        return
+    momenta = [m.momentum for m in norms]
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None
+    router.train()
+    with torch.no_grad():
+        for xb, yb in zip(x.split(batch), y.split(batch)):
+            router(xb, yb)
+    for m, momentum in zip(norms, momenta):
+        m.momentum = momentum
+    router.eval()
 
 
 def sgd_step(router: Router, lr: float) -> None:
@@ -157,7 +192,8 @@ def put_blocks(model: SpecModel, task: Task, names: Sequence[str], route_name: s
 @register_task("modular_train")
 def modular_train_task(agent: ClientAgent, task: Task) -> Result:
     """One round of Algorithm 1 for this client (module docstring); replies with the router's and the used blocks'
-    tensors under their state names, and `route`, `next_route`, `routing`."""
+    tensors under their state names, and `route`, `next_route`, `routing` (its most likely route, which the client
+    also keeps as its model's `routing`)."""
     try:
         settings = ModularTrainTask.from_config(task.config)
     except TaskConfigError as e:
@@ -165,43 +201,36 @@ def modular_train_task(agent: ClientAgent, task: Task) -> Result:
     net = modular(agent, task)
     layout = net.layout
     route = task_route(task, ROUTE, layout)
-    names = exchanged(list(agent.model.state_dict()), layout, route.tolist())
-    put_blocks(agent.model, task, names, ROUTE)
+    names = list(agent.model.state_dict())
+    put_blocks(agent.model, task, downloaded(names, layout, route.tolist()), ROUTE)
     x, y, batch = agent.data.x_train, agent.data.y_train, settings.batch_size
-    logits = path_logits(net.router, x, y, batch).requires_grad_(settings.learn_routing)
-    noise = net.noise.clone()
+    gen = torch.Generator().manual_seed(derive_seed(settings.seed, "route", agent.client_id, task.round))
+    start = time.perf_counter()
+    refresh_batchnorm(net.router, x, y, batch)
+    logits = path_logits(net.router, x, y, batch).requires_grad_() if settings.learn_routing else None
+    noise = noise_given(route, logits, gen) if logits is not None else None
 
     def gates() -> torch.Tensor:
-        if not settings.learn_routing:
+        if logits is None or noise is None:  # every path on, the router untouched
             return route.float()
         return straight_through(route, relaxed_bernoulli(logits, noise, settings.route_temperature))
 
-    start = time.perf_counter()
     try:
-        stats = fit(
-            agent.model,
-            x,
-            y,
-            train_config(agent, task, settings),
-            objective=routed_objective(agent.model, net, x, y, route, gates),
-        )
+        objective = routed_objective(agent.model, net, x, y, route, gates)
+        stats = fit(agent.model, x, y, train_config(agent, task, settings), objective=objective)
     finally:
         net.gates = None
-    if settings.learn_routing and logits.grad is not None:
+    if logits is not None and logits.grad is not None:
         router_backward(net.router, x, y, logits.grad, batch)
         sgd_step(net.router, settings.router_lr)
     decided = path_logits(net.router, x, y, batch)
-    gen = torch.Generator().manual_seed(derive_seed(settings.seed, "route", agent.client_id, task.round))
-    next_noise = logistic_noise(layout.paths, gen)
-    next_route = with_path(layout, next_noise + decided > 0, decided)
+    next_route = with_path(layout, logistic_noise(layout.paths, gen) + decided > 0, decided)
     routing = with_path(layout, decided > 0, decided)
-    with torch.no_grad():
-        net.pending.copy_(next_route)
-        net.noise.copy_(next_noise)
     net.set_routing(routing)
     seconds = time.perf_counter() - start
     state = agent.model.state_dict()
-    tensors = {n: state[n].detach().clone() for n in names} | {ROUTE: route, NEXT_ROUTE: next_route, ROUTING: routing}
+    sent = uploaded(names, layout, route.tolist())
+    tensors = {n: state[n].detach().clone() for n in sent} | {ROUTE: route, NEXT_ROUTE: next_route, ROUTING: routing}
     probabilities = torch.sigmoid(decided)
     metrics = {"path_certainty": float((2 * probabilities - 1).abs().mean())}
     return training_result(agent, task, stats.loss, seconds, {}, tensors, metrics)

@@ -13,14 +13,17 @@ A block's input is the mean of the outputs of its connected predecessors (Eq. 11
 logits are the same mean over the output paths. Where Eq. 11 leaves it open, a block with no input is *inactive*
 (§II-E) and gives no output: a path from it carries nothing (Eq. 11 read literally would pass block(0), a function
 of its bias, downstream while §II-E never uploads it). A block is *used* when it lies on a path from the input to
-the output; only used blocks are computed in evaluation, and only they are exchanged (README deviations: the paper
-counts a block as active when its input is non-zero, which includes blocks whose output is discarded; those get no
-gradient and uploading them would pull the average toward what they downloaded).
+the output; only used blocks are computed in evaluation.
 
-The layer also holds the routing hypernetwork (§II-D: φx, φy, h of Eqs. 8-10), which forward never runs, and three
-buffers: `routing`, the decision forward uses outside training (the most likely one, so evaluation and ONNX export
-use the client's routing unchanged); `pending` and `noise`, the client's sampled decision for its next training
-round and the logistic noise it was drawn with (Eq. 5), kept with the model so that a re-sent task re-runs alike.
+What travels (§II-E): a client downloads the router and the blocks its route *reaches* (the paper's active blocks,
+whose input is not 0: every encoder, and the blocks connected to them), since training computes them all: a path that
+is off still needs its predecessor's output for its straight-through gradient. It uploads the router and the blocks
+it *used*, the only ones that trained (README deviations: uploading a reachable block whose output is discarded would
+send back what it downloaded and pull the average toward it).
+
+The layer also holds the routing hypernetwork (§II-D: φx, φy, h of Eqs. 8-10), which forward never runs, and the
+buffer `routing`: the decision forward uses outside training (the client's most likely route), so evaluation and
+ONNX export use the client's routing unchanged.
 """
 
 from __future__ import annotations
@@ -51,7 +54,6 @@ if TYPE_CHECKING:
 
 LAYER = "modular"
 ROUTER = "router"  # the name of the always-exchanged part (the routing hypernetwork)
-PRIVATE_BUFFERS = ("routing", "pending", "noise")  # never exchanged: the client's own decisions
 # Named tensors of FedMN's tasks and replies (bool, one per path): the route a client trains this round (the task
 # carries it, the reply repeats it), its sampled route for the next round, and its most likely route (evaluation).
 ROUTE, NEXT_ROUTE, ROUTING = "route", "next_route", "routing"
@@ -210,8 +212,6 @@ class ModularNet(nn.Module):
         self.router = Router(p.phi_x, in_shape, p.widths[-1], p.y_dim, p.layout.paths)
         e = p.layout.paths
         self.register_buffer("routing", torch.ones(e, dtype=torch.bool))
-        self.register_buffer("pending", torch.ones(e, dtype=torch.bool))
-        self.register_buffer("noise", torch.zeros(e))
         # While training: (the hard route as Python bools, the gates tensor of its paths); None: use `routing`.
         self.gates: tuple[tuple[bool, ...], torch.Tensor] | None = None
         self.route: tuple[bool, ...] = (True,) * e  # `routing` as Python bools: which blocks run is static
@@ -382,8 +382,8 @@ PREFIX = "blocks.0.0."  # where the modular layer's tensors sit in a SpecModel's
 
 
 def block_of(name: str) -> tuple[int, int] | str | None:
-    """Which part a state tensor of a modular model belongs to: a block (layer, index), ROUTER, or None (a private
-    buffer)."""
+    """Which part a state tensor of a modular model belongs to: a block (layer, index), ROUTER, or None (the
+    client's own `routing`, never exchanged)."""
     rest = name[len(PREFIX) :].split(".")
     if rest[0] == "encoders":
         return (1, int(rest[1]))
@@ -394,16 +394,30 @@ def block_of(name: str) -> tuple[int, int] | str | None:
     return None
 
 
-def exchanged(names: Sequence[str], layout: Layout, route: Route) -> list[str]:
-    """The state tensors (of `names`) a client with `route` downloads and uploads (§II-E): the router's, always,
-    and those of the blocks the route uses."""
+def downloaded(names: Sequence[str], layout: Layout, route: Route) -> list[str]:
+    """The state tensors (of `names`) a client training `route` is sent (§II-E): the router's, and those of every
+    block the route reaches (training computes them all; module docstring)."""
+    reach = reachable(layout, route)
+    return [n for n in names if (part := block_of(n)) == ROUTER or part in reach]
+
+
+def uploaded(names: Sequence[str], layout: Layout, route: Route) -> list[str]:
+    """The state tensors a client that trained `route` sends back: the router's and its used blocks'."""
     used = used_blocks(layout, route)
     return [n for n in names if (part := block_of(n)) == ROUTER or part in used]
 
 
 def block_names(names: Sequence[str], layout: Layout, route: Route) -> list[str]:
     """The state tensors of the blocks `route` uses, without the router (what evaluation needs)."""
-    return [n for n in exchanged(names, layout, route) if block_of(n) != ROUTER]
+    return [n for n in uploaded(names, layout, route) if block_of(n) != ROUTER]
+
+
+def router_has_batchnorm(spec: ModelSpec) -> bool:
+    """Whether the spec's router (φx) holds BatchNorm layers, whose statistics the client re-estimates each task."""
+    layer, s = modular_layer(spec)
+    with torch.device("meta"):
+        phi_x = _build_seq(_parts(layer.args, s).phi_x, s)
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in phi_x.modules())
 
 
 def net_of(model: SpecModel) -> ModularNet:

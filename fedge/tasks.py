@@ -82,7 +82,7 @@ class ModularTrainTask(TrainTask):
     untouched: the warm-up, or a client whose route the server does not know yet)."""
 
     route_temperature: float = 1.0
-    router_lr: float = 0.01
+    router_lr: float = C.ROUTER_LR
     learn_routing: bool = True
 
     def __post_init__(self) -> None:

@@ -48,21 +48,22 @@ from fedge.modular import (
     Layout,
     block_names,
     block_of,
+    downloaded,
     elements,
-    exchanged,
     has_path,
     is_modular,
     layout_of,
     route_text,
+    router_has_batchnorm,
     router_macs,
+    uploaded,
     used_blocks,
 )
 from fedge.payloads import Expected, TensorSlot
 from fedge.seeding import derive_seed
 from fedge.spec import build, tensor_shapes
 from fedge.tasks import ModularTrainTask
-from server.fedavg import capped_shares, checkpoint_global
-from server.slices import sliced_average
+from server.fedavg import capped_shares, checkpoint_global, weighted_average
 from server.strategy import Strategy, StrategyError, StrategyOptions, option, register_strategy, torch_profiles
 
 ROUTER_PASSES = 5  # router forward passes per sample per routed task: Π, its gradient pass (~3), the next decision
@@ -90,7 +91,7 @@ class FedMNOptions(StrategyOptions):
     temperature: float = option(1.0, "τ of Eq. (5) in the first routed round (paper: 1.0)")
     min_temperature: float = option(0.1, "the smallest τ the annealing reaches (paper: 0.1)")
     temperature_decay: float = option(0.1, "r of τ_t = max(min_temperature, temperature · e^(-r t)), t routed rounds")
-    router_lr: float = option(0.05, "the routing hypernetwork's SGD learning rate (paper: grid 0.001-0.05)")
+    router_lr: float = option(C.ROUTER_LR, "the routing hypernetwork's SGD learning rate (paper: grid 0.001-0.05)")
     max_client_share: float = option(
         C.MAX_CLIENT_SHARE, "largest share of a round's average one client may get, in (0, 1]; 1: example weights"
     )
@@ -132,8 +133,14 @@ class FedMN(Strategy):
         self.global_model = Weights(spec, build(spec).state_dict())
         self.routes: dict[str, torch.Tensor] = {}  # client -> the route it sampled for its next round
         self.routings: dict[str, torch.Tensor] = {}  # client -> its most likely route (evaluation)
-        self.shares: dict[str, float] = {}
-        self.sent: dict[str, tuple[int, int]] = {}  # client -> numbers sent down and up, this round
+        self.parts: dict[Any, list[str]] = {}  # block (layer, index) or ROUTER -> its state tensors
+        for name in self.shapes:
+            if (part := block_of(name)) is not None:
+                self.parts.setdefault(part, []).append(name)
+        self.router_passes = ROUTER_PASSES + router_has_batchnorm(spec)  # + the BatchNorm re-estimation
+        self.shares: dict[str, float] = {}  # client -> its share of the router's average, this round
+        self.down: dict[str, int] = {}  # client -> numbers sent to it this round (§IV-D's transmitted parameters)
+        self.up: dict[str, int] = {}  # client -> numbers it uploaded this round
 
     def all_on(self) -> torch.Tensor:
         return torch.ones(self.layout.paths, dtype=torch.bool)
@@ -150,7 +157,7 @@ class FedMN(Strategy):
         return self.routes.get(cid) if rnd >= self.options.warmup_rounds else None
 
     def plan(self, rnd: int, active: Sequence[str]) -> dict[str, Task]:
-        self.shares, self.sent = {}, {}
+        self.shares, self.down, self.up = {}, {}, {}
         state, names, tasks = self.global_model.state, list(self.shapes), {}
         for cid in active:
             route = self.route_for(rnd, cid)
@@ -161,7 +168,8 @@ class FedMN(Strategy):
                 learn_routing=route is not None,
             ).to_config()
             route = self.all_on() if route is None else route
-            tensors = {n: state[n] for n in exchanged(names, self.layout, route.tolist())}
+            tensors = {n: state[n] for n in downloaded(names, self.layout, route.tolist())}
+            self.down[cid] = elements(self.shapes, list(tensors))
             tasks[cid] = Task("modular_train", rnd, config, tensors=tensors | {ROUTE: route})
         return tasks
 
@@ -169,14 +177,13 @@ class FedMN(Strategy):
         return {name: TensorSlot((self.layout.paths,), "bool") for name in names}
 
     def expects(self, task: Task, client: ClientInfo) -> Expected:
-        """A modular_train reply carries the tensors the task sent (the router and its route's blocks, each of its
-        shape and dtype) and the three routes; an evaluation only metrics."""
+        """A modular_train reply carries the router's and the task's route's used blocks' tensors (each of its shape
+        and dtype) and the three routes; an evaluation only metrics."""
         if task.type != "modular_train":
             return Expected()
         slots = {
             name: TensorSlot(self.shapes[name][0], str(self.shapes[name][1]).removeprefix("torch."))
-            for name in task.tensors
-            if name != ROUTE
+            for name in uploaded(list(self.shapes), self.layout, task.tensors[ROUTE].tolist())
         }
         return Expected(tensors=slots | self.route_slots(ROUTE, NEXT_ROUTE, ROUTING))
 
@@ -206,28 +213,33 @@ class FedMN(Strategy):
         (ROUTER_PASSES forward-equivalents), the decision alone in the warm-up."""
         if task.type != "modular_train":
             return 0
-        passes = ROUTER_PASSES if task.config.get("learn_routing") else 1
+        passes = self.router_passes if task.config.get("learn_routing") else 1 + router_has_batchnorm(client.spec)
         return passes * router_macs(client.spec)
 
     def aggregate(self, rnd: int, results: Mapping[str, Result]) -> None:
-        """§II-E: each block the example-weighted average of the replies that used it (normalised by their
-        weights), the router of all replies; the replies' next and most likely routes are kept."""
+        """§II-E: each block the example-weighted average of the replies that used it, the router that of all
+        replies; the weights are normalised, and capped at max_client_share, among the replies holding the part
+        (so a client claiming many examples cannot outweigh the others on the blocks it shares with few). A block no
+        reply used keeps its value. The replies' next and most likely routes are kept."""
         replies = sorted(
             (r for r in results.values() if r.type == "modular_train"), key=lambda r: client_order(r.client_id)
         )
         if not replies:
             return
-        shares = capped_shares([r.num_examples for r in replies], self.options.max_client_share)
-        parts = []
-        for r, share in zip(replies, shares):
-            uploaded = {n: t for n, t in r.tensors.items() if n not in (ROUTE, NEXT_ROUTE, ROUTING)}
-            parts.append((uploaded, share))
-            self.shares[r.client_id] = share
+        state = dict(self.global_model.state)
+        for part, names in self.parts.items():
+            users = [r for r in replies if names[0] in r.tensors]  # a reply holds all of a part or none (expects)
+            if not users:
+                continue
+            shares = capped_shares([r.num_examples for r in users], self.options.max_client_share)
+            state |= weighted_average([{n: r.tensors[n] for n in names} for r in users], shares)
+            if part == ROUTER:
+                self.shares = {r.client_id: share for r, share in zip(users, shares)}
+        self.global_model = Weights(self.global_model.spec, state)
+        for r in replies:
             self.routes[r.client_id] = r.tensors[NEXT_ROUTE].clone()
             self.routings[r.client_id] = r.tensors[ROUTING].clone()
-            n = elements(self.shapes, list(uploaded))
-            self.sent[r.client_id] = (n, n)  # the same tensors went down in the task
-        self.global_model = Weights(self.global_model.spec, sliced_average(self.global_model.state, parts))
+            self.up[r.client_id] = elements(self.shapes, [n for n in r.tensors if block_of(n) is not None])
 
     def routing(self, cid: str) -> torch.Tensor:
         return self.routings.get(cid, self.all_on())
@@ -249,8 +261,10 @@ class FedMN(Strategy):
             routing = self.routings[client].tolist()
             out["routing"] = route_text(routing)
             out["blocks_used"] = len(used_blocks(self.layout, routing))
-        if client in self.sent:
-            out["params_down"], out["params_up"] = self.sent[client]
+        if client in self.down:
+            out["params_down"] = self.down[client]
+        if client in self.up:
+            out["params_up"] = self.up[client]
             out["aggregation_share"] = self.shares[client]
         return out
 
@@ -281,13 +295,23 @@ class FedMN(Strategy):
         return {"global": self.global_model, "routes": dict(self.routes), "routings": dict(self.routings)}
 
     def load_state(self, state: Tree) -> None:
-        """Take the checkpoint's pool and routes; another architecture, or routes of another size or of unknown
-        clients, raise StrategyError."""
+        """Take the checkpoint's pool and routes; another architecture, or routes that are not this fleet's clients'
+        (bool, one per path, each connecting the input to the output), raise StrategyError."""
         self.global_model = checkpoint_global(self.global_model, state)
         for key in ("routes", "routings"):
-            routes = state[key]
-            if set(routes) - set(self.clients) or any(
-                t.dtype != torch.bool or tuple(t.shape) != (self.layout.paths,) for t in routes.values()
+            routes = state.get(key)
+            if (
+                not isinstance(routes, dict)
+                or set(routes) - set(self.clients)
+                or not all(
+                    isinstance(t, torch.Tensor)
+                    and t.dtype == torch.bool
+                    and tuple(t.shape) == (self.layout.paths,)
+                    and has_path(self.layout, t.tolist())
+                    for t in routes.values()
+                )
             ):
-                raise StrategyError(f"checkpoint {key} do not fit this fleet's {self.layout.paths} paths and clients")
+                raise StrategyError(
+                    f"checkpoint {key} are not routes of this fleet's clients over {self.layout.paths} paths"
+                )
         self.routes, self.routings = dict(state["routes"]), dict(state["routings"])

@@ -12,14 +12,27 @@ import edge_client  # noqa: F401  (registers the task handlers)
 from edge_client.agent import ClientAgent, ClientData, TaskError
 from edge_client.fedmn import (
     logistic_noise,
+    noise_given,
     path_logits,
+    refresh_batchnorm,
     relaxed_bernoulli,
     router_backward,
     straight_through,
 )
 from edge_client.training import evaluate
 from fedge.messages import Task
-from fedge.modular import NEXT_ROUTE, ROUTE, ROUTING, block_names, block_of, exchanged, has_path, layout_of, net_of
+from fedge.modular import (
+    NEXT_ROUTE,
+    ROUTE,
+    ROUTING,
+    block_names,
+    block_of,
+    downloaded,
+    has_path,
+    layout_of,
+    net_of,
+    uploaded,
+)
 from fedge.spec import build
 from fedge.tasks import ModularTrainTask
 from fedge.zoo import create
@@ -49,7 +62,7 @@ def global_state(seed=5):
 
 def train_task(route, learn=True, lr=1e-2, rnd=1, state=None, **config) -> Task:
     state = global_state() if state is None else state
-    names = exchanged(list(state), LAYOUT, route.tolist())
+    names = downloaded(list(state), LAYOUT, route.tolist())
     settings = ModularTrainTask(
         epochs=1, batch_size=4, lr=lr, seed=7, upload=True, route_temperature=0.5, router_lr=0.5, learn_routing=learn
     )
@@ -135,27 +148,56 @@ def agent() -> ClientAgent:
     return ClientAgent("c1", SPEC, data(), "rpi-4", seed=0)
 
 
-def test_a_task_brings_and_returns_only_its_routes_blocks_and_leaves_the_others_alone():
+def test_a_task_brings_what_its_route_reaches_returns_what_it_used_and_leaves_the_others_alone():
     a, route = agent(), chain_route(encoder=1, middle=0, out=1)
     before = {k: v.clone() for k, v in a.model.state_dict().items()}
     sent = global_state()
     reply = a.handle(train_task(route, lr=1e-12, state=sent))  # Adam at 1e-12: the blocks stay the sent ones
-    names = exchanged(list(sent), LAYOUT, route.tolist())
-    assert set(reply.tensors) == set(names) | {ROUTE, NEXT_ROUTE, ROUTING}
+    down, up = downloaded(list(sent), LAYOUT, route.tolist()), uploaded(list(sent), LAYOUT, route.tolist())
+    assert set(reply.tensors) == set(up) | {ROUTE, NEXT_ROUTE, ROUTING}
+    assert {block_of(n) for n in set(down) - set(up)} == {(1, 0)}  # encoder 0 runs (off paths' gradients) only
     assert torch.equal(reply.tensors[ROUTE], route)
-    for name in names:
+    after = a.model.state_dict()
+    for name in up:
         if block_of(name) != "router":
             assert torch.allclose(reply.tensors[name], sent[name], atol=1e-9), name  # the sent value was used
             assert not torch.equal(reply.tensors[name], before[name]), name
-    after = a.model.state_dict()
     for name in before:
-        if block_of(name) not in (None, "router") and name not in names:
-            assert torch.equal(after[name], before[name]), name  # off the route: as the client had it
+        if block_of(name) == (1, 0):
+            assert torch.equal(after[name], sent[name]), name  # downloaded, run without gradient
+        elif block_of(name) not in (None, "router") and name not in down:
+            assert torch.equal(after[name], before[name]), name  # neither sent nor trained: as the client had it
     for name in (NEXT_ROUTE, ROUTING):
         assert has_path(LAYOUT, reply.tensors[name].tolist())
-    net = net_of(a.model)
-    assert torch.equal(net.pending, reply.tensors[NEXT_ROUTE]) and torch.equal(net.routing, reply.tensors[ROUTING])
+    assert torch.equal(net_of(a.model).routing, reply.tensors[ROUTING])
     assert 0 <= reply.metrics["path_certainty"] <= 1
+
+
+def test_the_noise_is_drawn_given_the_route():
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(200):
+        logits = 3 * torch.randn(LAYOUT.paths, generator=gen)
+        route = torch.rand(LAYOUT.paths, generator=gen) < 0.5
+        noise = noise_given(route, logits, gen)
+        assert torch.equal(noise + logits > 0, route)
+        assert torch.equal(relaxed_bernoulli(logits, noise, 0.3) > 0.5, route)
+
+
+def test_a_router_with_batchnorm_re_estimates_its_statistics_over_the_data():
+    spec = create("fedmn_1x2x2_mobilenet_v2", (3, 8, 8), 10)
+    router = net_of(build(spec)).router
+    x, y = torch.randn(10, 3, 8, 8), torch.arange(10) % 10
+    norms = [m for m in router.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert norms and all(float(m.running_mean.abs().sum()) == 0 for m in norms)
+    refresh_batchnorm(router, x, y, batch=4)
+    assert not router.training
+    assert all(int(m.num_batches_tracked) == 3 and float(m.running_mean.abs().sum()) > 0 for m in norms)
+    assert all(m.momentum == 0.1 for m in norms)  # put back
+    first = norms[0]
+    with torch.no_grad():  # cumulative averages: the mean of the three batches' channel means
+        z = router.phi_x[0](x)
+        means = [z[i : i + 4].mean(dim=(0, 2, 3)) for i in (0, 4, 8)]
+    assert torch.allclose(first.running_mean, sum(means) / 3, atol=1e-5)
 
 
 def test_the_router_learns_only_when_the_task_says_so():
@@ -166,7 +208,7 @@ def test_the_router_learns_only_when_the_task_says_so():
     every = torch.ones(LAYOUT.paths, dtype=torch.bool)
     frozen = agent().handle(train_task(every, learn=False, state=sent))
     assert all(torch.equal(frozen.tensors[n], sent[n]) for n in router)
-    assert set(frozen.tensors) == set(exchanged(list(sent), LAYOUT, every.tolist())) | {ROUTE, NEXT_ROUTE, ROUTING}
+    assert set(frozen.tensors) == set(uploaded(list(sent), LAYOUT, every.tolist())) | {ROUTE, NEXT_ROUTE, ROUTING}
 
 
 def test_a_resent_task_replies_alike():
@@ -184,9 +226,8 @@ def test_a_malformed_task_is_refused(fault):
     block = next(n for n in tensors if block_of(n) not in ("router", None))
     if fault == "extra":
         state = global_state()
-        tensors[next(n for n in state if block_of(n) == (1, 1))] = state[
-            next(n for n in state if block_of(n) == (1, 1))
-        ]
+        unreached = next(n for n in state if block_of(n) == (2, 0))  # the route reaches block 2.1 only
+        tensors[unreached] = state[unreached]
     elif fault == "missing":
         del tensors[block]
     elif fault == "shape":

@@ -13,13 +13,15 @@ from fedge.modular import (
     Layout,
     best_path,
     block_of,
+    downloaded,
     eq11,
-    exchanged,
     has_path,
     layout_of,
     net_of,
     reachable,
+    router_has_batchnorm,
     router_macs,
+    uploaded,
     used_blocks,
     with_path,
 )
@@ -179,14 +181,19 @@ def test_training_with_straight_through_gates_runs_the_hard_route_and_trains_onl
     assert soft.grad[LAYOUT.path(2, 1, 1)] != 0 and soft.grad[LAYOUT.path(3, 1, 1)] == 0
 
 
-def test_a_route_exchanges_the_router_and_its_used_blocks_only():
+def test_a_route_downloads_what_it_reaches_and_uploads_what_it_used():
     names = list(tensor_shapes(SPEC))
     r = route(*chain(LAYOUT, [1, 1, 0]))
-    got = exchanged(names, LAYOUT, r)
-    assert {block_of(n) for n in got} == {ROUTER, (1, 1), (2, 1), (3, 0)}
-    assert all(block_of(n) in {ROUTER, (1, 1), (2, 1), (3, 0)} for n in got)
-    assert not any(n.endswith(("routing", "pending", "noise")) for n in got)
-    assert set(exchanged(names, LAYOUT, [True] * LAYOUT.paths)) == {n for n in names if block_of(n) is not None}
+    down, up = downloaded(names, LAYOUT, r), uploaded(names, LAYOUT, r)
+    # every encoder is reached (its input is x); encoder 0 feeds nothing on this route, so it is not uploaded
+    assert {block_of(n) for n in down} == {ROUTER, (1, 0), (1, 1), (2, 1), (3, 0)}
+    assert {block_of(n) for n in up} == {ROUTER, (1, 1), (2, 1), (3, 0)}
+    assert not any(n.endswith("routing") for n in down)
+    everything = {n for n in names if block_of(n) is not None}
+    assert (
+        set(downloaded(names, LAYOUT, [True] * LAYOUT.paths)) == set(uploaded(names, LAYOUT, [True] * 10)) == everything
+    )
+    assert not router_has_batchnorm(SPEC) and router_has_batchnorm(create("fedmn_1x2x2_mobilenet_v2", (3, 8, 8), 10))
 
 
 def test_the_spec_counts_the_whole_pool_and_the_router_apart():

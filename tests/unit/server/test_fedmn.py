@@ -10,7 +10,7 @@ import torch
 
 from device_profiles import get_profile
 from fedge.messages import ClientInfo, Result
-from fedge.modular import NEXT_ROUTE, ROUTE, ROUTING, block_of, exchanged, layout_of, router_macs
+from fedge.modular import NEXT_ROUTE, ROUTE, ROUTING, block_of, downloaded, layout_of, router_macs, uploaded
 from fedge.payloads import payload_rejection
 from fedge.spec import build
 from fedge.zoo import create
@@ -41,13 +41,14 @@ def chain(encoder, middle, out):
 
 
 def reply(task, cid, seed, next_route=None, n=None):
-    """The client's reply to `task`: its tensors moved by seeded noise of 1/10 their scale, the task's route, and a
-    next and most likely route."""
+    """The client's reply to `task`: the tensors of its route's used blocks and the router, moved by seeded noise of
+    1/10 their scale, the task's route, and a next and most likely route."""
     gen = torch.Generator().manual_seed(seed)
+    used = uploaded(list(task.tensors), LAYOUT, task.tensors[ROUTE].tolist())
     tensors = {
         k: (v + 0.1 * v.abs().mean() * torch.randn(v.shape, generator=gen) if v.is_floating_point() else v.clone())
         for k, v in task.tensors.items()
-        if k != ROUTE
+        if k in used
     }
     nxt = chain(0, 0, 0) if next_route is None else next_route
     tensors |= {ROUTE: task.tensors[ROUTE].clone(), NEXT_ROUTE: nxt, ROUTING: nxt.clone()}
@@ -60,7 +61,7 @@ def test_warmup_and_unknown_clients_train_every_path_and_later_rounds_send_exact
     tasks = s.plan(0, ["0", "1", "2"])
     for task in tasks.values():
         assert torch.equal(task.tensors[ROUTE], ALL) and task.config["learn_routing"] is False
-        assert set(task.tensors) - {ROUTE} == set(exchanged(names, LAYOUT, ALL.tolist()))
+        assert set(task.tensors) - {ROUTE} == set(downloaded(names, LAYOUT, ALL.tolist()))
     routes = {"0": chain(0, 0, 0), "1": chain(1, 1, 1)}
     s.aggregate(0, {cid: reply(tasks[cid], cid, 1, routes[cid]) for cid in ("0", "1")})
     again = s.plan(1, ["0", "1", "2"])
@@ -68,13 +69,12 @@ def test_warmup_and_unknown_clients_train_every_path_and_later_rounds_send_exact
     for cid, route in routes.items():
         task = again[cid]
         assert torch.equal(task.tensors[ROUTE], route) and task.config["learn_routing"] is True
-        assert set(task.tensors) - {ROUTE} == set(exchanged(names, LAYOUT, route.tolist()))
-        assert {block_of(n) for n in task.tensors if n != ROUTE} == {
-            "router",
-            (1, int(cid)),
-            (2, int(cid)),
-            (3, int(cid)),
-        }
+        assert set(task.tensors) - {ROUTE} == set(downloaded(names, LAYOUT, route.tolist()))
+        # the route reaches both encoders (the input feeds every one) and the blocks of its chain
+        reached = {"router", (1, 0), (1, 1), (2, int(cid)), (3, int(cid))}
+        assert {block_of(n) for n in task.tensors if n != ROUTE} == reached
+        expected = s.expects(task, s.clients[cid]).tensors
+        assert set(expected) - {ROUTE, NEXT_ROUTE, ROUTING} == set(uploaded(names, LAYOUT, route.tolist()))
     # client 2 sent nothing in round 0: the server knows no route of it, so it trains every path
     assert torch.equal(again["2"].tensors[ROUTE], ALL) and again["2"].config["learn_routing"] is False
     assert s.plan(0, ["0"])["0"].config["learn_routing"] is False  # a warm-up round ignores known routes
@@ -96,7 +96,7 @@ def test_aggregation_is_fedavg_when_every_block_is_used():
 
 
 def test_a_block_nobody_used_keeps_its_value_and_a_shared_one_averages_over_its_users():
-    s = strategy()
+    s = strategy(max_client_share=1.0)  # plain example weights
     s.routes = {"0": chain(0, 0, 0), "1": chain(0, 0, 1), "2": chain(1, 0, 1)}
     before = {k: v.clone() for k, v in s.global_model.state.items()}
     tasks = s.plan(1, ["0", "1", "2"])
@@ -116,6 +116,18 @@ def test_a_block_nobody_used_keeps_its_value_and_a_shared_one_averages_over_its_
         expected = sum(w * replies[c].tensors[name] for c, w in zip(who, weights)) / sum(weights)
         assert torch.allclose(value, expected, atol=1e-6), name
     assert torch.equal(s.routes["0"], chain(0, 0, 0))  # the replies' next routes are kept
+
+
+def test_the_share_cap_holds_on_every_block_among_its_users():
+    s = strategy()  # max_client_share 0.5
+    s.routes = {"0": chain(0, 0, 0), "1": chain(0, 0, 0), "2": chain(1, 1, 1)}
+    tasks = s.plan(1, ["0", "1", "2"])
+    replies = {cid: reply(task, cid, 20 + int(cid), n=10**6 if cid == "0" else 10) for cid, task in tasks.items()}
+    s.aggregate(1, replies)
+    name = next(n for n in s.global_model.state if block_of(n) == (2, 0))  # used by the liar 0 and client 1
+    expected = (replies["0"].tensors[name] + replies["1"].tensors[name]) / 2  # two users: equal shares
+    assert torch.allclose(s.global_model.state[name], expected, atol=1e-6)
+    assert s.shares["0"] == pytest.approx(0.5)  # the router's three users: the liar at the cap
 
 
 def check(s, task, result):
