@@ -79,18 +79,24 @@ def create(name: str, input_shape: Sequence[int], num_classes: int, widths: str 
     """Build the spec of a zoo model for a (C, H, W) input at a width preset; unknown names or widths raise
     ZooError."""
     modular = FEDMN_NAME.fullmatch(name)
-    factory = MODELS.get(name) if modular is None else None
+    mlp_depth = MLP_NAME.fullmatch(name)
+    factory = MODELS.get(name) if modular is None and mlp_depth is None else None
     check_widths(widths)
     c, h, w = input_shape
     if h != w:
         raise ZooError(f"zoo models take square images, got {h}x{w}")
     if modular is not None:
         return fedmn_network(name, modular[1], modular[2], (c, h, w), num_classes, widths)
+    if mlp_depth is not None:
+        return mlp((c, h, w), int(mlp_depth[1]), num_classes)
     return factory(c, h, num_classes, widths)
 
 
 def is_model(name: str) -> bool:
-    """Whether `name` is a zoo model: a registered one or a FedMN modular network (fedmn_<units>_<encoder>)."""
+    """Whether `name` is a zoo model: a registered one, an MLP (mlp<depth>) or a FedMN modular network
+    (fedmn_<units>_<encoder>)."""
+    if MLP_NAME.fullmatch(name):
+        return True
     match = FEDMN_NAME.fullmatch(name)
     return name in MODELS if match is None else match[2] in MODELS or match[2] == FEDMN_FC
 
@@ -378,7 +384,7 @@ def assign_models(zoo: str, num_clients: int, seed: int) -> list[str]:
     if zoo not in ZOOS:
         raise ZooError(
             f"unknown zoo {zoo!r}; use one of {', '.join([*ZOOS, FEDGH_ZOO])}, a model name, or comma-separated model "
-            f"names ({', '.join(MODELS)}, or a FedMN pool such as fedmn_2x2x2_cnn1)"
+            f"names ({', '.join(MODELS)}, an MLP such as mlp8, or a FedMN pool such as fedmn_2x2x2_cnn1)"
         )
     weights = ZOOS[zoo]
     total = sum(weights.values())
@@ -390,6 +396,21 @@ def assign_models(zoo: str, num_clients: int, seed: int) -> list[str]:
     names = [m for m in weights for _ in range(counts[m])]
     order = np.random.default_rng(seed).permutation(num_clients)
     return [names[i] for i in order]
+
+
+# MLPs of any depth, named mlp<depth> (FedMN §IV-D's FedAvg baselines: 8-, 9- and 10-layer MLPs of 256 hidden units):
+# flatten, depth - 1 hidden layers Linear(256) → ReLU, and a linear classifier; the same at both width presets (the
+# paper's 256 hidden units are already CPU-sized). mlp1 is a linear classifier on the pixels.
+MLP_NAME = re.compile(r"mlp([1-9]\d{0,2})")
+MLP_HIDDEN = 256
+
+
+def mlp(input_shape: tuple[int, int, int], depth: int, num_classes: int) -> ModelSpec:
+    """`mlp<depth>`: blocks fc1..fc<depth-1> (Linear(256) → ReLU, the first flattening the image) and the classifier
+    fc<depth>: depth linear layers in all."""
+    blocks = [(f"fc{i + 1}", _fc(MLP_HIDDEN, flatten=i == 0)) for i in range(depth - 1)]
+    blocks.append((f"fc{depth}", _fc(num_classes, relu=False, flatten=depth == 1)))
+    return make_spec(f"mlp{depth}", input_shape, num_classes, blocks)
 
 
 # FedMN's modular networks (Wang et al. 2022, fedge/modular.py), named fedmn_<units>_<encoder>: e.g.

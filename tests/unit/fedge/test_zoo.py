@@ -7,7 +7,7 @@ import pytest
 
 from device_profiles import fits, get_profile, list_profiles
 from fedge import constants as C
-from fedge.zoo import FEDGH_CNNS, MODELS, ZooError, assign_models, create
+from fedge.zoo import FEDGH_CNNS, MODELS, ZooError, assign_models, create, is_model
 
 pytestmark = pytest.mark.timeout(60)
 SHAPES = [(1, 28, 28), (3, 32, 32)]
@@ -158,3 +158,30 @@ def test_fedgh_cnns_are_the_authors_and_fit_the_default_fleet():
         assert all(fits(spec, get_profile(p)).ok for p in C.DEFAULT_FLEET_PROFILES)
     assert params["fedgh_cnn1"] == 3 * 16 * 25 + 16 + 16 * 32 * 25 + 32 + 800 * 2000 + 2000 + 2000 * 500 + 500 + 5010
     assert assign_models("fedgh", 7, seed=0) == [f"fedgh_cnn{i % 5 + 1}" for i in range(7)]
+
+
+@pytest.mark.parametrize("depth", [1, 2, 8, 9, 10])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_mlps_have_depth_linear_layers_of_256_hidden_units_at_both_presets(depth, shape):
+    """mlp<depth> (FedMN §IV-D's FedAvg baselines): flatten, depth - 1 × Linear(256) → ReLU, Linear(classes)."""
+    spec = create(f"mlp{depth}", shape, 10, "paper")
+    assert spec == create(f"mlp{depth}", shape, 10, "cpu") and is_model(f"mlp{depth}")
+    assert layer_widths(spec) == ([], [256] * (depth - 1) + [10])
+    assert [b.name for b in spec.blocks] == [f"fc{i + 1}" for i in range(depth)]
+    pixels = math.prod(shape)
+    hidden = 0 if depth == 1 else (pixels * 256 + 256) + (depth - 2) * (256 * 256 + 256)
+    assert spec.params == hidden + (256 if depth > 1 else pixels) * 10 + 10
+    assert assign_models(f"mlp{depth}", 3, seed=0) == [f"mlp{depth}"] * 3
+
+
+def test_mlp_parameter_counts_at_cifar10():
+    # 3x32x32, 10 classes: 3072·256 + 256, then 65,792 per further hidden layer, then 2,570
+    params = {d: create(f"mlp{d}", (3, 32, 32), 10).params for d in (8, 9, 10)}
+    assert params == {8: 1_184_010, 9: 1_249_802, 10: 1_315_594}
+
+
+@pytest.mark.parametrize("name", ["mlp0", "mlp01", "mlp", "mlp-1", "mlp8x"])
+def test_malformed_mlp_names_are_not_models(name):
+    assert not is_model(name)
+    with pytest.raises(ZooError):
+        create(name, (3, 32, 32), 10)
