@@ -1,6 +1,7 @@
 """FedMN end to end on mnist-5k with the zoo's smallest pool, fedmn_2x2x2_cnn1 (2 cnn1 encoders, 2 + 2 MLP blocks,
 10 paths), 4 clients of FedEM's clustered split, 3 rounds of which the first is the warm-up: every task carries the
-router and exactly its route's blocks and the rows count what went each way, the run over MQTT with client
+router and the blocks its route reaches, every reply the router and the blocks it used, and the rows count what
+went each way, the run over MQTT with client
 processes gives the in-process pool and accuracies, each client's model exports to ONNX and scores its final
 accuracy, a crashed run resumes bit-identically, and a client lying in its reply (an extra block, a wrong shape, a
 route it was not sent, a next route without a path) is refused with its reason while the others train on."""
@@ -44,7 +45,7 @@ PATHS = 2 * 2 + 2 * 2 + 2  # §II-A: Σ n_l n_{l+1} + n_L
 CLIENTS, ROUNDS, WARMUP = 4, 3, 1
 FLOAT = 4
 PREFIX = "blocks.0.0."
-PRIVATE = ("routing", "pending", "noise")  # the client's own buffers, never exchanged
+PRIVATE = ("routing",)  # the client's own most likely route, never exchanged
 
 
 def fleet(out, **kw):
@@ -62,7 +63,8 @@ def fleet(out, **kw):
 
 # ---------------------------------------------------------------------------------------------- routes, by hand
 # Independent of fedge/modular.py: a path's index from the layout its docstring states, a block's tensors from its
-# state name, and the blocks a route uses as those on a complete chain input → encoder → ... → output.
+# state name, the blocks a route uses as those on a complete chain input → encoder → ... → output, and the blocks it
+# reaches as every encoder and what a path that is on leads to from a reached block.
 
 
 def path_index(layer: int, j: int, k: int) -> int:
@@ -85,6 +87,19 @@ def used(route: list[bool]) -> set[tuple[int, int]]:
     return out
 
 
+def reached(route: list[bool]) -> set[tuple[int, int]]:
+    """(layer, index) of every block whose input is not 0: the encoders, then blocks a path on leads to."""
+    out = {(1, j) for j in range(UNITS[0])}
+    for layer in range(2, len(UNITS) + 1):
+        out |= {
+            (layer, j)
+            for j in range(UNITS[layer - 1])
+            for k in range(UNITS[layer - 2])
+            if route[path_index(layer, j, k)] and (layer - 1, k) in out
+        }
+    return out
+
+
 def part(name: str) -> tuple[int, int] | str:
     """A state tensor's block (layer, index), "router", or "private"."""
     rest = name.removeprefix(PREFIX).split(".")
@@ -100,7 +115,13 @@ ALL_BLOCKS = {(layer, j) for layer, n in enumerate(UNITS, start=1) for j in rang
 
 
 def sent_names(route: list[bool]) -> set[str]:
-    """The tensors of a task on `route`: the router's and those of the blocks the route uses."""
+    """The tensors of a task on `route`: the router's and those of the blocks the route reaches."""
+    blocks = reached(route)
+    return {n for n in SHAPES if part(n) == "router" or part(n) in blocks}
+
+
+def uploaded_names(route: list[bool]) -> set[str]:
+    """The tensors of a reply on `route`: the router's and those of the blocks the route used."""
     blocks = used(route)
     return {n for n in SHAPES if part(n) == "router" or part(n) in blocks}
 
@@ -109,7 +130,7 @@ def numbers(names) -> int:
     return sum(math.prod(SHAPES[n]) for n in names)
 
 
-POOL = numbers(sent_names([True] * PATHS))  # the whole pool with its router: what the warm-up exchanges
+POOL = numbers(sent_names([True] * PATHS))  # the whole pool with its router: what the warm-up exchanges each way
 
 
 def bits(t: torch.Tensor) -> str:
@@ -128,6 +149,7 @@ def test_the_layout_by_hand_matches_the_pool():
     dangling = chain.copy()  # encoder 0 → block (2, 1), which feeds nothing: not used
     dangling[path_index(2, 1, 0)] = True
     assert used(dangling) == used(chain)
+    assert reached(chain) == {(1, 0), (1, 1), (2, 0), (3, 1)} and reached(dangling) == reached(chain) | {(2, 1)}
 
 
 # ---------------------------------------------------------------------------------------------- the reference run
@@ -159,10 +181,11 @@ def fedmn_run(tmp_path_factory):
 
 def test_each_client_exchanges_the_router_and_its_routes_blocks_and_the_rows_count_them(fedmn_run):
     """In process: nothing refused, every client trains every round. A task carries the router and exactly the
-    blocks its route uses (the whole pool in the warm-up; after it, the route the client sampled at the end of its
-    previous task), and the row's params_down/params_up and bytes count them: a client routed through fewer blocks
-    transmits fewer numbers than the whole pool. The row's `routing` is the client's most likely route after
-    training (what it is evaluated and exported with) and `blocks_used` the blocks on it."""
+    blocks its route reaches (the whole pool in the warm-up; after it, the route the client sampled at the end of its
+    previous task), the reply the router and the blocks the route used, and the row's params_down/params_up and
+    bytes count them: a client routed through fewer blocks uploads fewer numbers than the whole pool. The row's
+    `routing` is the client's most likely route after training (what it is evaluated and exported with) and
+    `blocks_used` the blocks on it."""
     summary, out, tasks = fedmn_run
     clients = [str(c) for c in range(CLIENTS)]
     assert summary["rejected_replies"] == {} and summary["rejected_messages"] == {}
@@ -182,13 +205,16 @@ def test_each_client_exchanges_the_router_and_its_routes_blocks_and_the_rows_cou
             assert route.all() and not task.config["learn_routing"]
         else:  # the route the client sampled at the end of its previous task, with its router learning
             assert task.config["learn_routing"]
-        # the task holds the router and exactly the route's used blocks, and the row counts them both ways
+        # the task holds the router and exactly the blocks the route reaches, the reply those it used, and the row
+        # counts them
         assert set(task.tensors) - {ROUTE} == sent_names(route.tolist()), (r["round"], r["client"], bits(route))
-        n = numbers(sent_names(route.tolist()))
-        assert r["params_down"] == r["params_up"] == n
+        assert set(reply.tensors) - {ROUTE, NEXT_ROUTE, ROUTING} == uploaded_names(route.tolist())
+        down, n = numbers(sent_names(route.tolist())), numbers(uploaded_names(route.tolist()))
+        assert r["params_down"] == down and r["params_up"] == n <= down <= POOL
         assert n == POOL if used(route.tolist()) == ALL_BLOCKS else n < POOL
         # ... and so do the bytes on the wire: 4 bytes a number, plus the envelope and the reply's metrics
-        assert FLOAT * n < r["bytes_down"] < FLOAT * n + 16 * 1024 and FLOAT * n < r["bytes_up"] < FLOAT * n + 16 * 1024
+        assert FLOAT * down < r["bytes_down"] < FLOAT * down + 16 * 1024
+        assert FLOAT * n < r["bytes_up"] < FLOAT * n + 16 * 1024
         # the reply repeats the route; the row shows the client's most likely route after its training (one bit
         # per path, with a path to the output)
         assert torch.equal(reply.tensors[ROUTE], route) and reply.tensors[ROUTING].dtype == torch.bool
@@ -197,8 +223,8 @@ def test_each_client_exchanges_the_router_and_its_routes_blocks_and_the_rows_cou
         if n < POOL:
             fewer += 1
             warmup = next(w for w in rows if w["round"] == 0 and w["client"] == r["client"])
-            assert r["bytes_down"] < warmup["bytes_down"] and r["bytes_up"] < warmup["bytes_up"]
-    assert all(r["params_down"] == POOL for r in rows if r["round"] < WARMUP)
+            assert r["bytes_up"] < warmup["bytes_up"]
+    assert all(r["params_down"] == r["params_up"] == POOL for r in rows if r["round"] < WARMUP)
     assert fewer > 0  # some client routed through fewer blocks after the warm-up and sent less (the point of §II-E)
     assert 0 < summary["network_bytes_total"] == sum(r["bytes_down"] + r["bytes_up"] for r in rows)
 
