@@ -43,6 +43,7 @@ from fedge.config import RunConfig  # noqa: E402
 from fedge.modular import ROUTER, block_of, elements  # noqa: E402
 from fedge.spec import tensor_shapes  # noqa: E402
 from fedge.zoo import MODELS, create, is_model  # noqa: E402
+from server.strategy import parse_options  # noqa: E402
 
 DATASET, INPUT, CLASSES = "cifar10", (3, 32, 32), 10
 # Table II: label -> strategy; the model is the encoder's zoo model, FedMN's the [2×2×2] pool on that encoder.
@@ -86,12 +87,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="Table II FedMN's first rounds as FedAvg of the whole pool (§IV-B pretrains the encoders with FedAvg); "
         "Fig. 2 has none",
     )
+    p.add_argument(
+        "--fedmn",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="FedMN options for every FedMN run (e.g. router_lr=0.5; `fedge strategies` lists them)",
+    )
     p.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10.npz"))
     p.add_argument("--jobs", type=int, default=1, help="runs side by side (processes)")
     p.add_argument("--out", default="runs/bench-fedmn", help="run folders and results.json")
     args = p.parse_args(argv)
     if args.encoder not in MODELS or not is_model(f"fedmn_{TABLE2_POOL}_{args.encoder}"):
         p.error(f"--encoder must be a zoo model, one of {', '.join(MODELS)}")
+    if any("=" not in item for item in args.fedmn):
+        p.error("--fedmn takes KEY=VALUE items")
     return args
 
 
@@ -105,6 +115,8 @@ def run_config(args: argparse.Namespace, view: str, label: str, seed: int) -> Ru
             options["warmup_rounds"] = args.warmup_rounds
     else:
         (strategy, zoo), widths, rounds = FIG2[label], FIG2_WIDTHS, args.fig2_rounds
+    if strategy == "fedmn":
+        options |= dict(item.split("=", 1) for item in args.fedmn)
     slug = f"{zoo}-{strategy}" + "".join(f"-{k}={v}" for k, v in sorted(options.items())) + f"-seed{seed}"
     return RunConfig(
         strategy=strategy,
@@ -331,6 +343,11 @@ def routing_table(evolutions: dict[str, dict[int, tuple[float, float | None]]]) 
     return lines
 
 
+def fedmn_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Every FedMN option of the runs (the strategy's defaults, then --fedmn's), as `fedge strategies` names them."""
+    return vars(parse_options("fedmn", dict(item.split("=", 1) for item in args.fedmn)))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
@@ -344,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"E={args.local_epochs} local epoch(s) (Adam, lr 1e-3), batch {args.batch_size}; Table II: "
         f"T={args.rounds} rounds, {args.encoder} ({args.widths} widths), FedMN [2×2×2] with "
         f"{args.warmup_rounds} warm-up round(s); Fig. 2: T={args.fig2_rounds} rounds, paper widths (256 hidden); "
-        f"FedMN defaults (τ 1.0 → 0.1, decay 0.1 per round, router SGD lr 0.05); seeds {args.seeds}",
+        f"FedMN options {fedmn_options(args)}; seeds {args.seeds}",
     ]
     jobs: list[tuple[str, str, RunConfig]] = []  # (view, label, config)
     if "table2" in args.views:

@@ -24,7 +24,7 @@ PUBLIC_FRACTION = 0.08
 TEST_FRACTION_OF_CLIENT = 0.20 / 0.92
 CLASSES_PER_CLIENT = 2
 DIRICHLET_ALPHA = 0.5
-ROUTER_LR = 0.05  # FedMN's router SGD learning rate (the paper's grid: 0.001-0.05; server/fedmn.py)
+ROUTER_LR = 1.0  # FedMN's router SGD step on its gradient summed over a task's batches (server/fedmn.py)
 LABEL_CLUSTERS = 3  # partition "clustered": FedEM's class groups (its CIFAR-10 setting, which FedMN uses, has 3)
 
 # The embedded default run: small enough for a laptop, heterogeneous enough to mean something.

@@ -91,7 +91,11 @@ class FedMNOptions(StrategyOptions):
     temperature: float = option(1.0, "τ of Eq. (5) in the first routed round (paper: 1.0)")
     min_temperature: float = option(0.1, "the smallest τ the annealing reaches (paper: 0.1)")
     temperature_decay: float = option(0.1, "r of τ_t = max(min_temperature, temperature · e^(-r t)), t routed rounds")
-    router_lr: float = option(C.ROUTER_LR, "the routing hypernetwork's SGD learning rate (paper: grid 0.001-0.05)")
+    router_lr: float = option(
+        C.ROUTER_LR,
+        "the routing hypernetwork's SGD step on its gradient summed over a task's batches (ours: the paper's grid "
+        "0.001-0.05 is its per-batch local solver's; at 0.05 routes stay near coin flips for 30 rounds)",
+    )
     max_client_share: float = option(
         C.MAX_CLIENT_SHARE, "largest share of a round's average one client may get, in (0, 1]; 1: example weights"
     )

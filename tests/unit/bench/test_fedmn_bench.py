@@ -111,6 +111,18 @@ def test_run_configs_follow_the_paper_setup():
     assert fedmn.router_params(fedmn.run_config(args, "fig2", "FedMN [1×4×3]", 0)) > 0
     with pytest.raises(SystemExit):
         fedmn.parse_args(["--encoder", "resnet"])
+    # --fedmn sets FedMN options of every FedMN run (Table II and Fig. 2) and none of the others'
+    tuned = fedmn.parse_args(["--fedmn", "router_lr=2", "temperature_decay=0.2"])
+    assert fedmn.run_config(tuned, "table2", "FedMN", 0).options == {
+        "warmup_rounds": 3,
+        "router_lr": "2",
+        "temperature_decay": "0.2",
+    }
+    assert fedmn.run_config(tuned, "fig2", "FedMN [1×5×2]", 0).options["router_lr"] == "2"
+    assert fedmn.run_config(tuned, "table2", "FedAvg", 0).options == {}
+    assert fedmn.fedmn_options(tuned)["router_lr"] == 2.0
+    with pytest.raises(SystemExit):
+        fedmn.parse_args(["--fedmn", "router_lr"])
 
 
 def test_a_tiny_benchmark_runs_and_reuses_its_finished_runs(tmp_path, capsys):
