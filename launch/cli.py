@@ -90,6 +90,11 @@ def cmd_zoo(args: argparse.Namespace) -> None:
         for zoo, weights in ZOOS.items():
             print(f"  {zoo:4s} " + ", ".join(f"{m}: {n}" for m, n in weights.items()))
         print(f"  {FEDGH_ZOO} client i gets model i mod 5 of {', '.join(FEDGH_CNNS)} (FedGH, DC-PFL)")
+        print(
+            "\nmodel families: fedmn_<units>_<encoder> is a FedMN pool (e.g. fedmn_2x2x2_cnn1: 2 encoders, 2 MLP "
+            "blocks, 2 output blocks;\n  the encoder is a model above without its last block, or fc); mlp<depth> an "
+            "MLP of 256 hidden units (e.g. mlp8)"
+        )
 
 
 def cmd_profiles(args: argparse.Namespace) -> None:
