@@ -2,12 +2,14 @@
 no-input case included), which blocks a route reaches and uses, the forced path is the most likely chain, forward
 runs exactly the route (straight-through gates included), and what a route exchanges."""
 
+import dataclasses
 import itertools
 import math
 
 import pytest
 import torch
 
+from device_profiles import fits, get_profile
 from fedge.modular import (
     ROUTER,
     Layout,
@@ -210,3 +212,14 @@ def test_the_spec_counts_the_whole_pool_and_the_router_apart():
         p.numel() for n, p in model.named_parameters() if ".router." not in n
     )
     assert math.prod(net.routing.shape) == 21 and net.routing.dtype == torch.bool
+
+
+def test_a_device_must_hold_the_whole_pool_and_its_router():
+    """A client holds every block and the router, so its profile is checked against all of them (a route uses
+    fewer): one parameter or MAC fewer than the pool's is refused."""
+    spec = create("fedmn_2x2x2_cnn1", (3, 32, 32), 10)
+    profile = dataclasses.replace(get_profile("jetson-orin-nano"), max_params=spec.params, max_macs=spec.macs)
+    assert fits(spec, profile).ok
+    for limit in ("max_params", "max_macs"):
+        tight = dataclasses.replace(profile, **{limit: getattr(profile, limit) - 1})
+        assert not fits(spec, tight).ok
