@@ -19,18 +19,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import multiprocessing
 import statistics
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.compare import hardware  # noqa: E402
-from bench.fedtrans import mean_std, read_rows, run_one  # noqa: E402
+from bench.fedtrans import cell, read_rows, run_all, run_one  # noqa: E402
 from fedge.config import RunConfig  # noqa: E402
 
 # label -> (strategy, options)
@@ -126,11 +124,6 @@ def accuracy(cfg: RunConfig) -> dict[str, float]:
     }
 
 
-def cell(values: Sequence[float]) -> str:
-    m, s = mean_std(values)
-    return f"{m:.2f} ± {s:.2f}"
-
-
 def table12(results: dict[str, dict[str, list[float]]], methods: Sequence[str]) -> list[str]:
     """Markdown: one row per method, per setting ours (mean ± std over seeds) beside the paper's."""
     settings = list(results)
@@ -162,28 +155,6 @@ def checks12(results: dict[str, dict[str, list[float]]]) -> list[str]:
     return out
 
 
-def run_all(args: argparse.Namespace, configs: list[RunConfig]) -> list[dict[str, float]]:
-    """Every config's numbers, `args.jobs` at a time, with a line per finished run."""
-    started = time.perf_counter()
-    unique = list({cfg.out: cfg for cfg in configs}.values())  # Table 3's default Σ|G_c| is Table 1's DC-PFL run
-    done: dict[str | None, dict[str, float]] = {}
-    # Fresh interpreters for the workers: a fork of a process with threads (a test run's brokers) can deadlock.
-    pool = ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) if args.jobs > 1 else None
-    try:
-        for i, result in enumerate(pool.map(accuracy, unique) if pool else map(accuracy, unique)):
-            done[unique[i].out] = result
-            print(
-                f"[{i + 1}/{len(unique)}] {unique[i].out}: acc {result['acc']:.2f}% "
-                f"({time.perf_counter() - started:.0f} s elapsed)",
-                file=sys.stderr,
-                flush=True,
-            )
-    finally:
-        if pool:
-            pool.shutdown()
-    return [done[cfg.out] for cfg in configs]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
@@ -209,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         jobs += [
             ("3", f"{v:,}", "DC-PFL", v, run_config(args, setting, "DC-PFL", s, v)) for v in VIRTUAL for s in args.seeds
         ]
-    numbers = run_all(args, [job[-1] for job in jobs])
+    numbers = run_all(args.jobs, [job[-1] for job in jobs], accuracy)
     per_run: dict[str, dict[str, dict[str, list[float]]]] = {}
     for (table, label, method, _, _), result in zip(jobs, numbers):
         per_run.setdefault(table, {}).setdefault(label, {}).setdefault(method, []).append(result["acc"])

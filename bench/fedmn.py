@@ -27,18 +27,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import multiprocessing
 import statistics
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.compare import hardware  # noqa: E402
-from bench.fedtrans import mean_std, read_rows, run_one  # noqa: E402
+from bench.fedtrans import cell, read_rows, run_all, run_one  # noqa: E402
 from fedge.config import RunConfig  # noqa: E402
 from fedge.modular import ROUTER, block_of, elements  # noqa: E402
 from fedge.spec import tensor_shapes  # noqa: E402
@@ -198,33 +196,6 @@ def measure(cfg: RunConfig) -> dict[str, Any]:
     return out
 
 
-def run_all(jobs: int, configs: list[RunConfig]) -> list[dict[str, Any]]:
-    """Every config's numbers, `jobs` at a time, with a line per finished run."""
-    started = time.perf_counter()
-    unique = list({cfg.out: cfg for cfg in configs}.values())
-    done: dict[str | None, dict[str, Any]] = {}
-    # Fresh interpreters for the workers: a fork of a process with threads (a test run's brokers) can deadlock.
-    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) if jobs > 1 else None
-    try:
-        for i, result in enumerate(pool.map(measure, unique) if pool else map(measure, unique)):
-            done[unique[i].out] = result
-            print(
-                f"[{i + 1}/{len(unique)}] {unique[i].out}: acc {result['acc']:.2f}% "
-                f"({time.perf_counter() - started:.0f} s elapsed)",
-                file=sys.stderr,
-                flush=True,
-            )
-    finally:
-        if pool:
-            pool.shutdown()
-    return [done[cfg.out] for cfg in configs]
-
-
-def cell(values: Sequence[float], digits: int = 2) -> str:
-    m, s = mean_std(values)
-    return f"{m:.{digits}f} ± {s:.{digits}f}"
-
-
 def mean(runs: Sequence[dict[str, Any]], key: str) -> float:
     return statistics.fmean(r[key] for r in runs)
 
@@ -368,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         jobs += [("table2", m, run_config(args, "table2", m, s)) for m in args.methods for s in args.seeds]
     if "fig2" in args.views:
         jobs += [("fig2", a, run_config(args, "fig2", a, s)) for a in args.archs for s in args.seeds]
-    numbers = run_all(args.jobs, [cfg for _, _, cfg in jobs])
+    numbers = run_all(args.jobs, [cfg for _, _, cfg in jobs], measure)
     per_view: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for (view, label, _), result in zip(jobs, numbers):
         per_view.setdefault(view, {}).setdefault(label, []).append(result)

@@ -17,12 +17,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import multiprocessing
 import shutil
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 
@@ -35,6 +37,8 @@ from launch.server import resolve_options  # noqa: E402
 from launch.simulation import run_simulation  # noqa: E402
 from server.plots import plot_time_to_accuracy  # noqa: E402
 from server.runlog import CHECKPOINT_FILE  # noqa: E402
+
+T = TypeVar("T", bound=dict)
 
 # FedTrans's parameters scaled to runs of tens of rounds: γ = 10, δ = 20 (the paper's and the authors') need 30
 # rounds of one model before its first transformation. β is the DoC (loss drop per round) that counts as converging.
@@ -137,6 +141,35 @@ def numbers(summary: dict[str, Any], folder: Path) -> dict[str, float]:
         "server_s": server,
         "server_share": server / statistics.fmean(train) if train else float("nan"),
     }
+
+
+def run_all(jobs: int, configs: list[RunConfig], measure: Callable[[RunConfig], T]) -> list[T]:
+    """`measure` of every config (a config repeated is run once), `jobs` processes at a time, with a line per
+    finished run on stderr."""
+    started = time.perf_counter()
+    unique = list({cfg.out: cfg for cfg in configs}.values())
+    done: dict[str | None, T] = {}
+    # Fresh interpreters for the workers: a fork of a process with threads (a test run's brokers) can deadlock.
+    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) if jobs > 1 else None
+    try:
+        for i, result in enumerate(pool.map(measure, unique) if pool else map(measure, unique)):
+            done[unique[i].out] = result
+            print(
+                f"[{i + 1}/{len(unique)}] {unique[i].out}: acc {result['acc']:.2f}% "
+                f"({time.perf_counter() - started:.0f} s elapsed)",
+                file=sys.stderr,
+                flush=True,
+            )
+    finally:
+        if pool:
+            pool.shutdown()
+    return [done[cfg.out] for cfg in configs]
+
+
+def cell(values: Sequence[float], digits: int = 2) -> str:
+    """mean ± std of `values`, to `digits` decimals."""
+    m, s = mean_std(values)
+    return f"{m:.{digits}f} ± {s:.{digits}f}"
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:

@@ -8,9 +8,12 @@ give up at once. Client and server logs are printed at teardown, which pytest sh
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -153,6 +156,34 @@ def fedge_run_processes(cfg: RunConfig, config_path: Path, timeout: float) -> su
 
 class Crash(BaseException):
     """The process dying: not an Exception, so nothing between the client and the test catches it."""
+
+
+def exports_score_their_accuracy(out: Path, summary: dict[str, Any], what: str, dataset: str, folder: Path) -> int:
+    """Export every client's `what` model of run `out` to ONNX with `fedge export` (which checks parity and says
+    so), then score it with `fedge predict` on the client's test shard of `dataset`: AssertionError unless each
+    export succeeds and scores exactly the run's final accuracy for that client. Returns how many were checked."""
+    from launch.cli import main as cli_main  # the CLI's command table imports the whole system
+
+    for cid, accuracy in summary["final_accuracy"]["per_client"].items():
+        argv = ["export", out, "--client", cid, "--what", what, "--format", "onnx", "--out", folder]
+        printed = _printed(cli_main, argv)
+        assert "max abs logit difference" in printed, printed
+        onnx = folder / f"client{cid}-{what}.onnx"
+        printed = _printed(
+            cli_main, ["predict", onnx, "--dataset", dataset, "--client", cid, "--config", out / "config.json"]
+        )
+        correct, total = map(int, re.search(r"\((\d+)/(\d+)\)", printed).groups())
+        assert correct / total == accuracy, (cid, printed)
+    return len(summary["final_accuracy"]["per_client"])
+
+
+def _printed(cli_main: Callable[[list[str]], int], argv: list[Any]) -> str:
+    """What the CLI printed for `argv`; AssertionError when it exits non-zero."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = cli_main([str(a) for a in argv])
+    assert code == 0, (argv, out.getvalue())
+    return out.getvalue()
 
 
 def crash_at(monkeypatch: Any, rnd: int, nth: int) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import threading
 
 import numpy as np
@@ -32,6 +31,7 @@ from helpers.federation import (
     Crash,
     Federation,
     crash_at,
+    exports_score_their_accuracy,
     fedge_run_processes,
     make_config,
     read_rows,
@@ -127,20 +127,11 @@ def test_over_mqtt_with_client_processes_it_matches_the_inproc_run(dcpfl_run, tm
         assert torch.allclose(x, y, rtol=1e-4, atol=1e-5)
 
 
-def test_each_personalized_model_exports_to_onnx_and_scores_its_final_accuracy(dcpfl_run, tmp_path, capsys):
+def test_each_personalized_model_exports_to_onnx_and_scores_its_final_accuracy(dcpfl_run, tmp_path):
     """`fedge export --what student` takes the client's newest snapshot (its own extractor and head), checks
     ONNX parity, and the exported model scores on the client's test shard what the run reported for it."""
     summary, out = dcpfl_run
-    for cid, accuracy in summary["final_accuracy"]["per_client"].items():
-        argv = ["export", out, "--client", cid, "--what", "student", "--format", "onnx", "--out", tmp_path]
-        assert cli_main([str(a) for a in argv]) == 0, capsys.readouterr().err
-        assert "max abs logit difference" in capsys.readouterr().out
-        onnx = tmp_path / f"client{cid}-student.onnx"
-        argv = ["predict", onnx, "--dataset", "mnist-5k", "--client", cid, "--config", out / "config.json"]
-        assert cli_main([str(a) for a in argv]) == 0
-        printed = capsys.readouterr().out
-        correct, total = map(int, re.search(r"\((\d+)/(\d+)\)", printed).groups())
-        assert correct / total == accuracy, printed
+    assert exports_score_their_accuracy(out, summary, "student", "mnist-5k", tmp_path) == 3
 
 
 def test_a_crashed_run_resumes_bit_identically(tmp_path, monkeypatch):

@@ -25,13 +25,13 @@ from fedge.messages import Result, Task
 from fedge.modular import NEXT_ROUTE, ROUTE, ROUTING
 from fedge.spec import tensor_shapes
 from fedge.weights import load_model
-from launch.cli import main as cli_main
 from launch.simulation import run_simulation
 from server.runlog import CHECKPOINT_FILE
 
 from helpers.federation import (
     Crash,
     crash_at,
+    exports_score_their_accuracy,
     fedge_run_processes,
     make_config,
     read_rows,
@@ -264,21 +264,11 @@ def test_over_mqtt_with_client_processes_it_matches_the_inproc_run(fedmn_run, tm
     assert tree_digest(a) == tree_digest(b)
 
 
-def test_each_clients_model_exports_to_onnx_and_scores_its_final_accuracy(fedmn_run, tmp_path, capsys):
+def test_each_clients_model_exports_to_onnx_and_scores_its_final_accuracy(fedmn_run, tmp_path):
     """`fedge export --what model` takes the client's final model (the global pool with its own routing), checks
     ONNX parity, and the exported model scores on the client's test shard what the run reported for it."""
     summary, out, _ = fedmn_run
-    assert len(summary["final_accuracy"]["per_client"]) == CLIENTS
-    for cid, accuracy in summary["final_accuracy"]["per_client"].items():
-        argv = ["export", out, "--client", cid, "--what", "model", "--format", "onnx", "--out", tmp_path]
-        assert cli_main([str(a) for a in argv]) == 0, capsys.readouterr().err
-        assert "max abs logit difference" in capsys.readouterr().out
-        onnx = tmp_path / f"client{cid}-model.onnx"
-        argv = ["predict", onnx, "--dataset", "mnist-5k", "--client", cid, "--config", out / "config.json"]
-        assert cli_main([str(a) for a in argv]) == 0
-        printed = capsys.readouterr().out
-        correct, total = map(int, re.search(r"\((\d+)/(\d+)\)", printed).groups())
-        assert correct / total == accuracy, printed
+    assert exports_score_their_accuracy(out, summary, "model", "mnist-5k", tmp_path) == CLIENTS
 
 
 def test_the_final_models_are_the_global_pool_with_each_clients_routing(fedmn_run):
