@@ -10,14 +10,14 @@ import torch
 from torch.nn import functional as F
 
 from edge_client.agent import ClientAgent, TaskError, register_task
-from edge_client.tasks import train_config, training_result
+from edge_client.tasks import train_config, train_settings, training_result
 from edge_client.training import Objective, fit
 from fedge.class_stats import COUNTS, COVARIANCES, GLOBAL_MEANS, KNOWN_CLASSES, MEANS, class_statistics
 from fedge.constants import EVAL_BATCH_SIZE
 from fedge.heads import HeadError, extract, head_spec, put_head
 from fedge.messages import Result, Task
 from fedge.spec import SpecModel
-from fedge.tasks import DCTrainTask, TaskConfigError
+from fedge.tasks import DCTrainTask
 
 
 def aux_loss(z: torch.Tensor, y: torch.Tensor, means: torch.Tensor, known: torch.Tensor) -> torch.Tensor:
@@ -82,10 +82,7 @@ def dc_train_task(agent: ClientAgent, task: Task) -> Result:
     2-3), compute Eqs. (6)-(7) over the training data (line 4) and return them as the named tensors class_means
     (C, d), class_counts (C,) and, when the task asks, class_covariances (C, d, d), in float32 (line 5).
     Only the torch runtime: the ExecuTorch training program has no auxiliary loss."""
-    try:
-        settings = DCTrainTask.from_config(task.config)
-    except TaskConfigError as e:
-        raise TaskError(f"task dc_train of round {task.round}: {e}") from None
+    settings = train_settings(task, DCTrainTask)
     if agent.trainer.runtime != "torch":
         raise TaskError(f"client {agent.client_id}: the {agent.trainer.runtime} runtime cannot train dc_train")
     head = task.models.get("head")

@@ -32,7 +32,7 @@ import torch
 from torch.nn import functional as F
 
 from edge_client.agent import ClientAgent, TaskError, register_task
-from edge_client.tasks import train_config, training_result
+from edge_client.tasks import train_config, train_settings, training_result
 from edge_client.training import Objective, evaluate, fit
 from fedge.layers import SpecError
 from fedge.messages import Result, Task
@@ -52,7 +52,7 @@ from fedge.modular import (
 )
 from fedge.seeding import derive_seed
 from fedge.spec import SpecModel
-from fedge.tasks import ModularTrainTask, TaskConfigError
+from fedge.tasks import ModularTrainTask
 
 
 def logistic_noise(paths: int, gen: torch.Generator) -> torch.Tensor:
@@ -194,10 +194,7 @@ def modular_train_task(agent: ClientAgent, task: Task) -> Result:
     """One round of Algorithm 1 for this client (module docstring); replies with the router's and the used blocks'
     tensors under their state names, and `route`, `next_route`, `routing` (its most likely route, which the client
     also keeps as its model's `routing`)."""
-    try:
-        settings = ModularTrainTask.from_config(task.config)
-    except TaskConfigError as e:
-        raise TaskError(f"task {task.type} of round {task.round}: {e}") from None
+    settings = train_settings(task, ModularTrainTask)
     net = modular(agent, task)
     layout = net.layout
     route = task_route(task, ROUTE, layout)

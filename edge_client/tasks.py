@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -15,11 +15,14 @@ from fedge.messages import Result, Task, Tensors, Weights
 from fedge.seeding import derive_seed
 from fedge.tasks import TaskConfigError, TrainTask, is_cell_weight
 
+T = TypeVar("T", bound=TrainTask)
 
-def train_settings(task: Task) -> TrainTask:
-    """The local-training settings a task carries (fedge.tasks.TrainTask); a bad config raises TaskError."""
+
+def train_settings(task: Task, kind: type[T] = TrainTask) -> T:
+    """The local-training settings a task carries, as `kind` (fedge.tasks.TrainTask or a subclass: DCTrainTask,
+    ModularTrainTask); a bad config raises TaskError."""
     try:
-        return TrainTask.from_config(task.config)
+        return kind.from_config(task.config)
     except TaskConfigError as e:
         raise TaskError(f"task {task.type} of round {task.round}: {e}") from None
 

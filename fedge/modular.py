@@ -354,14 +354,14 @@ register_layer(
 
 
 def modular_layer(spec: ModelSpec) -> tuple[LayerSpec, Shape]:
-    """The spec's one `modular` layer and its input shape; SpecError when it has none (or several)."""
-    found = [(layer, b.in_shape, i) for b in spec.blocks for i, layer in enumerate(b.layers) if layer.type == LAYER]
-    if len(found) != 1 or len(spec.blocks) != 1 or found[0][2] != 0 or len(spec.blocks[0].layers) != 1:
+    """The spec's `modular` layer and its input shape; SpecError unless the spec is one block of that one layer."""
+    block = spec.blocks[0]
+    if len(spec.blocks) != 1 or len(block.layers) != 1 or block.layers[0].type != LAYER:
         raise SpecError(
             f"model {spec.name!r} is not a modular network (one block holding one `modular` layer, e.g. the zoo's "
             "fedmn_2x2x2_cnn1)"
         )
-    return found[0][0], found[0][1]
+    return block.layers[0], block.in_shape
 
 
 def layout_of(spec: ModelSpec) -> Layout:

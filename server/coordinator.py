@@ -92,9 +92,14 @@ def rejection(
     return payload_rejection(res, expected, info, profile)
 
 
+def tensors_norm(tensors: Iterable[torch.Tensor]) -> float:
+    """The L2 norm over every floating-point tensor of `tensors` together (others are skipped)."""
+    return math.sqrt(sum(float(t.double().square().sum()) for t in tensors if t.is_floating_point()))
+
+
 def upload_norm(weights: Weights) -> float:
     """The L2 norm over every floating-point tensor of one uploaded model."""
-    return math.sqrt(sum(float(t.double().square().sum()) for t in weights.state.values() if t.is_floating_point()))
+    return tensors_norm(weights.state.values())
 
 
 @functools.lru_cache(maxsize=64)

@@ -63,20 +63,11 @@ from fedge.payloads import Expected, TensorSlot
 from fedge.seeding import derive_seed
 from fedge.spec import build, tensor_shapes
 from fedge.tasks import ModularTrainTask
+from server.coordinator import tensors_norm
 from server.fedavg import capped_shares, checkpoint_global, weighted_average
 from server.strategy import Strategy, StrategyError, StrategyOptions, option, register_strategy, torch_profiles
 
 ROUTER_PASSES = 5  # router forward passes per sample per routed task: Π, its gradient pass (~3), the next decision
-
-
-def part_norms(tensors: Mapping[str, torch.Tensor]) -> dict[Any, float]:
-    """The L2 norm over the floating-point tensors of each block (and of the router) among `tensors`."""
-    squares: dict[Any, float] = {}
-    for name, t in tensors.items():
-        part = block_of(name) if name not in (ROUTE, NEXT_ROUTE, ROUTING) else None
-        if part is not None and t.is_floating_point():
-            squares[part] = squares.get(part, 0.0) + float(t.double().square().sum())
-    return {part: math.sqrt(v) for part, v in squares.items()}
 
 
 def part_name(part: Any) -> str:
@@ -141,7 +132,8 @@ class FedMN(Strategy):
         for name in self.shapes:
             if (part := block_of(name)) is not None:
                 self.parts.setdefault(part, []).append(name)
-        self.router_passes = ROUTER_PASSES + router_has_batchnorm(spec)  # + the BatchNorm re-estimation
+        self.router_macs = router_macs(spec)  # forward MACs per sample of the router, which every client holds
+        self.batchnorm = int(router_has_batchnorm(spec))  # a pass re-estimating its BatchNorm statistics
         self.shares: dict[str, float] = {}  # client -> its share of the router's average, this round
         self.down: dict[str, int] = {}  # client -> numbers sent to it this round (§IV-D's transmitted parameters)
         self.up: dict[str, int] = {}  # client -> numbers it uploaded this round
@@ -203,7 +195,7 @@ class FedMN(Strategy):
         for name in (NEXT_ROUTE, ROUTING):
             if not has_path(self.layout, result.tensors[name].tolist()):
                 return "route", f"its {name} connects no encoder to the output"
-        sent, got = part_norms(task.tensors), part_norms(result.tensors)
+        sent, got = self.part_norms(task.tensors), self.part_norms(result.tensors)
         for part, norm in got.items():
             if norm > C.UPLOAD_NORM_FACTOR * sent[part]:
                 return "norm_bound", (
@@ -212,13 +204,20 @@ class FedMN(Strategy):
                 )
         return None
 
+    def part_norms(self, tensors: Mapping[str, torch.Tensor]) -> dict[Any, float]:
+        """The L2 norm of each block (and of the router) that `tensors` holds."""
+        return {
+            part: tensors_norm(tensors[n] for n in names) for part, names in self.parts.items() if names[0] in tensors
+        }
+
     def other_macs(self, task: Task, client: ClientInfo) -> int:
         """The router's passes over the client's data: Π, the gradient pass and the next decision on a routed task
-        (ROUTER_PASSES forward-equivalents), the decision alone in the warm-up."""
+        (ROUTER_PASSES forward-equivalents), the decision alone in the warm-up; one more when the router re-estimates
+        its BatchNorm statistics."""
         if task.type != "modular_train":
             return 0
-        passes = self.router_passes if task.config.get("learn_routing") else 1 + router_has_batchnorm(client.spec)
-        return passes * router_macs(client.spec)
+        passes = ROUTER_PASSES if task.config.get("learn_routing") else 1
+        return (passes + self.batchnorm) * self.router_macs
 
     def aggregate(self, rnd: int, results: Mapping[str, Result]) -> None:
         """§II-E: each block the example-weighted average of the replies that used it, the router that of all
