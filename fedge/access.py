@@ -1,22 +1,31 @@
 """Who may do what on a fedge broker: user tables, password files and the topic ACL, the same for the
 embedded broker and Mosquitto.
 
-Who may do what (the same rules for both brokers; a client's MQTT username is its client id):
+Who may do what (the same rules for every broker; fedge.mosquitto and fedge.rabbitmq write them). A client's MQTT
+username is its client id; each of its connections has the MQTT client id ``<username>.<32 hex>``
+(fedge.mqtt.mqtt_client_id):
 
 - a client publishes only to ``fedge/<run>/{register,result,status}/<itself>``, and its will may name only its
   own ``status`` topic (a CONNECT with any other will topic is refused);
 - a client subscribes to (and receives) only ``fedge/<run>/task/<itself>`` and ``fedge/<run>/server``;
 - the server user reads and writes everything under ``fedge/#``;
-- nothing is retained: Mosquitto runs with ``retain_available false``; the embedded broker refuses a retained
-  will and keeps no retained message (a retained publish is delivered as an ordinary one, its flag dropped);
-- one connection per client id: a second CONNECT with the same id ends the first connection (its will is
-  published, as Mosquitto does), counted in ``EmbeddedBroker.takeovers``.
+- nothing is retained: Mosquitto runs with ``retain_available false``, RabbitMQ with the no-op retained store; the
+  embedded broker refuses a retained will and keeps no retained message (a retained publish is delivered as an
+  ordinary one, its flag dropped);
+- one connection per user on Mosquitto (use_username_as_clientid) and the embedded broker: a second CONNECT of the
+  same user ends the first connection (its will is published), counted in ``EmbeddedBroker.takeovers``. RabbitMQ
+  ends only a connection whose client id is reused, which nobody can guess; the server stops the older of two
+  live connections of one client (server.fleet).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import pwd
 import secrets
+import stat
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
@@ -37,6 +46,20 @@ SERVER_READWRITE = f"{ROOT}/#"
 
 class BrokerError(UserError, ValueError):
     """A broker could not be configured or started; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files for a broker's TLS listener; ``require_certificate`` also demands client certificates."""
+
+    certfile: Path
+    keyfile: Path
+    cafile: Path | None = None
+    require_certificate: bool = False
+
+    def __post_init__(self) -> None:
+        if self.require_certificate and self.cafile is None:
+            raise BrokerError("require_certificate needs a cafile to check client certificates against")
 
 
 def check_username(name: str) -> str:
@@ -119,3 +142,28 @@ def permitted(username: str | None, topic: str, action: str, server_user: str = 
     else:
         patterns = tuple(p.replace("%u", username) for p in (CLIENT_WRITE if action == "publish" else CLIENT_READ))
     return any(_covers(p, topic) for p in patterns)
+
+
+def service_owner(name: str, directory: Path, program: str, default: bool) -> pwd.struct_passwd:
+    """The account ``program`` (a broker started as root) switches to, ``name``; BrokerError if it does not exist
+    or cannot traverse to ``directory``, naming the fix (``default``: the name is the program's own default)."""
+    try:
+        owner = pwd.getpwnam(name)
+    except KeyError:
+        hint = f"install Debian's {program.lower()} package (it adds that user) or " if default else ""
+        raise BrokerError(
+            f"{program} started as root runs as user {name!r}, which does not exist here; {hint}pass "
+            "--run-as USER with a user that exists"
+        ) from None
+    groups = set(os.getgrouplist(name, owner.pw_gid))
+    for path in (directory, *directory.parents):
+        st = path.stat()
+        bit = 0o100 if st.st_uid == owner.pw_uid else 0o010 if st.st_gid in groups else 0o001
+        if owner.pw_uid != 0 and not st.st_mode & bit:
+            raise BrokerError(
+                f"user {name!r}, whom {program} runs as, cannot enter {path} (mode "
+                f"{stat.filemode(st.st_mode)}), so it could not read the files written to {directory};"
+                f" write them under a directory it can reach (e.g. /etc/{program.lower()}/fedge), or chmod o+x "
+                f"{path}"
+            )
+    return owner

@@ -2,9 +2,9 @@
 `fedge broker`.
 
 Beyond amqtt: a CONNECT whose will is retained or names a topic its user may not publish to is refused; no
-message is retained (a retained publish is delivered as an ordinary one, its flag dropped); one connection per
-client id: a second CONNECT with the same id ends the first connection (its will is published, as Mosquitto
-does), counted in ``EmbeddedBroker.takeovers``.
+message is retained (a retained publish is delivered as an ordinary one, its flag dropped); a client id must be
+the username or start with ``<username>.``; one connection per user: a second CONNECT of the same user ends the
+first connection (its will is published, as Mosquitto does), counted in ``EmbeddedBroker.takeovers``.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ class _Credentials:
             return f"unknown user {username!r}" if username else "anonymous connection"
         if not hmac.compare_digest(expected, password.encode()):
             return f"wrong password for user {username!r}"
-        if client_id != username:
-            return f"client id {client_id!r} differs from username {username!r} (they must be equal)"
+        if client_id != username and not (client_id or "").startswith(f"{username}."):
+            return f"client id {client_id!r} is neither username {username!r} nor starts with {username + '.'!r}"
         return None
 
 
@@ -197,8 +197,8 @@ class EmbeddedBroker:
         self._stop: asyncio.Event | None = None
         self._error: BaseException | None = None
         self._broker: Broker | None = None
-        self._connections: dict[str, _Connection] = {}
-        self.takeovers: Counter[str] = Counter()  # client id -> connections it ended by connecting again
+        self._connections: dict[str, _Connection] = {}  # username -> its connection
+        self.takeovers: Counter[str] = Counter()  # username -> connections it ended by connecting again
         self.refused: Counter[str] = Counter()  # reason code -> connections or messages refused (see report)
 
     @property
@@ -293,10 +293,10 @@ class EmbeddedBroker:
 
     async def _accept(self, stream_reader: asyncio.StreamReader, stream_writer: asyncio.StreamWriter) -> None:
         """Check a new connection's CONNECT (when users are set: login, will), end an earlier connection of the
-        same client id, then give the connection to amqtt."""
+        same user, then give the connection to amqtt."""
         reader: ReaderAdapter = StreamReaderAdapter(stream_reader)
         writer = StreamWriterAdapter(stream_writer)
-        client_id = None
+        user = None
         if self._credentials is not None:
             peer = stream_writer.get_extra_info("peername")
             try:
@@ -309,7 +309,7 @@ class EmbeddedBroker:
                     code, counted = BAD_USERNAME_PASSWORD, "bad_login"
                     if reason is None:
                         counted, reason = will_refusal(connect, self.server_user) or (None, None)
-                        code, client_id = NOT_AUTHORIZED, connect.client_id
+                        code, user = NOT_AUTHORIZED, connect.username
             except (asyncio.TimeoutError, AMQTTError, MQTTError, NoDataError, ConnectionError, ValueError) as exc:
                 self.refused["bad_connect"] += 1
                 log.warning("broker dropped %s: no valid CONNECT (%s)", peer, exc or type(exc).__name__)
@@ -332,38 +332,36 @@ class EmbeddedBroker:
                 return
             reader = _Replay(raw, reader)
         assert self._broker is not None
-        if client_id is None:
+        if user is None:
             await self._broker.external_connected(reader, writer, "default")
             return
-        await self._end_earlier_connection(client_id, stream_writer.get_extra_info("peername"))
-        mine = self._connections[client_id] = _Connection(stream_writer)
+        await self._end_earlier_connection(user, stream_writer.get_extra_info("peername"))
+        mine = self._connections[user] = _Connection(stream_writer)
         try:
             await self._broker.external_connected(reader, writer, "default")
         finally:
             mine.done.set()
-            if self._connections.get(client_id) is mine:
-                del self._connections[client_id]
+            if self._connections.get(user) is mine:
+                del self._connections[user]
 
-    async def _end_earlier_connection(self, client_id: str, peer: object) -> None:
-        """Close the connection `client_id` already has, if any, and wait until amqtt has finished with it (its
-        will published), so that amqtt never sees two connections of one client at once."""
-        earlier = self._connections.get(client_id)
+    async def _end_earlier_connection(self, user: str, peer: object) -> None:
+        """Close the connection `user` already has, if any, and wait until amqtt has finished with it (its will
+        published): one connection per user, as Mosquitto's use_username_as_clientid makes it."""
+        earlier = self._connections.get(user)
         if earlier is None:
             return
-        self.takeovers[client_id] += 1
+        self.takeovers[user] += 1
         log.warning(
             "broker: client %s connected again from %s; ending its earlier connection (takeover %d)",
-            client_id,
+            user,
             peer,
-            self.takeovers[client_id],
+            self.takeovers[user],
         )
         earlier.writer.close()
         try:
             await asyncio.wait_for(earlier.done.wait(), C.BROKER_STOP_TIMEOUT_S)
         except asyncio.TimeoutError:
-            log.warning(
-                "broker: the earlier connection of %s did not end within %g s", client_id, C.BROKER_STOP_TIMEOUT_S
-            )
+            log.warning("broker: the earlier connection of %s did not end within %g s", user, C.BROKER_STOP_TIMEOUT_S)
 
 
 async def _read_connect(reader: ReaderAdapter) -> tuple[int, bytes]:

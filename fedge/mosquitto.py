@@ -5,10 +5,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
-import pwd
 import secrets
-import stat
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
@@ -19,26 +16,14 @@ from fedge.access import (
     DEFAULT_SERVER_USER,
     SERVER_READWRITE,
     BrokerError,
+    TlsFiles,
     check_username,
     check_users,
+    service_owner,
 )
 from fedge.files import atomic_write
 
 MOSQUITTO_DEFAULT_USER = "mosquitto"  # whom Mosquitto started as root switches to when its config names no user
-
-
-@dataclass(frozen=True)
-class TlsFiles:
-    """PEM files for a Mosquitto TLS listener; ``require_certificate`` also demands client certificates."""
-
-    certfile: Path
-    keyfile: Path
-    cafile: Path | None = None
-    require_certificate: bool = False
-
-    def __post_init__(self) -> None:
-        if self.require_certificate and self.cafile is None:
-            raise BrokerError("require_certificate needs a cafile to check client certificates against")
 
 
 def mosquitto_password_hash(password: str, salt: bytes | None = None, iterations: int = C.PBKDF2_ITERATIONS) -> str:
@@ -88,7 +73,11 @@ def write_mosquitto_config(
         raise BrokerError(f"port {port} is out of range 1..65535")
     directory = Path(directory).resolve()
     directory.mkdir(parents=True, exist_ok=True)
-    owner = _run_as_owner(run_as, directory) if os.geteuid() == 0 else None
+    owner = (
+        service_owner(run_as or MOSQUITTO_DEFAULT_USER, directory, "Mosquitto", run_as is None)
+        if os.geteuid() == 0
+        else None
+    )
     run_as = run_as if owner is None else owner.pw_name
     passwd, acl, conf = directory / "passwd", directory / "acl", directory / "mosquitto.conf"
     hashed = "".join(f"{u}:{mosquitto_password_hash(p)}\n" for u, p in sorted(users.items()))
@@ -128,29 +117,3 @@ def write_mosquitto_config(
         for path in (passwd, acl, conf):
             os.chown(path, owner.pw_uid, owner.pw_gid)
     return conf
-
-
-def _run_as_owner(run_as: str | None, directory: Path) -> pwd.struct_passwd:
-    """The account Mosquitto started as root will run as (``run_as``, else its default ``mosquitto``); BrokerError
-    if it does not exist or cannot traverse to ``directory``, naming the fix."""
-    name = run_as or MOSQUITTO_DEFAULT_USER
-    try:
-        owner = pwd.getpwnam(name)
-    except KeyError:
-        hint = "install Debian's mosquitto package (it adds that user) or " if run_as is None else ""
-        raise BrokerError(
-            f"Mosquitto started as root runs as user {name!r}, which does not exist here; {hint}pass "
-            "--run-as USER with a user that exists"
-        ) from None
-    groups = set(os.getgrouplist(name, owner.pw_gid))
-    for path in (directory, *directory.parents):
-        st = path.stat()
-        bit = 0o100 if st.st_uid == owner.pw_uid else 0o010 if st.st_gid in groups else 0o001
-        if owner.pw_uid != 0 and not st.st_mode & bit:
-            raise BrokerError(
-                f"user {name!r}, whom Mosquitto runs as, cannot enter {path} (mode "
-                f"{stat.filemode(st.st_mode)}), so it could not read the files written to {directory};"
-                f" write them under a directory it can reach (e.g. /etc/mosquitto/fedge), or chmod o+x "
-                f"{path}"
-            )
-    return owner

@@ -1,9 +1,10 @@
 """One MQTT connection speaking fedge frames (paho-mqtt), and the inbox that validates what arrives.
 
 The connection prefers MQTT v5 and falls back to 3.1.1 when the broker refuses v5 (the embedded amqtt
-broker speaks only 3.1.1). It reconnects by itself with jittered, doubling backoff and re-subscribes on
-every CONNACK (a broker that restarted without persistence remembers nothing). Authentication and TLS
-failures are final: they are reported, never retried forever.
+broker and RabbitMQ 3.10 speak only 3.1.1). It reconnects by itself with jittered, doubling backoff and
+re-subscribes on every CONNACK (a broker that restarted without persistence remembers nothing). Given several
+addresses (the nodes of a broker cluster), every attempt after a lost connection or a failed one goes to the
+next address. Authentication and TLS failures are final: they are reported, never retried forever.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ import functools
 import logging
 import queue
 import random
+import re
+import secrets
 import ssl
 import threading
 import time
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
@@ -58,7 +62,10 @@ class MqttError(ConnectionError):
 
 @dataclass(frozen=True)
 class Broker:
-    """Where and how to connect: mqtt://host:port or mqtts://host:port (TLS), with optional credentials."""
+    """Where and how to connect: mqtt://host:port or mqtts://host:port (TLS), with optional credentials.
+
+    ``fallbacks`` are more (host, port) addresses of the same broker (the other nodes of a cluster), tried in
+    turn when a connection cannot be made or is lost."""
 
     host: str
     port: int
@@ -68,10 +75,15 @@ class Broker:
     cafile: str | None = None
     certfile: str | None = None
     keyfile: str | None = None
+    fallbacks: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def addresses(self) -> tuple[tuple[str, int], ...]:
+        return ((self.host, self.port), *self.fallbacks)
 
     def __str__(self) -> str:  # never shows the password
         user = f"{self.username}@" if self.username else ""
-        return f"{'mqtts' if self.tls else 'mqtt'}://{user}{self.host}:{self.port}"
+        return ",".join(f"{'mqtts' if self.tls else 'mqtt'}://{user}{h}:{p}" for h, p in self.addresses)
 
 
 def parse_broker(
@@ -82,24 +94,59 @@ def parse_broker(
     certfile: str | None = None,
     keyfile: str | None = None,
 ) -> Broker:
-    """mqtt://[user[:password]@]host[:port] or mqtts://...; explicit username/password win over the URL's."""
-    parts = urlsplit(url if "://" in url else f"mqtt://{url}")
-    if parts.scheme not in ("mqtt", "mqtts") or not parts.hostname:
-        raise MqttError(f"broker URL {url!r} must look like mqtt://host:1883 or mqtts://host:8883")
-    try:
-        port = parts.port or (8883 if parts.scheme == "mqtts" else 1883)
-    except ValueError:
-        raise MqttError(f"broker URL {url!r} has an invalid port") from None
+    """mqtt://[user[:password]@]host[:port] or mqtts://...; explicit username/password win over the URL's.
+
+    A comma-separated list names the nodes of one broker cluster (``mqtt://n1:1883,mqtt://n2:1883`` or
+    ``mqtt://n1,n2:1884``): one scheme for all; credentials, if any, in the first."""
+    first, *more = [u.strip() for u in url.split(",")]
+    scheme = first.split("://")[0] if "://" in first else "mqtt"
+    addresses, creds = [], None
+    for one in (first, *more):
+        parts = urlsplit(one if "://" in one else f"{scheme}://{one}")
+        if parts.scheme not in ("mqtt", "mqtts") or not parts.hostname:
+            raise MqttError(f"broker URL {one!r} must look like mqtt://host:1883 or mqtts://host:8883")
+        if parts.scheme != scheme:
+            raise MqttError(f"broker URLs {url!r} mix mqtt:// and mqtts://; give every node the same scheme")
+        try:
+            port = parts.port or (8883 if parts.scheme == "mqtts" else 1883)
+        except ValueError:
+            raise MqttError(f"broker URL {one!r} has an invalid port") from None
+        addresses.append((parts.hostname, port))
+        creds = creds or parts
+    assert creds is not None
     return Broker(
-        parts.hostname,
-        port,
-        parts.scheme == "mqtts",
-        username if username is not None else (unquote(parts.username) if parts.username else None),
-        password if password is not None else (unquote(parts.password) if parts.password else None),
+        addresses[0][0],
+        addresses[0][1],
+        scheme == "mqtts",
+        username if username is not None else (unquote(creds.username) if creds.username else None),
+        password if password is not None else (unquote(creds.password) if creds.password else None),
         cafile,
         certfile,
         keyfile,
+        tuple(addresses[1:]),
     )
+
+
+MQTT_ID_HEX = 32  # random hex digits after "<name>." in an MQTT client id
+
+
+def mqtt_client_id(name: str) -> str:
+    """The MQTT client id of one connection of ``name`` (a client id or the server user): ``<name>.<32 hex>``,
+    new for every process. RabbitMQ ends a connection when another connects with its client id, whoever logs in,
+    so an id nobody can guess is what keeps one client from ending another's connection there; Mosquitto
+    replaces it by the username (use_username_as_clientid) and the embedded broker checks its prefix."""
+    return f"{name}.{secrets.token_hex(MQTT_ID_HEX // 2)}"
+
+
+def mqtt_client_id_regex(name: str) -> str:
+    """A regular expression matching exactly the client ids mqtt_client_id makes for ``name``."""
+    return rf"{re.escape(name)}\.[0-9a-f]{{{MQTT_ID_HEX}}}"
+
+
+def first_address(broker: Broker, name: str) -> int:
+    """Which of the broker's addresses ``name`` tries first: a stable pick from the name, so that a fleet given
+    one list spreads over the cluster's nodes."""
+    return zlib.crc32(name.encode()) % len(broker.addresses)
 
 
 @dataclass(frozen=True)
@@ -223,6 +270,13 @@ class Endpoint:
         keepalive: int = KEEPALIVE_S,
     ) -> None:
         self.broker, self.client_id, self.subscriptions = broker, client_id, list(subscriptions)
+        self.mqtt_id = mqtt_client_id(client_id)  # a new one for every connection attempt (_pick_address)
+        self.attempts = first_address(broker, client_id)  # the next connection attempt goes to address attempts % n
+        self.address = broker.addresses[self.attempts]
+        # On a cluster, subscriptions are QoS 0: a subscription's queue lives on one node and is lost with it at any
+        # QoS (fedge acknowledges and re-sends every message itself), and RabbitMQ 3.10 keeps a QoS 1 subscription's
+        # queue (durable) after its node died: publishes routed to it are nacked, which closes the publisher.
+        self.subscribe_qos = MQTT_QOS if len(broker.addresses) == 1 else 0
         self.on_frame, self.on_connect_hook, self.will, self.keepalive = on_frame, on_connect, will, keepalive
         self.connected = threading.Event()
         self.fatal: str | None = None
@@ -237,7 +291,7 @@ class Endpoint:
         self.client = self._make_client()
 
     def _make_client(self) -> paho.Client:
-        c = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=self.protocol)
+        c = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=self.mqtt_id, protocol=self.protocol)
         if self.broker.username is not None:
             c.username_pw_set(self.broker.username, self.broker.password)
         if self.broker.tls:
@@ -252,7 +306,20 @@ class Endpoint:
         c.reconnect_delay_set(RECONNECT_MIN_S, RECONNECT_MAX_S)
         c.max_inflight_messages_set(64)
         c.on_connect, c.on_disconnect, c.on_message = self._on_connect, self._on_disconnect, self._on_message
+        c.on_pre_connect = self._pick_address
         return c
+
+    def _pick_address(self, client: paho.Client, userdata: object) -> None:
+        """Before each connection attempt (paho's first one and every reconnect): the next of the broker's
+        addresses, and a new client id, so that no broker ties the new connection to the last one's state (a
+        RabbitMQ node that died keeps the names of its queues). paho's setters refuse while a reconnect is under
+        way, so its fields are set."""
+        addresses = self.broker.addresses
+        self.address = addresses[self.attempts % len(addresses)]
+        self.attempts += 1
+        self.mqtt_id = mqtt_client_id(self.client_id)
+        client._host, client._port = self.address
+        client._client_id = self.mqtt_id.encode()
 
     def _on_connect(self, client: paho.Client, userdata: object, flags: object, rc: ReasonCode, props: object) -> None:
         if rc.is_failure:
@@ -263,8 +330,10 @@ class Endpoint:
         self.fatal = None
         self.connects += 1
         self.connected_at = time.monotonic()
+        if len(self.broker.addresses) > 1:
+            log.info("%s: connected to %s:%d", self.client_id, *self.address)
         for topic in self.subscriptions:
-            client.subscribe(topic, qos=MQTT_QOS)
+            client.subscribe(topic, qos=self.subscribe_qos)
         self.connected.set()
         if self.on_connect_hook is not None:
             try:
@@ -276,7 +345,7 @@ class Endpoint:
         self, client: paho.Client, userdata: object, flags: object, rc: ReasonCode, props: object
     ) -> None:
         if self.connected.is_set() and not self.stopping:
-            log.warning("%s: disconnected from %s (%s); reconnecting", self.client_id, self.broker, rc)
+            log.warning("%s: disconnected from %s:%d (%s); reconnecting", self.client_id, *self.address, rc)
         elif self.connects == 0:
             self.refusals += 1
         self.connected.clear()
@@ -315,6 +384,7 @@ class Endpoint:
             if v5_refused and self.protocol == paho.MQTTv5:
                 log.info("%s: broker does not speak MQTT v5; using 3.1.1", self.client_id)
                 self.protocol, self.fatal, self.refusals = paho.MQTTv311, None, 0
+                self.attempts = first_address(self.broker, self.client_id)  # the refusals moved it on: start over
                 self.client = self._make_client()
                 continue
             if self.fatal is not None:

@@ -5,4 +5,4 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-pytest_plugins = ["helpers.brokers"]
+pytest_plugins = ["helpers.brokers", "helpers.rabbitmq"]

@@ -1,8 +1,9 @@
 """Real MQTT brokers and clients for tests: free ports, a Mosquitto subprocess, fixtures, small paho helpers.
 
-Fixtures: ``embedded_broker`` (fedge's amqtt broker) and ``mosquitto_broker`` (a real Mosquitto), both with
-generated users for clients "a" and "b" plus the server user. The Mosquitto fixture skips when the binary is
-missing, unless FEDGE_REQUIRE_MOSQUITTO is set (CI), in which case it fails.
+Fixtures: ``embedded_broker`` (fedge's amqtt broker), ``mosquitto_broker`` (a real Mosquitto) and
+``rabbitmq_broker`` (the session's RabbitMQ cluster, helpers.rabbitmq), each with users for clients "a" and "b"
+plus the server user. The Mosquitto fixture skips when the binary is missing, unless FEDGE_REQUIRE_MOSQUITTO is
+set (CI), in which case it fails; RabbitMQ's likewise with FEDGE_REQUIRE_RABBITMQ.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from fedge.access import DEFAULT_SERVER_USER, generate_users
+from fedge.access import DEFAULT_SERVER_USER, TlsFiles, generate_users
 from fedge.embedded_broker import EmbeddedBroker
-from fedge.mosquitto import TlsFiles, write_mosquitto_config
+from fedge.mosquitto import write_mosquitto_config
+from fedge.mqtt import first_address, mqtt_client_id, parse_broker
 
 MOSQUITTO = os.environ.get("FEDGE_MOSQUITTO", "/usr/sbin/mosquitto")
 CLIENT_IDS = ("a", "b")
@@ -246,14 +248,41 @@ def mqtt_client(
     return client
 
 
-def connect_as(broker: EmbeddedBroker | MosquittoProcess, username: str, **kw) -> mqtt.Client:
-    """mqtt_client for one of ``broker``'s users, in the protocol the broker speaks (amqtt: 3.1.1 only)."""
+def connect_as(broker, username: str, **kw) -> mqtt.Client:
+    """mqtt_client for one of ``broker``'s users, in the protocol the broker speaks (amqtt and RabbitMQ 3.10: 3.1.1
+    only), with a client id as fedge makes them (fedge.mqtt.mqtt_client_id); on a RabbitMQ cluster, to the node
+    fedge would pick for ``username`` first (so "a", "b" and the server meet on different nodes)."""
     kw.setdefault("protocol", protocol_of(broker))
-    return mqtt_client(broker.url, username, broker.users[username], **kw)
+    kw.setdefault("client_id", mqtt_client_id(username))
+    return mqtt_client(url_of(broker, username), username, broker.users[username], **kw)
 
 
-def protocol_of(broker: EmbeddedBroker | MosquittoProcess) -> mqtt.MQTTProtocolVersion:
-    return mqtt.MQTTv311 if isinstance(broker, EmbeddedBroker) else mqtt.MQTTv5
+def protocol_of(broker) -> mqtt.MQTTProtocolVersion:
+    return mqtt.MQTTv5 if isinstance(broker, MosquittoProcess) else mqtt.MQTTv311
+
+
+def url_of(broker, username: str) -> str:
+    """The single broker URL ``username`` connects to: on a cluster (a comma-separated ``url``), the node fedge's
+    Endpoint tries first for that name."""
+    if "," not in broker.url:
+        return broker.url
+    return broker.url.split(",")[first_address(parse_broker(broker.url), username)]
+
+
+def closed_by_broker(client: mqtt.Client, timeout: float = TIMEOUT_S) -> bool:
+    """Whether the broker closes ``client``'s connection within ``timeout`` (RabbitMQ's answer to a forbidden
+    publish or subscribe); the client is then closed, so that it does not reconnect."""
+    inbox: Inbox = client.user_data_get()
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if inbox.connack.get(timeout=max(0.01, deadline - time.monotonic())) == -1:
+                return True
+    except queue.Empty:
+        pass
+    finally:
+        close(client)
+    return False
 
 
 def subscribe(client: mqtt.Client, topic: str, qos: int = 1) -> list[int]:
@@ -303,6 +332,12 @@ def embedded_broker():
     """fedge's embedded amqtt broker with users "a", "b" and the server (``.users`` holds the passwords)."""
     with EmbeddedBroker(users=generate_users(CLIENT_IDS)) as broker:
         yield broker
+
+
+@pytest.fixture
+def rabbitmq_broker(rabbitmq_cluster):
+    """The session's 3-node RabbitMQ cluster (users "a", "b" and the server among others)."""
+    return rabbitmq_cluster
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ from fedge.config import RunConfig, config_from
 from fedge.embedded_broker import EmbeddedBroker
 from fedge.files import atomic_write
 from fedge.messages import Result, Task
-from fedge.mqtt import Broker
+from fedge.mqtt import Broker, parse_broker
 from launch import federation, server
 from launch.client import client_agents, run_clients
 from launch.simulation import run_simulation
@@ -39,6 +39,7 @@ from server.fleet import Fleet, FleetError
 from server.strategy import STRATEGIES
 
 from helpers.brokers import MosquittoProcess
+from helpers.rabbitmq import RabbitCluster
 
 REPO = Path(__file__).resolve().parents[2]
 POLL_S = 0.05
@@ -401,12 +402,12 @@ class Process:
 
 @dataclass
 class Federation:
-    """A broker with a password per client (Mosquitto, or with `embedded` fedge's own broker in this process),
-    the run's config and password files, and what was started.
+    """A broker with a password per client (Mosquitto, or with `embedded` fedge's own broker in this process, or
+    a running RabbitMQ `cluster`, whose users it takes), the run's config and password files, and what was started.
 
     `extra_users` get passwords too (e.g. a hand-driven test client); `persistence` turns Mosquitto's on. Use
-    as a context manager: on exit every process is killed, the server thread aborted, the broker stopped, and
-    all logs printed.
+    as a context manager: on exit every process is killed, the server thread aborted, the broker it started
+    stopped, and all logs printed.
     """
 
     tmp: Path
@@ -414,26 +415,31 @@ class Federation:
     extra_users: tuple[str, ...] = ()
     persistence: bool = False
     embedded: bool = False
+    cluster: RabbitCluster | None = None
     users: dict[str, str] = field(init=False)
-    broker: MosquittoProcess | EmbeddedBroker = field(init=False)
+    broker: MosquittoProcess | EmbeddedBroker | RabbitCluster = field(init=False)
     processes: list[Process] = field(default_factory=list)
     servers: list[ServerThread] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.tmp = Path(self.tmp)
-        self.users = generate_users([*(str(i) for i in range(self.cfg.clients)), *self.extra_users])
-        self.broker = (
-            EmbeddedBroker(users=self.users)
-            if self.embedded
-            else MosquittoProcess(self.tmp / "mosquitto", self.users, persistence=self.persistence, print_log=True)
-        )
+        if self.cluster is not None:
+            self.broker, self.users = self.cluster, self.cluster.users
+        else:
+            self.users = generate_users([*(str(i) for i in range(self.cfg.clients)), *self.extra_users])
+            self.broker = (
+                EmbeddedBroker(users=self.users)
+                if self.embedded
+                else MosquittoProcess(self.tmp / "mosquitto", self.users, persistence=self.persistence, print_log=True)
+            )
         self.tmp.mkdir(parents=True, exist_ok=True)
         self.secrets, self.config = self.tmp / "passwords", self.tmp / "config.json"
         federation.write_secrets(self.secrets, self.users)
         atomic_write(self.config, self.cfg.to_json().encode())
 
     def __enter__(self) -> Federation:
-        self.broker.start()
+        if self.cluster is None:
+            self.broker.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -443,13 +449,16 @@ class Federation:
                 p.popen.wait()
         for s in self.servers:
             s.stop()
-        self.broker.stop()
+        if self.cluster is None:
+            self.broker.stop()
         for p in self.processes:
             print(f"--- {p.name} ({p.log_path}) ---\n{p.log()}")
 
     def credentials(self, user: str, port: int | None = None) -> Broker:
-        """Where `user` connects: the broker, or a proxy in front of it on `port`."""
-        return Broker("127.0.0.1", port or self.broker.port, username=user, password=self.users[user])
+        """Where `user` connects: the broker (every node of a cluster), or a proxy in front of it on `port`."""
+        if port is not None:
+            return Broker("127.0.0.1", port, username=user, password=self.users[user])
+        return parse_broker(self.broker.url, user, self.users[user])
 
     def start_server(self, monkeypatch: Any, cfg: RunConfig | None = None) -> ServerThread:
         server = ServerThread(cfg or self.cfg, self.credentials("server"), monkeypatch)
@@ -476,11 +485,16 @@ class Federation:
         return self._spawn("server", cmd)
 
     def start_clients(
-        self, ids: list[str], port: int | None = None, settings: Mapping[str, Any] = (), name: str | None = None
+        self,
+        ids: list[str],
+        port: int | None = None,
+        settings: Mapping[str, Any] = (),
+        name: str | None = None,
+        url: str | None = None,
     ) -> Process:
-        """One `fedge -v client` process serving `ids`, through a proxy on `port` if given; `settings` are
-        extra `--set key=value` overrides for this process only."""
-        url = f"mqtt://127.0.0.1:{port or self.broker.port}"
+        """One `fedge -v client` process serving `ids`, through a proxy on `port` if given, or to `url` (default:
+        the broker's); `settings` are extra `--set key=value` overrides for this process only."""
+        url = f"mqtt://127.0.0.1:{port}" if port else url or self.broker.url
         cmd = federation.client_command(url, self.config, ids, self.secrets, self.tmp / "client-state", threads=1)
         cmd.insert(cmd.index("launch.cli") + 1, "-v")  # INFO logs: registration, acks, reconnects
         for key, value in dict(settings).items():

@@ -1,4 +1,5 @@
-"""Both brokers (embedded amqtt and real Mosquitto) enforce fedge's logins and per-client topic ACL, on 127.0.0.1."""
+"""Every broker (embedded amqtt, real Mosquitto, a real 3-node RabbitMQ cluster) enforces fedge's logins and
+per-client topic ACL, on 127.0.0.1. On the cluster, "a", "b" and the server connect to different nodes."""
 
 import gc
 import logging
@@ -12,21 +13,23 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import paho.mqtt.client as mqtt
 import pytest
 
 from fedge import constants as C
-from fedge.access import BrokerError, generate_users
+from fedge.access import BrokerError, TlsFiles, generate_users
 from fedge.embedded_broker import EmbeddedBroker, serve_forever
-from fedge.mosquitto import TlsFiles, write_mosquitto_config
-from fedge.mqtt import Endpoint, MqttError, parse_broker
+from fedge.mosquitto import write_mosquitto_config
+from fedge.mqtt import Endpoint, MqttError, first_address, mqtt_client_id, parse_broker
 
 from helpers.brokers import (
     MOSQUITTO,
     Inbox,
     MosquittoProcess,
     close,
+    closed_by_broker,
     connack_code,
     connect_as,
     free_port,
@@ -37,17 +40,19 @@ from helpers.brokers import (
     publish,
     require_mosquitto,
     subscribe,
+    url_of,
     wait_for_port,
 )
+from helpers.rabbitmq import RabbitCluster
 
 pytestmark = pytest.mark.timeout(60)
 
 GRACE_S = 0.3  # after a barrier arrived, how long a wrongly routed message would still have to show up
 
 
-@pytest.fixture(params=["embedded", "mosquitto"])
+@pytest.fixture(params=["embedded", "mosquitto", "rabbitmq"])
 def broker(request):
-    """Each test runs against both brokers."""
+    """Each test runs against every broker."""
     return request.getfixturevalue(f"{request.param}_broker")
 
 
@@ -83,15 +88,25 @@ def test_every_client_receives_the_server_broadcast(clients):
         assert next_message(clients[name]).payload == b"round 3"
 
 
-def test_a_client_cannot_subscribe_to_another_clients_tasks(broker, clients):
-    a, server = clients["a"], clients["server"]
-
-    codes = subscribe(a, "fedge/r/task/b")
-
+def refused_subscription(broker, client: mqtt.Client, topic: str, user: str = "a") -> mqtt.Client:
+    """Subscribe ``client`` (of ``user``) to a topic it may not read and check how ``broker`` refuses; returns a
+    connection of ``user`` to go on with (RabbitMQ closes the connection instead of answering)."""
+    if isinstance(broker, RabbitCluster):
+        client.subscribe(topic, 1)
+        assert closed_by_broker(client), "RabbitMQ left the connection open"
+        return connect_as(broker, user)
+    codes = subscribe(client, topic)
     if isinstance(broker, EmbeddedBroker):
         assert codes == [0x80]  # SUBACK failure
     else:
         assert codes == [1]  # Mosquitto 2.0's acl_file checks reads at delivery only, never at SUBSCRIBE
+    return client
+
+
+def test_a_client_cannot_subscribe_to_another_clients_tasks(broker, clients):
+    a, server = clients["a"], clients["server"]
+
+    a = clients["a"] = refused_subscription(broker, a, "fedge/r/task/b")
 
     # Nothing arrives either: a's own task is the barrier.
     assert subscribe(a, "fedge/r/task/a") == [1]
@@ -103,9 +118,12 @@ def test_a_client_cannot_subscribe_to_another_clients_tasks(broker, clients):
 
 
 @pytest.mark.parametrize("pattern", ["fedge/#", "fedge/+/task/+", "#", "fedge/r/+/b"])
-def test_a_wildcard_subscription_reveals_nothing_of_other_clients(clients, pattern):
+def test_a_wildcard_subscription_reveals_nothing_of_other_clients(broker, clients, pattern):
     a, server = clients["a"], clients["server"]
-    subscribe(a, pattern)  # refused or granted: either way nothing of b's may arrive
+    if isinstance(broker, RabbitCluster):  # refused by closing the connection
+        a = clients["a"] = refused_subscription(broker, a, pattern)
+    else:
+        subscribe(a, pattern)  # refused or granted: either way nothing of b's may arrive
     assert subscribe(a, "fedge/r/task/a") == [1]
 
     publish(server, "fedge/r/task/b", b"secret")
@@ -127,11 +145,16 @@ def test_a_wildcard_subscription_reveals_nothing_of_other_clients(clients, patte
         "fedge/r/server",  # topics only the server writes
     ],
 )
-def test_a_forbidden_publish_reaches_no_subscriber(clients, forbidden):
+def test_a_forbidden_publish_reaches_no_subscriber(broker, clients, forbidden):
     a, server = clients["a"], clients["server"]
     assert subscribe(server, "fedge/#") == [1]
 
-    publish(a, forbidden, b"forged")
+    if isinstance(broker, RabbitCluster):  # the forged publish closes the connection: the barrier needs a new one
+        a.publish(forbidden, b"forged", qos=1)
+        assert closed_by_broker(a), "RabbitMQ left the connection open"
+        a = clients["a"] = connect_as(broker, "a")
+    else:
+        publish(a, forbidden, b"forged")
     publish(a, "fedge/r/result/a", b"barrier")  # same publisher, later: arrives after the forged one would have
 
     received = [next_message(server)]
@@ -149,13 +172,19 @@ def test_bad_logins_are_refused(broker, login):
         "no password": ("a", None),
     }[login]
 
-    code = connack_code(broker.url, user, password, client_id=user or "anon", protocol=protocol_of(broker))
+    code = connack_code(url_of(broker, "a"), user, password, client_id=user or "anon", protocol=protocol_of(broker))
 
     assert code != 0, f"{login} was accepted"
 
 
+def test_rabbitmqs_default_user_does_not_exist(rabbitmq_broker):
+    assert connack_code(url_of(rabbitmq_broker, "a"), "guest", "guest", protocol=mqtt.MQTTv311) != 0
+
+
 @pytest.mark.parametrize("impostor", ["right password", "wrong password", "anonymous"])
-def test_a_connection_claiming_another_clients_id_does_not_disturb_it(broker, clients, impostor):
+@pytest.mark.parametrize("claimed", ["b", "b.00000000000000000000000000000000"])
+def test_a_connection_claiming_another_clients_id_does_not_disturb_it(broker, clients, impostor, claimed):
+    """The impostor can know b's username, not the random part of its connection's client id."""
     b, server = clients["b"], clients["server"]
     assert subscribe(b, "fedge/r/task/b") == [1]
     user, password = {
@@ -164,7 +193,7 @@ def test_a_connection_claiming_another_clients_id_does_not_disturb_it(broker, cl
         "anonymous": (None, None),
     }[impostor]
 
-    connack_code(broker.url, user, password, client_id="b", protocol=protocol_of(broker))
+    connack_code(url_of(broker, "b"), user, password, client_id=claimed, protocol=protocol_of(broker))
     publish(server, "fedge/r/task/b", b"still yours")
 
     assert next_message(b).payload == b"still yours"
@@ -175,11 +204,11 @@ def vanish_with_will(broker, topic: str, retain: bool = False) -> int:
     """Connect as "a" with a will on `topic`, then drop the socket without a DISCONNECT, so that a broker that
     took the will publishes it; returns the CONNACK reason code (0: accepted)."""
     codes: list[int] = []
-    c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="a", protocol=protocol_of(broker))
+    c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=mqtt_client_id("a"), protocol=protocol_of(broker))
     c.username_pw_set("a", broker.users["a"])
     c.will_set(topic, b"forged will", qos=1, retain=retain)
     c.on_connect = lambda client, userdata, flags, rc, props: codes.append(rc.value)
-    c.connect("127.0.0.1", broker.port)
+    c.connect("127.0.0.1", urlsplit(url_of(broker, "a")).port)
     c.loop_start()
     deadline = time.monotonic() + 10
     while not codes and time.monotonic() < deadline:
@@ -214,17 +243,21 @@ def test_a_will_on_the_clients_own_status_topic_is_published(broker, clients):
 
 
 def test_nothing_is_retained(broker, clients):
-    """A retained will is refused at CONNECT; a retained publish never reaches a later subscriber (Mosquitto
-    disconnects its publisher, the embedded broker delivers it as an ordinary message), not even one whose
-    SUBSCRIBE was refused."""
+    """A retained will is refused at CONNECT (RabbitMQ takes it, its no-op store keeps nothing); a retained
+    publish never reaches a later subscriber (Mosquitto disconnects its publisher, the embedded broker and
+    RabbitMQ deliver it as an ordinary message), not even one whose SUBSCRIBE was refused."""
     a, b, server = clients["a"], clients["b"], clients["server"]
-    assert vanish_with_will(broker, "fedge/r/status/a", retain=True) not in (0, -1)
+    rabbit = isinstance(broker, RabbitCluster)
+    assert (vanish_with_will(broker, "fedge/r/status/a", retain=True) == 0) == rabbit
     a = connect_as(broker, "a")  # publishes as "a" (ending the fixture's connection of "a")
     try:
         a.publish("fedge/r/status/a", b"retained", qos=1, retain=True).wait_for_publish(5)
         time.sleep(GRACE_S)
         assert subscribe(server, "fedge/#") == [1]  # subscribers that came later ...
-        subscribe(b, "fedge/r/status/#")  # ... one refused by the embedded broker (Mosquitto grants, never delivers)
+        if rabbit:  # ... one refused (RabbitMQ closes its connection; b goes on with a new one)
+            b = clients["b"] = refused_subscription(broker, b, "fedge/r/status/#", "b")
+        else:  # ... one refused by the embedded broker (Mosquitto grants, never delivers)
+            subscribe(b, "fedge/r/status/#")
         publish(server, "fedge/r/server", b"barrier")
         assert next_message(server).payload == b"barrier"
         time.sleep(GRACE_S)
@@ -238,12 +271,13 @@ def test_nothing_is_retained(broker, clients):
 def test_a_second_connection_with_the_same_client_id_ends_the_first(broker):
     """The broker ends the earlier session (Mosquitto does): the first connection is closed, not left deaf."""
     server = connect_as(broker, "server")
-    first = connect_as(broker, "b")
+    client_id = mqtt_client_id("b")
+    first = connect_as(broker, "b", client_id=client_id)
     dropped = threading.Event()
     first.on_disconnect = lambda *args: dropped.set()
     first.reconnect_delay_set(30, 60)  # stay away: a reconnect would in turn end the second connection
     assert subscribe(first, "fedge/r/task/b") == [1]
-    second = connect_as(broker, "b")
+    second = connect_as(broker, "b", client_id=client_id)
     try:
         assert subscribe(second, "fedge/r/task/b") == [1]
         assert dropped.wait(10), "the first connection was left open"
@@ -592,3 +626,21 @@ def test_mosquitto_tls_listener(tmp_path):
         untrusted = Endpoint(parse_broker(url, "a", broker.users["a"]), "a", [], lambda topic, data: None)
         with pytest.raises(MqttError, match="no connection"):
             untrusted.start(2)
+
+
+def test_an_endpoint_given_several_addresses_skips_one_that_is_down(embedded_broker):
+    """A connection starts at the address first_address picks for its name and moves to the next when that one
+    is down, with a new client id for each attempt."""
+    live = f"mqtt://127.0.0.1:{embedded_broker.port}"
+    dead = f"mqtt://127.0.0.1:{free_port()}"  # nothing listens there
+    urls = [dead, live] if first_address(parse_broker(f"{dead},{live}"), "a") == 0 else [live, dead]
+    broker = parse_broker(",".join(urls), "a", embedded_broker.users["a"])
+    assert broker.addresses[first_address(broker, "a")] == ("127.0.0.1", int(dead.rsplit(":", 1)[1]))
+    endpoint = Endpoint(broker, "a", [], lambda topic, data: None)
+    first_id = endpoint.mqtt_id
+    try:
+        endpoint.start(20)
+        assert endpoint.address == ("127.0.0.1", embedded_broker.port) and endpoint.attempts >= 2
+        assert endpoint.mqtt_id != first_id and endpoint.mqtt_id.startswith("a.")
+    finally:
+        endpoint.stop()

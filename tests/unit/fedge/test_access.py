@@ -1,16 +1,22 @@
-"""fedge.access and fedge.mosquitto without a network: users files, generated users, the ACL rules, Mosquitto
-files and hashes."""
+"""fedge.access, fedge.mosquitto and fedge.rabbitmq without a network: users files, generated users, the ACL
+rules, Mosquitto and RabbitMQ files, permissions and hashes."""
 
 import base64
 import hashlib
+import json
 import os
 import pwd
+import re
 
 import pytest
 
-from fedge.access import BrokerError, check_users, generate_users, permitted, read_users
+from fedge.access import BrokerError, TlsFiles, check_users, generate_users, permitted, read_users
 from fedge.constants import MAX_MESSAGE_BYTES, MAX_QUEUED_BYTES, MAX_QUEUED_MESSAGES
-from fedge.mosquitto import TlsFiles, mosquitto_acl, mosquitto_password_hash, write_mosquitto_config
+from fedge.mosquitto import mosquitto_acl, mosquitto_password_hash, write_mosquitto_config
+from fedge.mqtt import mqtt_client_id
+from fedge.rabbitmq import permissions as rabbitmq_permissions
+from fedge.rabbitmq import rabbitmq_password_hash, write_rabbitmq_config
+from fedge.topics import ID_PATTERN
 
 pytestmark = pytest.mark.timeout(30)
 ME = pwd.getpwuid(os.getuid()).pw_name  # the files' owner: as root, Mosquitto would otherwise run as `mosquitto`
@@ -91,7 +97,7 @@ def test_check_users_requires_the_server_user_and_real_passwords():
 # --- the ACL
 
 
-@pytest.mark.parametrize(
+ACL_CASES = pytest.mark.parametrize(
     "user, action, topic, allowed",
     [
         ("a", "subscribe", "fedge/r/task/a", True),
@@ -121,8 +127,67 @@ def test_check_users_requires_the_server_user_and_real_passwords():
         ("a+", "subscribe", "fedge/r/task/a+", False),
     ],
 )
+
+
+@ACL_CASES
 def test_permitted(user, action, topic, allowed):
     assert permitted(user, topic, action) is allowed
+
+
+@ACL_CASES
+def test_rabbitmq_topic_permissions_grant_what_the_acl_grants(user, action, topic, allowed):
+    """RabbitMQ checks a publish (write) or a subscription's binding key (read) against the user's regexes, over
+    the routing key: "/" becomes ".", a filter's "+" becomes "*"; it fills in {username}."""
+    if not user or not ID_PATTERN.fullmatch(user):
+        return  # no such user can exist: check_username refuses the name
+    p = rabbitmq_permissions(user)
+    regex = (p["topic_write"] if action == "publish" else p["topic_read"]).replace("{username}", user)
+    key = ".".join("*" if level == "+" else level for level in topic.split("/"))
+    assert bool(re.search(regex, key)) is allowed
+
+
+def test_rabbitmq_vhost_permissions_confine_a_user_to_its_own_queues():
+    own = [f"mqtt-subscription-{mqtt_client_id('a')}qos{q}" for q in (0, 1)]
+    others = [f"mqtt-subscription-{mqtt_client_id(name)}qos1" for name in ("b", "ab", "a-b", "server")] + [
+        "mqtt-subscription-aqos1",
+        "mqtt-subscription-a.guessqos1",
+        "amq.direct",
+        "amq.topic.x",
+    ]
+    p = rabbitmq_permissions("a")
+    for queue in own:
+        assert all(re.search(p[k], queue) for k in ("configure", "write", "read")), queue
+    for name in others:
+        assert not any(re.search(p[k], name) for k in ("configure", "write", "read")), name
+    assert re.search(p["write"], "amq.topic") and re.search(p["read"], "amq.topic")
+    assert not re.search(p["configure"], "amq.topic")
+
+
+def test_rabbitmq_password_hash_is_salted_sha256():
+    salt = bytes.fromhex("908db4a3")
+    digest = hashlib.sha256(salt + b"pw").digest()
+    assert rabbitmq_password_hash("pw", salt) == base64.b64encode(salt + digest).decode()
+    assert rabbitmq_password_hash("pw") != rabbitmq_password_hash("pw")
+
+
+def test_write_rabbitmq_config_writes_hashes_not_passwords(tmp_path):
+    users = generate_users(["0", "1"])
+    conf = write_rabbitmq_config(tmp_path / "b", users, tmp_path / "users", port=1884, run_as=ME)
+    files = {p.name: p for p in (tmp_path / "b").iterdir()}
+    assert set(files) == {"rabbitmq.conf", "enabled_plugins", "definitions.json", "users.sh"}
+    assert {n: p.stat().st_mode & 0o777 for n, p in files.items()} == {
+        "rabbitmq.conf": 0o600,
+        "enabled_plugins": 0o600,
+        "definitions.json": 0o600,
+        "users.sh": 0o700,
+    }
+    text = "".join(p.read_text() for p in files.values())
+    assert not any(password in text for password in users.values())
+    assert "mqtt.listeners.tcp.default = 127.0.0.1:1884" in conf.read_text()
+    definitions = json.loads(files["definitions.json"].read_text())
+    assert sorted(u["name"] for u in definitions["users"]) == ["0", "1", "server"]
+    with pytest.raises(BrokerError, match="out of range"):
+        write_rabbitmq_config(tmp_path / "c", users, tmp_path / "users", port=0, run_as=ME)
 
 
 def test_mosquitto_acl_grants_patterns_to_all_and_the_server_status_per_client():

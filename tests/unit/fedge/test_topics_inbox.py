@@ -1,13 +1,14 @@
 """Topic names and the inbox's checks on arriving frames (no broker needed: the inbox is pure)."""
 
 import os
+from collections import Counter
 
 import pytest
 
 from fedge import topics
 from fedge.chunks import frames
 from fedge.envelope import Envelope, WireError
-from fedge.mqtt import Inbox, parse_broker
+from fedge.mqtt import Inbox, MqttError, first_address, parse_broker
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -31,6 +32,19 @@ def test_broker_url_parsing_hides_the_password():
     assert "s3cret" not in str(b) and "s3cret" not in repr(b)
     assert parse_broker("mqtts://h").port == 8883
     assert parse_broker("mqtt://h", username="bob", password="pw").username == "bob"
+
+
+def test_a_broker_url_list_names_the_nodes_of_one_cluster():
+    b = parse_broker("mqtt://alice:s3cret@n1:1884, n2 ,mqtt://n3:1885")
+    assert b.addresses == (("n1", 1884), ("n2", 1883), ("n3", 1885)) and (b.username, b.password) == ("alice", "s3cret")
+    assert str(b) == "mqtt://alice@n1:1884,mqtt://alice@n2:1883,mqtt://alice@n3:1885"
+    assert parse_broker("mqtts://n1,n2").addresses == (("n1", 8883), ("n2", 8883))
+    with pytest.raises(MqttError, match="mix"):
+        parse_broker("mqtts://n1,mqtt://n2")
+    with pytest.raises(MqttError, match="must look like"):
+        parse_broker("mqtt://n1,")
+    spread = Counter(first_address(parse_broker("n1,n2,n3"), str(i)) for i in range(300))
+    assert set(spread) == {0, 1, 2} and min(spread.values()) > 60  # a fleet given one list spreads over it
 
 
 def _frames(run="r", type="result", sender="a", payload=b"x" * 100, rnd=2, reply_to="1" * 32, chunk=40):
