@@ -131,7 +131,7 @@ def rabbitmq_users_script(users: Iterable[str], users_file: Path, server_user: s
         p = permissions(name, server_user)
         fields = (name, p["configure"], p["write"], p["read"], p["topic_write"], p["topic_read"])
         lines.append("user " + " ".join(q(f) for f in fields))
-    lines.append('echo "fedge: $(grep -c : "$USERS") users set"')
+    lines.append(f'echo "fedge: {len(set(users))} users set"')
     return "\n".join(lines) + "\n"
 
 

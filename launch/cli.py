@@ -306,21 +306,26 @@ def cmd_client(args: argparse.Namespace) -> int:
 
 
 def cmd_broker(args: argparse.Namespace) -> None:
-    from fedge.access import generate_users, read_users
+    from fedge.access import TlsFiles, generate_users, read_users
     from fedge.embedded_broker import serve_forever
-    from fedge.mosquitto import TlsFiles, write_mosquitto_config
     from launch.federation import write_secrets
 
-    if args.write_mosquitto_config is None:
+    written = args.write_mosquitto_config or args.write_rabbitmq_config
+    if written is None:
         serve_forever(args.port, args.users)
         return
-    out = Path(args.write_mosquitto_config)
+    if args.write_mosquitto_config and args.write_rabbitmq_config:
+        raise ConfigError("give --write-mosquitto-config or --write-rabbitmq-config, not both")
+    out = Path(written)
     if args.users:
-        users = read_users(args.users)
+        users, users_file = read_users(args.users), Path(args.users)
     else:
-        users = generate_users([c.strip() for c in (args.clients or "").split(",") if c.strip()])
+        users, users_file = (
+            generate_users([c.strip() for c in (args.clients or "").split(",") if c.strip()]),
+            out / "users",
+        )
         out.mkdir(parents=True, exist_ok=True)
-        write_secrets(out / "users", users)
+        write_secrets(users_file, users)
     if bool(args.certfile) != bool(args.keyfile):
         raise ConfigError("TLS needs both --certfile and --keyfile")
     tls = (
@@ -333,10 +338,24 @@ def cmd_broker(args: argparse.Namespace) -> None:
         if args.certfile
         else None
     )
-    conf = write_mosquitto_config(out, users, port=args.port, host=args.host, tls=tls, run_as=args.run_as)
-    print(f"wrote {conf} for {len(users) - 1} clients; start it with: mosquitto -c {conf}")
+    if args.write_rabbitmq_config:
+        from fedge.rabbitmq import write_rabbitmq_config
+
+        conf = write_rabbitmq_config(out, users, users_file, args.port, args.host, tls, run_as=args.run_as)
+        print(
+            f"wrote {conf}, enabled_plugins, definitions.json and users.sh for {len(users) - 1} clients.\n"
+            f"A new node, or each node of a new cluster, loads the users at boot: start it with "
+            f"RABBITMQ_CONFIG_FILE={conf} RABBITMQ_ENABLED_PLUGINS_FILE={out.resolve() / 'enabled_plugins'} "
+            f"rabbitmq-server\nA running cluster: sh {out.resolve() / 'users.sh'} on any node "
+            f"(docs/deployment.md: joining nodes into a cluster)"
+        )
+    else:
+        from fedge.mosquitto import write_mosquitto_config
+
+        conf = write_mosquitto_config(out, users, port=args.port, host=args.host, tls=tls, run_as=args.run_as)
+        print(f"wrote {conf} for {len(users) - 1} clients; start it with: mosquitto -c {conf}")
     if not args.users:
-        print(f"generated passwords are in {out / 'users'} (username:password, mode 600); give each device its line")
+        print(f"generated passwords are in {users_file} (username:password, mode 600); give each device its line")
 
 
 class Parser(argparse.ArgumentParser):
@@ -458,7 +477,12 @@ PUBLIC_DATA_HELP = (
 
 
 def _connection_flags(p: argparse.ArgumentParser, username_help: str) -> None:
-    p.add_argument("--broker", required=True, help="mqtt://host:1883 or mqtts://host:8883 (TLS)")
+    p.add_argument(
+        "--broker",
+        required=True,
+        help="mqtt://host:1883 or mqtts://host:8883 (TLS); for a broker cluster, every node's address, "
+        "comma-separated (mqtt://n1:1883,mqtt://n2:1883): a lost connection moves to the next node",
+    )
     p.add_argument("--username", help=username_help)
     p.add_argument(
         "--password-file",
@@ -517,14 +541,20 @@ def add_deploy_parsers(sub: Any) -> None:
 
     p = sub.add_parser(
         "broker",
-        help="run the embedded MQTT broker, or write a Mosquitto configuration",
-        description="Without --write-mosquitto-config: serve the embedded broker until Ctrl-C. "
-        "With it: write mosquitto.conf, a hashed password file and per-client ACLs to DIR.",
+        help="run the embedded MQTT broker, or write a Mosquitto or RabbitMQ configuration",
+        description="Without --write-*-config: serve the embedded broker until Ctrl-C. With "
+        "--write-mosquitto-config: write mosquitto.conf, a hashed password file and per-client ACLs to DIR. With "
+        "--write-rabbitmq-config: write rabbitmq.conf, enabled_plugins, definitions.json (hashed passwords, "
+        "permissions equal to the ACL, loaded at boot) and users.sh (the same for a running cluster) to DIR. "
+        "See docs/deployment.md.",
     )
     p.add_argument("--port", type=int, default=1883, help="listening port (default 1883)")
     p.add_argument("--host", default="127.0.0.1", help="listening address (default 127.0.0.1)")
     p.add_argument("--users", help="username:password lines (one per client, plus `server`)")
     p.add_argument("--write-mosquitto-config", metavar="DIR", help="write a Mosquitto config instead of serving")
+    p.add_argument(
+        "--write-rabbitmq-config", metavar="DIR", help="write a RabbitMQ (MQTT plugin) config instead of serving"
+    )
     p.add_argument("--clients", help="comma-separated client ids to generate passwords for (without --users)")
     p.add_argument("--cafile", help="TLS: CA certificate (also checks client certificates)")
     p.add_argument("--certfile", help="TLS: broker certificate")
@@ -532,8 +562,8 @@ def add_deploy_parsers(sub: Any) -> None:
     p.add_argument("--require-certificate", action="store_true", help="TLS: demand client certificates")
     p.add_argument(
         "--run-as",
-        help="the user Mosquitto started as root switches to (default: `mosquitto`, as "
-        "Mosquitto does); written as root, passwd, acl and the conf then belong to it, mode 600",
+        help="the user the broker started as root switches to (default: `mosquitto` or `rabbitmq`, as their "
+        "Debian packages do); written as root, the files then belong to it, mode 600",
     )
     p.set_defaults(func=cmd_broker)
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import shlex
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,6 @@ from paho.mqtt.client import MQTTv311
 
 from fedge.access import generate_users
 from fedge.mqtt import first_address, parse_broker
-from fedge.rabbitmq import write_rabbitmq_config
 from launch.federation import write_secrets
 
 from helpers.brokers import close, closed_by_broker, connack_code, mqtt_client, publish, subscribe
@@ -66,6 +67,7 @@ def run_spread(fed: Federation, monkeypatch, kill_node=None):
         def kill(rnd: int, kind: str) -> None:
             if (rnd, kind) == (1, "train") and kill_node.process is not None:
                 kill_node.kill()
+                server.killed_at = time.monotonic()
 
         server.fleet.after_send = kill
     processes = [fed.start_clients(group, url=url) for group, url in zip(GROUPS, lists)]
@@ -119,6 +121,10 @@ def test_losing_a_node_mid_round_loses_nothing(tmp_path, monkeypatch, rabbitmq_c
         )
     )  # they moved
     round1 = next(e for e in server.fleet.exchanges if (e.round, e.type) == (1, "train"))
+    print(
+        f"{victim.name} killed (holding {', '.join(on_victim)}); round 1 closed {round1.end - server.killed_at:.2f} s "
+        f"later; rejected {server.summary['rejected_messages']}"
+    )
     assert round1.replied == ALL and round1.end < round1.start + deadline  # closed by replies, not the deadline
     assert trained_by_round(cfg.out) == {0: ALL, 1: ALL}  # each client's update aggregated exactly once a round
     assert server.summary["failed_rounds"] == [] and server.summary["transport"].get("deadline_missed", 0) == 0
@@ -127,8 +133,8 @@ def test_losing_a_node_mid_round_loses_nothing(tmp_path, monkeypatch, rabbitmq_c
 
 @pytest.mark.timeout(120)
 def test_the_users_script_sets_users_and_permissions_on_a_running_cluster(tmp_path, rabbitmq_cluster):
-    """`sh users.sh` (written by write_rabbitmq_config) on one node: the user exists on every node with fedge's
-    permissions; run again with a new password, it updates the user."""
+    """`sh users.sh`, written by `fedge broker --write-rabbitmq-config DIR --users FILE`, on one node: the user
+    exists on every node with fedge's permissions; run again with a new password, it updates the user."""
     first, other = rabbitmq_cluster.nodes[0], rabbitmq_cluster.nodes[2]
     ctl = tmp_path / "rabbitmqctl"  # rabbitmqctl with this cluster's environment
     env = " ".join(f"{k}={shlex.quote(first.env()[k])}" for k in ("HOME", "ERL_EPMD_PORT"))
@@ -137,7 +143,15 @@ def test_the_users_script_sets_users_and_permissions_on_a_running_cluster(tmp_pa
 
     def apply(users: dict[str, str]) -> None:
         write_secrets(tmp_path / "users", users)
-        write_rabbitmq_config(tmp_path / "conf", users, tmp_path / "users", run_as="root")
+        written = subprocess.run(
+            [sys.executable, "-m", "launch.cli", "broker", "--write-rabbitmq-config", str(tmp_path / "conf")]
+            + ["--users", str(tmp_path / "users"), "--run-as", "root"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert written.returncode == 0, written.stderr
+        assert f"A running cluster: sh {tmp_path / 'conf' / 'users.sh'} on any node" in written.stdout
         done = subprocess.run(
             ["sh", str(tmp_path / "conf" / "users.sh")],
             env={"PATH": "/usr/bin:/bin", "RABBITMQCTL": str(ctl)},
