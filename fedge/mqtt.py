@@ -99,21 +99,24 @@ def parse_broker(
     A comma-separated list names the nodes of one broker cluster (``mqtt://n1:1883,mqtt://n2:1883`` or
     ``mqtt://n1,n2:1884``): one scheme for all; credentials, if any, in the first."""
     first, *more = [u.strip() for u in url.split(",")]
-    scheme = first.split("://")[0] if "://" in first else "mqtt"
-    addresses, creds = [], None
-    for one in (first, *more):
+    scheme = first.split("://")[0].lower() if "://" in first else "mqtt"
+    addresses, creds = [], urlsplit(first if "://" in first else f"mqtt://{first}")
+    for k, one in enumerate((first, *more)):
         parts = urlsplit(one if "://" in one else f"{scheme}://{one}")
         if parts.scheme not in ("mqtt", "mqtts") or not parts.hostname:
-            raise MqttError(f"broker URL {one!r} must look like mqtt://host:1883 or mqtts://host:8883")
+            raise MqttError(
+                f"broker URL {one!r} must look like mqtt://host:1883 or mqtts://host:8883 (a comma separates "
+                "the nodes of a cluster; write one in a password as %2C)"
+            )
         if parts.scheme != scheme:
             raise MqttError(f"broker URLs {url!r} mix mqtt:// and mqtts://; give every node the same scheme")
+        if k and (parts.username or parts.password):
+            raise MqttError(f"broker URLs {url!r}: give credentials once, in the first URL (or --password-file)")
         try:
             port = parts.port or (8883 if parts.scheme == "mqtts" else 1883)
         except ValueError:
             raise MqttError(f"broker URL {one!r} has an invalid port") from None
         addresses.append((parts.hostname, port))
-        creds = creds or parts
-    assert creds is not None
     return Broker(
         addresses[0][0],
         addresses[0][1],
@@ -132,7 +135,7 @@ MQTT_ID_HEX = 32  # random hex digits after "<name>." in an MQTT client id
 
 def mqtt_client_id(name: str) -> str:
     """The MQTT client id of one connection of ``name`` (a client id or the server user): ``<name>.<32 hex>``,
-    new for every process. RabbitMQ ends a connection when another connects with its client id, whoever logs in,
+    new for every connection. RabbitMQ ends a connection when another connects with its client id, whoever logs in,
     so an id nobody can guess is what keeps one client from ending another's connection there; Mosquitto
     replaces it by the username (use_username_as_clientid) and the embedded broker checks its prefix."""
     return f"{name}.{secrets.token_hex(MQTT_ID_HEX // 2)}"
@@ -373,8 +376,8 @@ class Endpoint:
                 self.client.loop_start()
             except (OSError, ssl.SSLError, ValueError) as e:
                 raise MqttError(f"cannot connect to {self.broker}: {e}") from None
-            while not self.connected.wait(0.05):
-                if self.fatal is not None or time.monotonic() > deadline or self.refusals >= 2:
+            while not self.connected.wait(0.05):  # a refusal that is not final goes on to the next address
+                if self._final_refusal() or time.monotonic() > deadline or self.refusals >= 2:
                     break
             if self.connected.is_set():
                 return
@@ -387,14 +390,19 @@ class Endpoint:
                 self.attempts = first_address(self.broker, self.client_id)  # the refusals moved it on: start over
                 self.client = self._make_client()
                 continue
-            if self.fatal is not None:
+            if self._final_refusal():
                 raise MqttError(
                     f"broker {self.broker} refused {self.client_id}: {self.fatal}. Check the username, "
                     "password file and TLS settings"
                 )
+            refused = f" (last refusal: {self.fatal})" if self.fatal else ""
             raise MqttError(
-                f"no connection to {self.broker} within {timeout:.0f} s; is the broker running and reachable?"
+                f"no connection to {self.broker} within {timeout:.0f} s{refused}; is the broker running and reachable?"
             )
+
+    def _final_refusal(self) -> bool:
+        """Whether the last CONNACK refused us for good (credentials, protocol), not for a node's passing trouble."""
+        return self.fatal in _FATAL_CONNACK or self.fatal == "Unsupported protocol version"
 
     def publish(
         self,

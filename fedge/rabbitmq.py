@@ -81,15 +81,39 @@ def rabbitmq_password_hash(password: str, salt: bytes | None = None) -> str:
     return base64.b64encode(salt + hashlib.sha256(salt + password.encode()).digest()).decode()
 
 
+USER_LIMITS = {"max-connections": C.MAX_USER_CONNECTIONS}
+QUEUE_POLICY = {  # every MQTT subscription's queue: bounded as Mosquitto bounds a client's queue
+    "vhost": VHOST,
+    "name": "fedge-mqtt-subscriptions",
+    "pattern": "^mqtt-subscription-",
+    "apply-to": "queues",
+    "priority": 0,
+    "definition": {
+        "max-length": C.MAX_QUEUED_MESSAGES,
+        "max-length-bytes": C.MAX_QUEUED_BYTES,
+        "overflow": "drop-head",  # not reject-publish: RabbitMQ 3.10's MQTT plugin closes a publisher it nacks
+        "expires": C.IDLE_QUEUE_EXPIRES_S * 1000,
+    },
+}
+
+
 def rabbitmq_definitions(users: dict[str, str], server_user: str = DEFAULT_SERVER_USER) -> dict:
-    """The definitions a node imports at boot: the vhost, the users (hashed passwords) and their permissions."""
+    """The definitions a node imports at boot: the vhost, the users (hashed passwords, a connection limit), their
+    permissions, and the policy bounding every subscription queue."""
     rows = [(name, permissions(name, server_user)) for name in sorted(users)]
     return {
         "vhosts": [{"name": VHOST}],
         "users": [
-            {"name": n, "password_hash": rabbitmq_password_hash(users[n]), "hashing_algorithm": HASHING, "tags": []}
+            {
+                "name": n,
+                "password_hash": rabbitmq_password_hash(users[n]),
+                "hashing_algorithm": HASHING,
+                "tags": [],
+                "limits": USER_LIMITS,
+            }
             for n, _ in rows
         ],
+        "policies": [QUEUE_POLICY],
         "permissions": [
             {"user": n, "vhost": VHOST, "configure": p["configure"], "write": p["write"], "read": p["read"]}
             for n, p in rows
@@ -102,36 +126,50 @@ def rabbitmq_definitions(users: dict[str, str], server_user: str = DEFAULT_SERVE
 
 
 def rabbitmq_users_script(users: Iterable[str], users_file: Path, server_user: str = DEFAULT_SERVER_USER) -> str:
-    """users.sh: create or update each user and set its permissions on a running cluster with rabbitmqctl.
+    """users.sh: make a running cluster's users those of ``users``: create or update each (password, connection
+    limit, permissions), delete every other user (``guest`` included), and set the subscription-queue policy.
 
-    Passwords are read from ``users_file`` (or the script's first argument) and given to rabbitmqctl on standard
-    input, never on a command line; RabbitMQ's default user ``guest`` is deleted."""
+    Passwords are read from ``users_file`` (or the script's first argument), as fedge.access.read_users reads them,
+    and given to rabbitmqctl on standard input, never on a command line."""
     q = shlex.quote
+    names = sorted(set(users))
     lines = [
         "#!/bin/sh",
-        "# fedge's users and permissions on a running RabbitMQ node or cluster (written by fedge.rabbitmq).",
-        "# Run on any node, as a user that may run rabbitmqctl:  sh users.sh [USERS_FILE]",
-        "# USERS_FILE has username:password lines; set RABBITMQCTL to use another rabbitmqctl.",
+        "# fedge's users, permissions and queue policy on a running RabbitMQ node or cluster (written by",
+        "# fedge.rabbitmq). Users not listed here are deleted. Run on any node, as a user that may run rabbitmqctl",
+        "# and read USERS_FILE:  sh users.sh [USERS_FILE]   (RABBITMQCTL: another rabbitmqctl)",
         "set -eu",
         f"USERS=${{1:-{q(str(users_file))}}}",
         "CTL=${RABBITMQCTL:-rabbitmqctl}",
+        '[ -r "$USERS" ] || { echo "users.sh: cannot read $USERS (username:password lines)" >&2; exit 1; }',
+        "existing=$($CTL -s list_users | cut -f1)",
         "user() {  # NAME CONFIGURE WRITE READ TOPIC_WRITE TOPIC_READ",
-        '    pw=$(grep "^$1:" "$USERS" | cut -d: -f2-) || { echo "no password for $1 in $USERS" >&2; exit 1; }',
-        '    if $CTL -q list_users | cut -f1 | grep -qx "$1"; then',
-        '        printf "%s\\n" "$pw" | $CTL -q change_password "$1"',
+        r'    line=$(sed -e "s/\r$//" -e "s/^[[:space:]]*//" -e "s/[[:space:]]*$//" "$USERS" | grep -m1 "^$1:") ||',
+        '        { echo "users.sh: no password for $1 in $USERS" >&2; exit 1; }',
+        "    pw=${line#*:}",
+        '    [ -n "$pw" ] || { echo "users.sh: empty password for $1 in $USERS" >&2; exit 1; }',
+        r'    if printf "%s\n" "$existing" | grep -qx "$1"; then',
+        r'        printf "%s\n" "$pw" | $CTL -q change_password "$1"',
         "    else",
-        '        printf "%s\\n" "$pw" | $CTL -q add_user "$1"',
+        r'        printf "%s\n" "$pw" | $CTL -q add_user "$1"',
         "    fi",
+        f'    $CTL -q set_user_limits "$1" {q(json.dumps(USER_LIMITS))}',
         f'    $CTL -q set_permissions -p {q(VHOST)} "$1" "$2" "$3" "$4"',
         f'    $CTL -q set_topic_permissions -p {q(VHOST)} "$1" {EXCHANGE} "$5" "$6"',
         "}",
-        "$CTL -q delete_user guest 2>/dev/null || true  # the default user: every permission, from localhost",
     ]
-    for name in sorted(users):
+    for name in names:
         p = permissions(name, server_user)
         fields = (name, p["configure"], p["write"], p["read"], p["topic_write"], p["topic_read"])
         lines.append("user " + " ".join(q(f) for f in fields))
-    lines.append(f'echo "fedge: {len(set(users))} users set"')
+    lines += [
+        "for u in $existing; do  # everyone else, guest included, loses access",
+        f'    case " {" ".join(names)} " in *" $u "*) ;; *) $CTL -q delete_user "$u" ;; esac',
+        "done",
+        f"$CTL -q set_policy -p {q(VHOST)} --apply-to queues {QUEUE_POLICY['name']} "
+        f"{q(QUEUE_POLICY['pattern'])} {q(json.dumps(QUEUE_POLICY['definition']))}",
+        f'echo "fedge: {len(names)} users set"',
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -183,7 +221,8 @@ def write_rabbitmq_config(
         lines += [
             f"ssl_options.certfile = {Path(tls.certfile).resolve()}",
             f"ssl_options.keyfile = {Path(tls.keyfile).resolve()}",
-            "ssl_options.versions.1 = tlsv1.2",
+            "ssl_options.versions.1 = tlsv1.3",
+            "ssl_options.versions.2 = tlsv1.2",
             f"ssl_options.verify = {'verify_peer' if tls.cafile else 'verify_none'}",
             f"ssl_options.fail_if_no_peer_cert = {str(tls.require_certificate).lower()}",
         ]

@@ -39,7 +39,15 @@ from server.registration import registration_check
 from server.runlog import CHECKPOINT_FILE
 
 from helpers.brokers import MosquittoProcess, close, mqtt_client, publish, subscribe
-from helpers.federation import Federation, make_config, read_rows, run_inproc, trained_by_round, wait_until
+from helpers.federation import (
+    Federation,
+    make_config,
+    read_rows,
+    run_inproc,
+    same_tree,
+    trained_by_round,
+    wait_until,
+)
 from helpers.proxy import TcpProxy
 
 ALL = ["0", "1", "2"]
@@ -248,19 +256,6 @@ def test_straggler_is_cut_off_at_the_deadline_every_round_and_its_late_reply_dis
 
 
 # ---------------------------------------------------------------------------------------------- 7
-
-
-def same_tree(a, b) -> bool:
-    """Bitwise equality of two checkpoint trees (dicts, lists, Weights, tensors, JSON values)."""
-    if isinstance(a, Weights) and isinstance(b, Weights):
-        return a.spec == b.spec and same_tree(a.state, b.state)
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(same_tree(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(same_tree(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 @pytest.mark.timeout(150)

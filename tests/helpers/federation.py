@@ -30,7 +30,7 @@ from fedge.access import generate_users
 from fedge.config import RunConfig, config_from
 from fedge.embedded_broker import EmbeddedBroker
 from fedge.files import atomic_write
-from fedge.messages import Result, Task
+from fedge.messages import Result, Task, Weights
 from fedge.mqtt import Broker, parse_broker
 from launch import federation, server
 from launch.client import client_agents, run_clients
@@ -111,6 +111,19 @@ def over_embedded_broker(cfg: RunConfig) -> tuple[dict[str, Any], list[ClientAge
             clients.join(60)
     assert codes == [0]
     return summary, agents
+
+
+def same_tree(a, b) -> bool:
+    """Bitwise equality of two checkpoint trees (dicts, lists, Weights, tensors, JSON values)."""
+    if isinstance(a, Weights) and isinstance(b, Weights):
+        return a.spec == b.spec and same_tree(a.state, b.state)
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_tree(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_tree(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> Any:

@@ -637,10 +637,31 @@ def test_an_endpoint_given_several_addresses_skips_one_that_is_down(embedded_bro
     broker = parse_broker(",".join(urls), "a", embedded_broker.users["a"])
     assert broker.addresses[first_address(broker, "a")] == ("127.0.0.1", int(dead.rsplit(":", 1)[1]))
     endpoint = Endpoint(broker, "a", [], lambda topic, data: None)
-    first_id = endpoint.mqtt_id
+    tried: list[tuple[tuple[str, int], str]] = []  # (address, client id) of each attempt, as paho then connects
+
+    def pick(client, userdata) -> None:
+        endpoint._pick_address(client, userdata)
+        tried.append(((client.host, client.port), client._client_id.decode()))
+
+    endpoint.client.on_pre_connect = pick
     try:
         endpoint.start(20)
-        assert endpoint.address == ("127.0.0.1", embedded_broker.port) and endpoint.attempts >= 2
-        assert endpoint.mqtt_id != first_id and endpoint.mqtt_id.startswith("a.")
+        assert [address for address, _ in tried[:2]] == list(
+            broker.addresses[::-1] if urls[0] == live else broker.addresses
+        )
+        assert endpoint.address == ("127.0.0.1", embedded_broker.port) == tried[-1][0]
+        ids = [mqtt_id for _, mqtt_id in tried]
+        assert len(set(ids)) == len(ids) >= 2 and all(i.startswith("a.") for i in ids)
     finally:
         endpoint.stop()
+
+
+def test_a_rabbitmq_user_holds_a_bounded_number_of_connections(rabbitmq_broker):
+    """RabbitMQ keeps every connection of a user (their ids differ): the user's limit bounds them."""
+    held = [connect_as(rabbitmq_broker, "a") for _ in range(C.MAX_USER_CONNECTIONS)]
+    try:
+        assert connack_code(url_of(rabbitmq_broker, "a"), "a", rabbitmq_broker.users["a"], protocol=mqtt.MQTTv311) != 0
+    finally:
+        for client in held:
+            close(client)
+    close(connect_as(rabbitmq_broker, "a"))  # room again

@@ -139,7 +139,7 @@ def test_rabbitmq_topic_permissions_grant_what_the_acl_grants(user, action, topi
     """RabbitMQ checks a publish (write) or a subscription's binding key (read) against the user's regexes, over
     the routing key: "/" becomes ".", a filter's "+" becomes "*"; it fills in {username}."""
     if not user or not ID_PATTERN.fullmatch(user):
-        return  # no such user can exist: check_username refuses the name
+        pytest.skip("no such user can exist: check_username refuses the name")
     p = rabbitmq_permissions(user)
     regex = (p["topic_write"] if action == "publish" else p["topic_read"]).replace("{username}", user)
     key = ".".join("*" if level == "+" else level for level in topic.split("/"))
@@ -186,6 +186,9 @@ def test_write_rabbitmq_config_writes_hashes_not_passwords(tmp_path):
     assert "mqtt.listeners.tcp.default = 127.0.0.1:1884" in conf.read_text()
     definitions = json.loads(files["definitions.json"].read_text())
     assert sorted(u["name"] for u in definitions["users"]) == ["0", "1", "server"]
+    assert {json.dumps(u["limits"]) for u in definitions["users"]} == {json.dumps({"max-connections": 4})}
+    (policy,) = definitions["policies"]
+    assert policy["pattern"] == "^mqtt-subscription-" and policy["definition"]["overflow"] == "drop-head"
     with pytest.raises(BrokerError, match="out of range"):
         write_rabbitmq_config(tmp_path / "c", users, tmp_path / "users", port=0, run_as=ME)
 
