@@ -58,14 +58,20 @@ def mosquitto_available() -> bool:
     return shutil.which(MOSQUITTO) is not None
 
 
+def require_broker(available: bool, missing: str, required_by: str) -> None:
+    """Skip the calling test when a broker is not ``available`` (saying what is ``missing``), or fail it when the
+    environment variable ``required_by`` is set (CI)."""
+    if available:
+        return
+    if os.environ.get(required_by):
+        pytest.fail(missing)
+    pytest.skip(missing)
+
+
 def require_mosquitto() -> None:
     """Skip the calling test without Mosquitto, or fail it when FEDGE_REQUIRE_MOSQUITTO is set."""
-    if mosquitto_available():
-        return
-    message = f"Mosquitto not found at {MOSQUITTO} (apt-get install mosquitto, or set FEDGE_MOSQUITTO)"
-    if os.environ.get("FEDGE_REQUIRE_MOSQUITTO"):
-        pytest.fail(message)
-    pytest.skip(message)
+    missing = f"Mosquitto not found at {MOSQUITTO} (apt-get install mosquitto, or set FEDGE_MOSQUITTO)"
+    require_broker(mosquitto_available(), missing, "FEDGE_REQUIRE_MOSQUITTO")
 
 
 class MosquittoProcess:

@@ -22,7 +22,7 @@ from fedge.access import generate_users
 from fedge.rabbitmq import write_rabbitmq_config
 from launch.federation import write_secrets
 
-from helpers.brokers import CLIENT_IDS, free_port, wait_for_port
+from helpers.brokers import CLIENT_IDS, free_port, require_broker, wait_for_port
 
 RABBITMQ_BIN = Path(os.environ.get("FEDGE_RABBITMQ", "/usr/lib/rabbitmq/bin"))
 BOOT_S = 90.0  # a node's boot, plugins and MQTT listener included (about 5 s here, far more on a loaded machine)
@@ -36,12 +36,8 @@ def rabbitmq_available() -> bool:
 
 def require_rabbitmq() -> None:
     """Skip the calling test without RabbitMQ, or fail it when FEDGE_REQUIRE_RABBITMQ is set."""
-    if rabbitmq_available():
-        return
-    message = f"RabbitMQ not found in {RABBITMQ_BIN} (apt-get install rabbitmq-server, or set FEDGE_RABBITMQ)"
-    if os.environ.get("FEDGE_REQUIRE_RABBITMQ"):
-        pytest.fail(message)
-    pytest.skip(message)
+    missing = f"RabbitMQ not found in {RABBITMQ_BIN} (apt-get install rabbitmq-server, or set FEDGE_RABBITMQ)"
+    require_broker(rabbitmq_available(), missing, "FEDGE_REQUIRE_RABBITMQ")
 
 
 class RabbitNode:
