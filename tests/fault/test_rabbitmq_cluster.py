@@ -167,6 +167,9 @@ def test_the_users_script_sets_users_and_permissions_on_a_running_cluster(tmp_pa
         assert written.returncode == 0, written.stderr
         assert f"A running cluster: sh {tmp_path / 'conf' / 'users.sh'} on any node" in written.stdout
         assert not any(p in (tmp_path / "conf" / "users.sh").read_text() for p in users.values())
+        return run_script(*argument)
+
+    def run_script(*argument: str) -> subprocess.CompletedProcess:
         return subprocess.run(
             ["sh", str(tmp_path / "conf" / "users.sh"), *argument],
             env={"PATH": "/usr/bin:/bin", "RABBITMQCTL": str(ctl)},
@@ -191,7 +194,7 @@ def test_the_users_script_sets_users_and_permissions_on_a_running_cluster(tmp_pa
         assert connack_code(other.url, "c", c_password, client_id=mqtt_client_id("c"), protocol=MQTTv311) != 0
 
         (tmp_path / "short").write_text("server:x\n")
-        done = apply(rabbitmq_cluster.users, str(tmp_path / "short"))
+        done = run_script(str(tmp_path / "short"))
         assert done.returncode != 0 and "no password for 0 in" in done.stderr, done
     finally:
         if "c" in first.ctl("-s", "list_users"):
