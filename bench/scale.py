@@ -68,7 +68,7 @@ def one_fleet(n: int, rounds: int, processes: int, work: Path, cluster: RabbitCl
     else:
         users = {u: cluster.users[u] for u in (*ids, "server")}
         url = cluster.url
-        broker_pids = [int((node.directory / "pid").read_text().split()[0]) for node in cluster.nodes]
+        broker_pids = [node.vm_pid for node in cluster.nodes]
     secrets = work / f"passwords-{kind}-{n}"
     write_secrets(secrets, users)
     cfg = config_from(

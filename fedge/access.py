@@ -144,7 +144,29 @@ def permitted(username: str | None, topic: str, action: str, server_user: str = 
     return any(_covers(p, topic) for p in patterns)
 
 
-def service_owner(name: str, directory: Path, program: str, default: bool) -> pwd.struct_passwd:
+def broker_files(
+    directory: Path, port: int, program: str, run_as: str | None, default_user: str
+) -> tuple[Path, pwd.struct_passwd | None]:
+    """Where a broker's config files go and who will own them: ``directory`` resolved and made, and, as root, the
+    account ``program`` switches to (``run_as``, else ``default_user``; see _service_owner), else None. BrokerError
+    for a port out of range or an account that cannot read the files."""
+    if not 0 < port < 65536:
+        raise BrokerError(f"port {port} is out of range 1..65535")
+    directory = Path(directory).resolve()
+    directory.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        return directory, None
+    return directory, _service_owner(run_as or default_user, directory, program, run_as is None)
+
+
+def give_files(owner: pwd.struct_passwd | None, paths: Iterable[Path]) -> None:
+    """Make ``owner`` (from broker_files) the owner of the written files; nothing when not root."""
+    if owner is not None:
+        for path in paths:
+            os.chown(path, owner.pw_uid, owner.pw_gid)
+
+
+def _service_owner(name: str, directory: Path, program: str, default: bool) -> pwd.struct_passwd:
     """The account ``program`` (a broker started as root) switches to, ``name``; BrokerError if it does not exist
     or cannot traverse to ``directory``, naming the fix (``default``: the name is the program's own default)."""
     try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import os
 import secrets
 from pathlib import Path
 from typing import Iterable
@@ -15,11 +14,11 @@ from fedge.access import (
     CLIENT_WRITE,
     DEFAULT_SERVER_USER,
     SERVER_READWRITE,
-    BrokerError,
     TlsFiles,
+    broker_files,
     check_username,
     check_users,
-    service_owner,
+    give_files,
 )
 from fedge.files import atomic_write
 
@@ -69,15 +68,7 @@ def write_mosquitto_config(
     does not exist, or a directory that user cannot reach (with the fix).
     """
     users = check_users(users, server_user)
-    if not 0 < port < 65536:
-        raise BrokerError(f"port {port} is out of range 1..65535")
-    directory = Path(directory).resolve()
-    directory.mkdir(parents=True, exist_ok=True)
-    owner = (
-        service_owner(run_as or MOSQUITTO_DEFAULT_USER, directory, "Mosquitto", run_as is None)
-        if os.geteuid() == 0
-        else None
-    )
+    directory, owner = broker_files(directory, port, "Mosquitto", run_as, MOSQUITTO_DEFAULT_USER)
     run_as = run_as if owner is None else owner.pw_name
     passwd, acl, conf = directory / "passwd", directory / "acl", directory / "mosquitto.conf"
     hashed = "".join(f"{u}:{mosquitto_password_hash(p)}\n" for u, p in sorted(users.items()))
@@ -113,7 +104,5 @@ def write_mosquitto_config(
         if tls.cafile is not None:
             lines.append(f"cafile {Path(tls.cafile).resolve()}")
     atomic_write(conf, ("\n".join(lines) + "\n").encode(), mode=0o600)
-    if owner is not None:
-        for path in (passwd, acl, conf):
-            os.chown(path, owner.pw_uid, owner.pw_gid)
+    give_files(owner, (passwd, acl, conf))
     return conf

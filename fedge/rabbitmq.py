@@ -17,7 +17,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import os
 import re
 import secrets
 import shlex
@@ -30,10 +29,10 @@ from fedge.access import (
     CLIENT_WRITE,
     DEFAULT_SERVER_USER,
     SERVER_READWRITE,
-    BrokerError,
     TlsFiles,
+    broker_files,
     check_users,
-    service_owner,
+    give_files,
 )
 from fedge.files import atomic_write
 from fedge.mqtt import mqtt_client_id_regex
@@ -190,13 +189,7 @@ def write_rabbitmq_config(
     Raises BrokerError for a bad user table, a port out of range or a run-as user who cannot read the files.
     """
     users = check_users(users, server_user)
-    if not 0 < port < 65536:
-        raise BrokerError(f"port {port} is out of range 1..65535")
-    directory = Path(directory).resolve()
-    directory.mkdir(parents=True, exist_ok=True)
-    owner = None
-    if os.geteuid() == 0:
-        owner = service_owner(run_as or RABBITMQ_DEFAULT_USER, directory, "RabbitMQ", run_as is None)
+    directory, owner = broker_files(directory, port, "RabbitMQ", run_as, RABBITMQ_DEFAULT_USER)
     conf, plugins = directory / "rabbitmq.conf", directory / "enabled_plugins"
     definitions, script = directory / "definitions.json", directory / "users.sh"
     lines = [
@@ -232,7 +225,5 @@ def write_rabbitmq_config(
     atomic_write(plugins, b"[rabbitmq_mqtt].\n", mode=0o600)
     atomic_write(definitions, json.dumps(rabbitmq_definitions(users, server_user), indent=1).encode(), mode=0o600)
     atomic_write(script, rabbitmq_users_script(users, Path(users_file).resolve(), server_user).encode(), mode=0o700)
-    if owner is not None:
-        for path in (conf, plugins, definitions, script):
-            os.chown(path, owner.pw_uid, owner.pw_gid)
+    give_files(owner, (conf, plugins, definitions, script))
     return conf

@@ -108,12 +108,17 @@ class RabbitNode:
             raise RuntimeError(f"rabbitmqctl {' '.join(args)} on {self.name} failed:\n{done.stdout}{done.stderr}")
         return done.stdout
 
+    @property
+    def vm_pid(self) -> int | None:
+        """The node's Erlang VM (the start script's child), from the pid file it writes once booted."""
+        pid_file = self.directory / "pid"
+        return int(pid_file.read_text().split()[0]) if pid_file.exists() else None
+
     def kill(self) -> None:
         """SIGKILL the Erlang VM: a crash; its connections vanish without a will or a goodbye."""
         if self.process is None:
             return
-        pid = int((self.directory / "pid").read_text().split()[0])
-        os.kill(pid, signal.SIGKILL)
+        os.kill(self.vm_pid, signal.SIGKILL)
         self.process.wait(CTL_S)
         self.process = None
 
@@ -127,9 +132,8 @@ class RabbitNode:
             try:
                 process.wait(CTL_S)
             except subprocess.TimeoutExpired:
-                pid_file = self.directory / "pid"
-                if pid_file.exists():
-                    os.kill(int(pid_file.read_text().split()[0]), signal.SIGKILL)
+                if self.vm_pid is not None:
+                    os.kill(self.vm_pid, signal.SIGKILL)
                 process.kill()
                 process.wait()
 
