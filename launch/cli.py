@@ -314,8 +314,6 @@ def cmd_broker(args: argparse.Namespace) -> None:
     if written is None:
         serve_forever(args.port, args.users)
         return
-    if args.write_mosquitto_config and args.write_rabbitmq_config:
-        raise ConfigError("give --write-mosquitto-config or --write-rabbitmq-config, not both")
     out = Path(written)
     if args.users:
         users, users_file = read_users(args.users), Path(args.users)
@@ -551,8 +549,9 @@ def add_deploy_parsers(sub: Any) -> None:
     p.add_argument("--port", type=int, default=1883, help="listening port (default 1883)")
     p.add_argument("--host", default="127.0.0.1", help="listening address (default 127.0.0.1)")
     p.add_argument("--users", help="username:password lines (one per client, plus `server`)")
-    p.add_argument("--write-mosquitto-config", metavar="DIR", help="write a Mosquitto config instead of serving")
-    p.add_argument(
+    written = p.add_mutually_exclusive_group()
+    written.add_argument("--write-mosquitto-config", metavar="DIR", help="write a Mosquitto config instead of serving")
+    written.add_argument(
         "--write-rabbitmq-config", metavar="DIR", help="write a RabbitMQ (MQTT plugin) config instead of serving"
     )
     p.add_argument("--clients", help="comma-separated client ids to generate passwords for (without --users)")

@@ -42,6 +42,7 @@ from helpers.brokers import MosquittoProcess, close, mqtt_client, publish, subsc
 from helpers.federation import (
     Federation,
     make_config,
+    outcome,
     read_rows,
     run_inproc,
     same_tree,
@@ -51,12 +52,6 @@ from helpers.federation import (
 from helpers.proxy import TcpProxy
 
 ALL = ["0", "1", "2"]
-COMPARED = ("round", "client", "trained", "accuracy", "loss", "num_examples")  # what a model change would move
-
-
-def outcome(out: Path) -> list[tuple]:
-    """The run's per-round, per-client training and evaluation numbers (bitwise floats)."""
-    return sorted(tuple(row.get(k) for k in COMPARED) for row in read_rows(out))
 
 
 @pytest.fixture(scope="module")

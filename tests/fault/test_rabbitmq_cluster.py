@@ -25,17 +25,11 @@ from launch.federation import write_secrets
 from server.runlog import CHECKPOINT_FILE
 
 from helpers.brokers import close, closed_by_broker, connack_code, connect_as, mqtt_client, publish, subscribe
-from helpers.federation import Federation, make_config, read_rows, run_inproc, same_tree, trained_by_round
+from helpers.federation import Federation, make_config, outcome, run_inproc, same_tree, trained_by_round
 from helpers.rabbitmq import RABBITMQ_BIN
 
 ALL = ["0", "1", "2"]
 GROUPS = (["0", "1"], ["2"])  # two client processes
-COMPARED = ("round", "client", "trained", "accuracy", "loss", "num_examples")  # what a model change would move
-
-
-def outcome(out: Path) -> list[tuple]:
-    """The run's per-round, per-client training and evaluation numbers (bitwise floats)."""
-    return sorted(tuple(row.get(k) for k in COMPARED) for row in read_rows(out))
 
 
 def final_model(out: Path) -> dict:

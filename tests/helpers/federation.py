@@ -146,6 +146,14 @@ def read_rows(out: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+COMPARED = ("round", "client", "trained", "accuracy", "loss", "num_examples")  # what a model change would move
+
+
+def outcome(out: Path) -> list[tuple]:
+    """The run's per-round, per-client training and evaluation numbers (bitwise floats)."""
+    return sorted(tuple(row.get(k) for k in COMPARED) for row in read_rows(out))
+
+
 # Fields that differ between two runs of one config: wall-clock times, memory, and the reply's bytes, which hold the
 # client's wall-clock metrics (their JSON length varies).
 WALL_CLOCK_FIELDS = ("seconds", "time_", "bytes_up", "rss_bytes")
