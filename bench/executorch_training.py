@@ -18,7 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -34,6 +33,7 @@ from fedge import constants as C  # noqa: E402
 from fedge.data import load_dataset  # noqa: E402
 from fedge.distill import kd_loss  # noqa: E402
 from fedge.messages import Weights  # noqa: E402
+from fedge.partition import stratified_sample  # noqa: E402
 from fedge.spec import build  # noqa: E402
 from fedge.zoo import MODELS, create  # noqa: E402
 
@@ -70,7 +70,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     ds = load_dataset(args.dataset, args.data)
-    x, y = ds.tensors(np.arange(min(args.samples, len(ds))))
+    x, y = ds.tensors(stratified_sample(ds.y, args.samples, C.DEFAULT_SEED))
     teacher = torch.randn(len(x), ds.num_classes, generator=torch.Generator().manual_seed(0))
     android = [p for p in list_profiles() if p.runtime == "executorch"]
     cfg = TrainConfig(epochs=1, batch_size=args.batch_size, lr=1e-3, seed=1, sgd_lr=SGD_LR, sgd_momentum=MOMENTUM)

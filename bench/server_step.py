@@ -25,10 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.compare import hardware  # noqa: E402
 from edge_client.training import TrainConfig, train  # noqa: E402
 from fedge.config import config_from  # noqa: E402
-from fedge.constants import DEFAULT_WIDTHS, WIDTHS  # noqa: E402
+from fedge.constants import DEFAULT_SEED, DEFAULT_WIDTHS, WIDTHS  # noqa: E402
 from fedge.data import load_dataset  # noqa: E402
 from fedge.messages import Result  # noqa: E402
-from fedge.partition import make_partition  # noqa: E402
+from fedge.partition import make_partition, stratified_sample  # noqa: E402
 from fedge.zoo import assign_models  # noqa: E402
 from launch.client import make_agent  # noqa: E402
 from launch.runs import partition_config  # noqa: E402
@@ -98,8 +98,9 @@ def main() -> None:
     )
 
     x_public, y_public = ds.tensors(part.public)
+    warm = x_public[stratified_sample(y_public.numpy(), 64, DEFAULT_SEED)]
     for w in results.values():  # warm up torch's kernels, so the first strategy timed does not pay for it
-        block_features(w.models["local"], x_public[:64], device=args.device)
+        block_features(w.models["local"], warm, device=args.device)
     totals, times, rows = {}, {}, {}
     for name in args.strategies:
         cap = name.partition("@")[2]

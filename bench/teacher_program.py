@@ -28,6 +28,7 @@ from fedge import constants as C  # noqa: E402
 from fedge.codec import encode_task  # noqa: E402
 from fedge.data import load_dataset  # noqa: E402
 from fedge.messages import Task, Weights  # noqa: E402
+from fedge.partition import stratified_sample  # noqa: E402
 from fedge.spec import build  # noqa: E402
 from fedge.teacher_program import (  # noqa: E402
     TEACHER_PTE,
@@ -69,8 +70,10 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     ds = load_dataset(args.dataset, args.data)
-    x, _ = ds.tensors(np.arange(min(args.samples, len(ds))))
-    public, _ = ds.tensors(np.arange(len(ds) - C.EXECUTORCH_TEACHER_BATCH, len(ds)))
+    client = stratified_sample(ds.y, args.samples, C.DEFAULT_SEED)
+    x, _ = ds.tensors(client)
+    rest = np.setdiff1d(np.arange(len(ds)), client)
+    public, _ = ds.tensors(stratified_sample(ds.y, C.EXECUTORCH_TEACHER_BATCH, C.DEFAULT_SEED, among=rest))
     print(hardware())
     print(f"{args.dataset}: teacher logits on {len(x)} samples, {args.threads} thread(s), median of {args.repeats}\n")
     head = (

@@ -8,7 +8,6 @@ import logging
 from pathlib import Path
 from typing import Any, Mapping
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -18,6 +17,7 @@ from fedge import constants as C
 from fedge.checkpoint import CheckpointError, load_tree
 from fedge.data import Dataset
 from fedge.messages import Weights
+from fedge.partition import stratified_sample
 from fedge.weights import WeightsError, load_model, save_model
 
 log = logging.getLogger(__name__)
@@ -25,24 +25,23 @@ log = logging.getLogger(__name__)
 SERVER_ROLES = ("teacher", "model")  # final models the server writes to <run>/models/<client>/<role>.safetensors
 ROLES = SERVER_ROLES + ("student",)
 PARITY_SAMPLES = 64  # real dataset images each export is checked on
+PARITY_SEED = 0  # which ones: a seeded draw keeping the class proportions (datasets may be sorted by class)
 
 
 def parity_sample(ds: Dataset, n: int = PARITY_SAMPLES) -> torch.Tensor:
-    """The first `n` images of the dataset, normalised as in training (real inputs for the parity check)."""
-    return ds.tensors(np.arange(min(n, len(ds))))[0]
+    """`n` images of the dataset drawn by PARITY_SEED with its class proportions kept, normalised as in training
+    (real inputs for the parity check; never the first n, which may all be of one class)."""
+    return ds.tensors(stratified_sample(ds.y, n, PARITY_SEED))[0]
 
 
-def model_metadata(ds: Dataset, client: str, role: str, rnd: int | None) -> dict[str, str]:
-    """The run-specific metadata props of an export: client, role, round, dataset, classes, normalisation."""
-    return {
-        "client": client,
-        "role": role,
-        "round": "" if rnd is None else str(rnd),
-        "dataset": ds.name,
-        "class_names": json.dumps(list(ds.classes)),
-        "mean": json.dumps(list(ds.mean)),
-        "std": json.dumps(list(ds.std)),
-    }
+def model_metadata(
+    run: Mapping[str, str], client: str, role: str, rnd: int | None, classes: Mapping[str, int] | None
+) -> dict[str, str]:
+    """The metadata props of one model exported from a run: the run's (launch.runs.run_metadata: run folder,
+    run id, strategy, dataset, class names, normalisation), then client, role, round and `client_classes`, the
+    client's training classes with their counts (JSON; absent when unknown: the client read its own data)."""
+    meta = dict(run) | {"client": client, "role": role, "round": "" if rnd is None else str(rnd)}
+    return meta | ({"client_classes": json.dumps(dict(classes))} if classes else {})
 
 
 def write_final_models(
@@ -50,12 +49,15 @@ def write_final_models(
     finals: Mapping[str, Mapping[str, Weights]],
     ds: Dataset,
     rnd: int | None,
+    run: Mapping[str, str],
+    classes: Mapping[str, Mapping[str, int]],
     onnx: bool = True,
     progress: bool = False,
 ) -> dict[str, dict[str, OnnxReport | None]]:
     """Save each client's final models as <run>/models/<client>/<role>.safetensors and, with `onnx`, export
-    and check <role>.onnx. An export that fails its check is logged as an error and left out (None): the
-    run's other results stay valid."""
+    and check <role>.onnx (parity on `ds`'s images; metadata `run` and the client's `classes`, see
+    model_metadata). An export that fails its check is logged as an error and left out (None): the run's other
+    results stay valid."""
     reports: dict[str, dict[str, OnnxReport | None]] = {}
     sample = parity_sample(ds) if onnx and finals else None
     for client, models in tqdm(
@@ -71,9 +73,8 @@ def write_final_models(
             if sample is None:
                 continue
             try:
-                report = export_onnx(
-                    weights.spec, weights.state, folder / f"{role}.onnx", sample, model_metadata(ds, client, role, rnd)
-                )
+                meta = model_metadata(run, client, role, rnd, classes.get(client))
+                report = export_onnx(weights.spec, weights.state, folder / f"{role}.onnx", sample, meta)
                 log.info("client %s %s → %s (max abs diff %.2g)", client, role, report.path, report.max_abs_diff)
             except ExportError as e:
                 log.error("client %s: the final %s was not exported to ONNX: %s", client, role, e)

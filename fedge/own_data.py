@@ -11,7 +11,8 @@ Layouts:
 
 Conversions, each applied only where needed: grayscale to RGB (the gray value in every channel) and RGB to
 grayscale (luma, ITU-R 601-2: 0.299 R + 0.587 G + 0.114 B; an alpha channel or palette is dropped first), and a
-resize to the task's H x W (bilinear). Everything else (a wrong rank, a channel count other than 1 or 3, pixel
+resize to the task's H x W (bilinear; a task with `resize=False`, as `fedge predict` makes without --resize, refuses
+another size instead). Everything else (a wrong rank, a channel count other than 1 or 3, pixel
 values out of range or NaN, labels outside the classes, an unknown or empty class folder, a corrupt image, a
 folder without images) raises OwnDataError naming the file and what was expected.
 """
@@ -42,13 +43,17 @@ class OwnDataError(UserError, ValueError):
 
 @dataclass(frozen=True)
 class DataTask:
-    """What the run config states about every client's data: input shape (C, H, W), class names (a label is
-    the position of its name) and per-channel mean/std of x/255. Inconsistent values raise OwnDataError."""
+    """What the run config (or, for `fedge predict`, a model's metadata: `owner` "model") states about every
+    client's data: input shape (C, H, W), class names (a label is the position of its name) and per-channel
+    mean/std of x/255; `resize` False refuses images of another H x W instead of resizing them. Inconsistent
+    values raise OwnDataError."""
 
     input_shape: tuple[int, int, int]
     classes: tuple[str, ...]
     mean: tuple[float, ...]
     std: tuple[float, ...]
+    owner: str = "run"
+    resize: bool = True
 
     def __post_init__(self) -> None:
         c = self.input_shape[0] if len(self.input_shape) == 3 else 0
@@ -94,7 +99,19 @@ def read_own_data(path: str | Path, task: DataTask, seed: int, test_fraction: fl
         train, test = held_out_split(y, test_fraction, seed, path)
         x, y, x_test, y_test = x[train], y[train], x[test], y[test]
     log.info("own data %s: %d training and %d test examples", path, len(y), len(y_test))
-    return OwnData(_normalise(x, task), torch.from_numpy(y), _normalise(x_test, task), torch.from_numpy(y_test))
+    return OwnData(normalise(x, task), torch.from_numpy(y), normalise(x_test, task), torch.from_numpy(y_test))
+
+
+def read_labelled(path: str | Path, task: DataTask) -> tuple[np.ndarray, np.ndarray, str]:
+    """Labelled data at `path` to evaluate a model on: (images float32 NCHW in [0, 1], int64 labels, which
+    part was read). An .npz with a test split gives that split alone (its training part is what a device trained
+    on); otherwise every image. Unlabelled or bad input raises OwnDataError (see the module docstring)."""
+    path = Path(path).expanduser()
+    x, y, x_test, y_test = _read(path, task, labelled=True)
+    if x_test is not None and y_test is not None:
+        return x_test, y_test, f"the test split (x_test, y_test) of {path}"
+    assert y is not None
+    return x, y, f"all images of {path}" if path.is_dir() else f"x_train, y_train of {path} (it has no test split)"
 
 
 def read_public_data(path: str | Path, task: DataTask) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -104,7 +121,7 @@ def read_public_data(path: str | Path, task: DataTask) -> tuple[torch.Tensor, to
     x, y, x_test, y_test = _read(path, task, labelled=None)
     if x_test is not None and y is not None and y_test is not None:
         x, y = np.concatenate([x, x_test]), np.concatenate([y, y_test])
-    return _normalise(x, task), None if y is None else torch.from_numpy(y)
+    return normalise(x, task), None if y is None else torch.from_numpy(y)
 
 
 def held_out_split(y: np.ndarray, fraction: float, seed: int, where: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -166,7 +183,8 @@ def _read_folder(root: Path, task: DataTask, labelled: bool | None) -> Arrays:
     for folder in folders:
         if folder.name not in task.classes:
             raise OwnDataError(
-                f"{folder}: unknown class folder {folder.name!r}; the run's classes are {', '.join(task.classes)}"
+                f"{folder}: unknown class folder {folder.name!r}; the {task.owner}'s classes are "
+                f"{', '.join(task.classes)}"
             )
         files = _images_in(folder)
         if not files:
@@ -193,6 +211,7 @@ def _read_image(path: Path, task: DataTask) -> np.ndarray:
                 )
             img = img.convert("L" if c == 1 else "RGB")
             if img.size != (w, h):
+                _refuse_size(task, f"{path}: the image is {img.size[0]}x{img.size[1]} (W x H)")
                 img = img.resize((w, h), Image.Resampling.BILINEAR)
             pixels = np.asarray(img, dtype=np.float32) / 255.0
     except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as e:
@@ -263,6 +282,7 @@ def _images(a: np.ndarray, task: DataTask, where: str) -> np.ndarray:
             raise OwnDataError(f"{where} has {x.shape[1]} channels; {expected}")
         x = x.repeat(1, 3, 1, 1) if c == 3 else (x * torch.tensor(C.LUMA_WEIGHTS).view(1, 3, 1, 1)).sum(1, True)
     if x.shape[2:] != (h, w):
+        _refuse_size(task, f"{where}: images are {x.shape[3]}x{x.shape[2]} (W x H)")
         x = F.interpolate(x, size=(h, w), mode="bilinear", align_corners=False).clamp_(0.0, 1.0)
     return x.numpy()
 
@@ -277,19 +297,31 @@ def _labels(a: np.ndarray, n: int, task: DataTask, where: str) -> np.ndarray:
         names = [v.decode() if isinstance(v, bytes) else str(v) for v in a.tolist()]
         unknown = sorted(set(names) - set(task.classes))
         if unknown:
-            raise OwnDataError(f"{where}: unknown class name(s) {unknown[:5]}; the run's classes are {task.classes}")
+            raise OwnDataError(
+                f"{where}: unknown class name(s) {unknown[:5]}; the {task.owner}'s classes are {task.classes}"
+            )
         return np.asarray([task.classes.index(v) for v in names], dtype=np.int64)
     if a.dtype.kind not in "iu":
         raise OwnDataError(f"{where}: labels of type {a.dtype}; expected integers or class names")
     if n and (a.min() < 0 or a.max() >= len(task.classes)):
         raise OwnDataError(
-            f"{where}: label {a.min() if a.min() < 0 else a.max()} is outside the run's "
+            f"{where}: label {a.min() if a.min() < 0 else a.max()} is outside the {task.owner}'s "
             f"{len(task.classes)} classes (0..{len(task.classes) - 1})"
         )
     return a.astype(np.int64)
 
 
-def _normalise(x: np.ndarray, task: DataTask) -> torch.Tensor:
+def _refuse_size(task: DataTask, what: str) -> None:
+    """OwnDataError when the task does not resize: `what` (the file and its size) against the task's."""
+    if not task.resize:
+        _, h, w = task.input_shape
+        raise OwnDataError(
+            f"{what}; the {task.owner} takes {w}x{h} images ({task.shape_text}). Resize them, or pass --resize "
+            "to resize them as a device's reader does (bilinear)"
+        )
+
+
+def normalise(x: np.ndarray, task: DataTask) -> torch.Tensor:
     """(x - mean) / std per channel, as fedge.data.Dataset.tensors does for a simulated shard."""
     mean = torch.tensor(task.mean, dtype=torch.float32).view(1, -1, 1, 1)
     std = torch.tensor(task.std, dtype=torch.float32).view(1, -1, 1, 1)

@@ -239,10 +239,10 @@ _ASSIGNERS: dict[str, Assigner] = {
 SCHEMES: tuple[str, ...] = tuple(_ASSIGNERS)
 
 
-def _cap(pool: np.ndarray, y: np.ndarray, cap: int) -> np.ndarray:
-    """Keep `cap` samples of `pool` (random order) with class proportions kept (largest remainder).
-
-    Every class present keeps at least one sample when `cap` allows it.
+def stratified_cap(pool: np.ndarray, y: np.ndarray, cap: int) -> np.ndarray:
+    """The first `cap` samples of `pool` (in random order) class by class, class proportions kept: each class
+    present gets its share of `cap` rounded by largest remainder (within one sample of it), and at least one
+    sample when `cap` allows it. A pool of at most `cap` samples is returned as it is.
     """
     if len(pool) <= cap:
         return pool
@@ -256,6 +256,14 @@ def _cap(pool: np.ndarray, y: np.ndarray, cap: int) -> np.ndarray:
             quota[np.argmax(quota)] -= 1
             quota[i] = 1
     return np.concatenate([pool[labels == c][:q] for c, q in zip(classes, quota)])
+
+
+def stratified_sample(y: np.ndarray, n: int, seed: int, among: np.ndarray | None = None) -> np.ndarray:
+    """Sorted indices of at most `n` samples of `among` (default: all of `y`), drawn by `seed` with the class
+    proportions of `among` kept (stratified_cap): the one way fedge takes a subset to evaluate or benchmark on,
+    never the first n of an array that may be sorted by class. The same arguments give the same sample."""
+    pool = np.arange(len(y)) if among is None else np.asarray(among, dtype=np.int64)
+    return _indices([stratified_cap(np.random.default_rng(seed).permutation(pool), np.asarray(y), max(int(n), 0))])
 
 
 def _split_train_test(pool: np.ndarray, y: np.ndarray, test_fraction: float) -> tuple[np.ndarray, np.ndarray]:
@@ -286,11 +294,11 @@ def make_partition(y: np.ndarray, num_classes: int, config: PartitionConfig) -> 
     rng = np.random.default_rng(config.seed)
     public, pools = _split_public(y, num_classes, config.public_fraction, rng)
     if config.max_public_samples is not None:
-        public = _indices([_cap(rng.permutation(public), y, config.max_public_samples)])
+        public = _indices([stratified_cap(rng.permutation(public), y, config.max_public_samples)])
     shards = []
     for client_id, pool in enumerate(_ASSIGNERS[config.scheme](pools, config, rng)):
         if config.max_samples_per_client is not None:
-            pool = _cap(pool, y, config.max_samples_per_client)
+            pool = stratified_cap(pool, y, config.max_samples_per_client)
         train, test = _split_train_test(pool, y, config.test_fraction)
         if len(train) == 0:
             raise PartitionError(

@@ -5,22 +5,93 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+from export import ExportError
 from fedge import constants as C
 from fedge.config import ConfigError, load_config
 
 
 def cmd_predict(args: argparse.Namespace) -> None:
-    """Accuracy of an ONNX model through onnxruntime on a dataset, or on one client's test shard of a run."""
+    """Score an ONNX model through onnxruntime on labelled data (a dataset, one client's test shard of a run, or
+    the user's own images) class by class, saying what the model is, which classes its client trained on, and
+    how any --limit sample was drawn."""
+    from export.onnx import predict_onnx
+    from export.predict import model_info, score, table, unheld_warning, write_report
+    from fedge.own_data import normalise
+    from fedge.partition import stratified_sample
+
+    if (args.dataset is None) == (args.data_dir is None):
+        raise ConfigError(
+            "say what to score the model on: --dataset NAME (a registered dataset; with --client and --config, "
+            "a client's test shard) or --data-dir PATH (your own folder of class folders, or an .npz)"
+        )
+    if args.limit is not None and args.limit < 1:
+        raise ConfigError(f"--limit must be at least 1, got {args.limit}")
+    if args.seed < 0:
+        raise ConfigError(f"--seed must be 0 or more, got {args.seed}")
+    info = model_info(args.model)
+    images, labels, pool, where, task = (_own_data_part if args.data_dir else _dataset_part)(args, info)
+    drawn, drawn_from = "", len(pool)
+    if args.limit is not None and args.limit < len(pool):
+        drawn = (
+            f"; {args.limit:,} of its {len(pool):,} samples drawn by seed {args.seed} with the class proportions "
+            "kept (per-class counts below)"
+        )
+        pool = stratified_sample(labels, args.limit, args.seed, among=pool)
+    x = normalise(images(pool), task)
+    logits = predict_onnx(args.model, x)
+    if logits.shape[1:] != (len(task.classes),):
+        raise ExportError(
+            f"{args.model} gives {logits.shape[1:]} outputs per sample; the data has {len(task.classes)} classes"
+        )
+    scores = score(logits, labels[pool], task.classes)
+    acc = "-" if scores.accuracy is None else f"{scores.accuracy:.4f}"
+    print(f"model: {info.describe()}")
+    print(f"trained: {info.trained_on()}")
+    if args.client is not None and info.client is not None and args.client != info.client:
+        print(f"note: this is client {info.client}'s model, scored on client {args.client}'s test shard")
+    print(f"data: {where}{drawn}")
+    print(f"accuracy {acc} ({scores.correct}/{scores.total}) on {where}, onnxruntime")
+    print(table(scores, info.client_classes))
+    warning = unheld_warning(scores, info)
+    if warning:
+        print(warning)
+    if args.out:
+        sample = {"seed": args.seed, "drawn_from": drawn_from, "limit": args.limit}
+        data = {"where": where, "sample": sample if drawn else None}
+        report, png = write_report(args.out, info, scores, data)
+        print(f"wrote {report} and {png}")
+
+
+Part = tuple[Callable[[Any], Any], Any, Any, str, Any]  # images(idx) in [0, 1], labels, pool indices, where, task
+
+
+def _dataset_part(args: argparse.Namespace, info: Any) -> Part:
+    """A registered dataset (all of it, or --client's test shard of the --config run), read into the model's
+    task: its classes and input shape must match the model's metadata, and its normalisation is the model's."""
     import numpy as np
 
-    from export import ExportError
-    from export.onnx import predict_onnx
     from fedge.data import load_dataset
+    from fedge.own_data import DataTask
 
     ds = load_dataset(args.dataset, args.data)
-    idx, where = np.arange(len(ds)), "all samples"
+    task = DataTask.of(ds)
+    if info.classes is not None and info.classes != task.classes:
+        raise ConfigError(
+            f"{args.model} was trained on classes {', '.join(info.classes)}; {ds.name} has "
+            f"{', '.join(task.classes)}. Score it on data of its classes (--data-dir: class folders named as them)"
+        )
+    if info.input_shape is not None and info.input_shape != task.input_shape:
+        shape = "x".join(map(str, info.input_shape))
+        raise ConfigError(
+            f"{args.model} takes {shape} (C x H x W) inputs, {ds.name}'s images are "
+            f"{'x'.join(map(str, task.input_shape))}; score it on data of that shape (--data-dir, with --resize "
+            "to resize your images)"
+        )
+    if info.mean is not None and info.std is not None:
+        task = DataTask(task.input_shape, task.classes, info.mean, info.std)  # normalised as the model was trained
+    pool, where = np.arange(len(ds)), f"all samples of {ds.name}"
     if args.client is not None:
         from fedge.partition import make_partition
         from launch.runs import partition_config  # the run's split; no training code runs
@@ -33,25 +104,31 @@ def cmd_predict(args: argparse.Namespace) -> None:
         shards = {str(s.client_id): s for s in make_partition(ds.y, ds.num_classes, partition_config(cfg)).clients}
         if args.client not in shards:
             raise ConfigError(f"the run has no client {args.client!r}; its clients are 0..{len(shards) - 1}")
-        idx, where = shards[args.client].test, f"client {args.client}'s test shard"
-    if args.limit is not None:
-        idx = idx[: max(args.limit, 0)]
-    x, y = ds.tensors(idx)
-    logits = predict_onnx(args.model, x)
-    if logits.shape[1:] != (ds.num_classes,):
-        raise ExportError(
-            f"{args.model} gives {logits.shape[1:]} outputs per sample, {ds.name} has {ds.num_classes} classes"
-        )
-    correct = int((logits.argmax(1) == y.numpy()).sum())
-    acc = correct / len(y) if len(y) else float("nan")
-    print(f"accuracy {acc:.4f} ({correct}/{len(y)}) on {where} of {ds.name}, onnxruntime, {args.model}")
+        pool, where = shards[args.client].test, f"client {args.client}'s test shard of {ds.name}"
+    elif args.config:
+        raise ConfigError("--config goes with --client: it defines that client's test shard")
+    return (lambda idx: ds.x[idx].astype(np.float32) / np.float32(255.0)), ds.y, pool, where, task
+
+
+def _own_data_part(args: argparse.Namespace, info: Any) -> Part:
+    """The user's own labelled images (fedge.own_data.read_labelled), read into the model's task from its
+    metadata (input shape, classes, normalisation)."""
+    import numpy as np
+
+    from fedge.own_data import read_labelled
+
+    if args.client is not None or args.config or args.data:
+        raise ConfigError("--client, --config and --data go with --dataset, not --data-dir")
+    task = info.task(resize=args.resize)
+    x, y, where = read_labelled(args.data_dir, task)
+    return (lambda idx: x[idx]), y, np.arange(len(y)), where, task
 
 
 def cmd_export(args: argparse.Namespace) -> None:
     """Export a run's final teacher or a client's newest student to a deployable format."""
-    from export import ExportError
     from export.run_models import load_final_model, model_metadata, parity_sample
     from fedge.data import load_dataset
+    from launch.runs import client_classes, run_metadata
 
     exporters = {"onnx": _export_onnx, "pte": _export_pte, "pte-train": _export_pte_train}
     if args.format not in exporters:
@@ -62,12 +139,15 @@ def cmd_export(args: argparse.Namespace) -> None:
         raise ExportError("pte-train is a student's on-device training program; use --what student")
     weights, rnd = load_final_model(args.run_dir, args.client, args.what)
     cfg = json.loads((Path(args.run_dir) / "config.json").read_text())
-    ds = load_dataset(cfg["dataset"], cfg.get("data"))
+    run_cfg = load_config(Path(args.run_dir) / "config.json", {})
+    ds = load_dataset(run_cfg.dataset, run_cfg.data)
     if args.batch is None:
         args.batch = cfg.get("batch_size", C.DEFAULT_BATCH_SIZE) if args.format == "pte-train" else 1
     suffix = {"onnx": ".onnx", "pte": ".pte", "pte-train": "-train.pte"}[args.format]
     out = Path(args.out) / f"client{args.client}-{args.what}{suffix}"
-    exporters[args.format](weights, out, parity_sample(ds), model_metadata(ds, args.client, args.what, rnd), args, cfg)
+    classes = client_classes(run_cfg).get(args.client)
+    metadata = model_metadata(run_metadata(run_cfg, args.run_dir), args.client, args.what, rnd, classes)
+    exporters[args.format](weights, out, parity_sample(ds), metadata, args, cfg)
 
 
 def _export_onnx(weights: Any, out: Path, sample: Any, metadata: dict[str, str], args: Any, cfg: dict) -> None:
@@ -84,7 +164,9 @@ def _manifest(out: Path, weights: Any, metadata: dict[str, str], fields: dict[st
     """<out>.json beside an ExecuTorch file: what an app needs to feed it (see docs/android.md)."""
     from fedge.files import atomic_write
 
-    meta = {k: json.loads(v) if k in ("class_names", "mean", "std") else v for k, v in metadata.items()}
+    meta = {
+        k: json.loads(v) if k in ("class_names", "mean", "std", "client_classes") else v for k, v in metadata.items()
+    }
     doc = {"model": weights.spec.name, **meta, "params": weights.spec.params, "macs": weights.spec.macs, **fields}
     path = out.with_suffix(".json")
     atomic_write(path, (json.dumps(doc, indent=2) + "\n").encode())
@@ -126,7 +208,6 @@ def _export_pte_train(weights: Any, out: Path, sample: Any, metadata: dict[str, 
     """The student's training program (.pte) and weights (.ptd), gated by gradient parity on real inputs."""
     import torch
 
-    from export import ExportError
     from export.parity import checked_parity
     from export.training_program import export_training
     from fedge.executorch_program import BN_STATS, TRAIN_INPUTS, TRAIN_OUTPUTS
@@ -221,11 +302,42 @@ def add_export_parsers(sub: Any) -> None:
     p.add_argument("--out", required=True, help="output folder")
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("predict", help="accuracy of an ONNX model through onnxruntime on a dataset")
+    p = sub.add_parser(
+        "predict",
+        help="accuracy of an ONNX model through onnxruntime, per class, on a dataset or your own data",
+        description="Score an ONNX model written by fedge through onnxruntime on labelled data: a registered "
+        "dataset (--dataset), one client's test shard of a run (--client, --config), or your own images "
+        "(--data-dir: a folder of class folders, or an .npz, read as a device reads them, into the model's "
+        "input shape, classes and normalisation from its metadata). Prints what the model is and which classes "
+        "its client trained on, accuracy overall and per class, and a warning when a personalized model is "
+        "scored on classes its client never held.",
+    )
     p.add_argument("model", metavar="MODEL.onnx", help="an ONNX file written by fedge")
-    p.add_argument("--dataset", required=True, help="dataset name")
-    p.add_argument("--data", help="path to the dataset files")
-    p.add_argument("--client", help="only this client's test shard (needs --config)")
-    p.add_argument("--config", help="the run's config.json (defines the client shards)")
-    p.add_argument("--limit", type=int, help="use at most N samples")
+    data = p.add_argument_group("data (one of --dataset, --data-dir)")
+    data.add_argument("--dataset", help="a registered dataset's name (fedge datasets)")
+    data.add_argument("--data", help="with --dataset: path to the dataset's files")
+    data.add_argument("--client", help="with --dataset: only this client's test shard (needs --config)")
+    data.add_argument("--config", help="with --client: the run's config.json (it defines the client shards)")
+    data.add_argument(
+        "--data-dir",
+        metavar="PATH",
+        help="your own labelled data: a folder of class folders of PNG/JPEG images, or an .npz (x_train, y_train "
+        "and optionally x_test, y_test: then the test split alone is scored)",
+    )
+    data.add_argument(
+        "--resize",
+        action="store_true",
+        help="with --data-dir: resize images of another size to the model's (bilinear, as a device's reader "
+        "does); without it a size mismatch is an error",
+    )
+    p.add_argument(
+        "--limit",
+        type=int,
+        metavar="N",
+        help="score N samples, drawn by --seed with the class proportions of the data kept (never the first N)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=C.DEFAULT_SEED, help=f"seed of the --limit draw (default {C.DEFAULT_SEED})"
+    )
+    p.add_argument("--out", metavar="DIR", help="also write DIR/per_class.json and DIR/confusion.png")
     p.set_defaults(func=cmd_predict, set=None)

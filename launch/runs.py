@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from fedge import constants as C
@@ -68,6 +70,33 @@ def data_task(cfg: RunConfig) -> DataTask:
         tuple(cfg.norm_mean or base.mean),
         tuple(cfg.norm_std or base.std),
     )
+
+
+def run_metadata(cfg: RunConfig, run_dir: str | Path) -> dict[str, str]:
+    """The metadata props every model exported from a run carries (fedge.own_data's task: class names and
+    normalisation, as the clients read their data), beside export.run_models' per-model ones."""
+    task = data_task(cfg)
+    return {
+        "run": str(Path(run_dir).resolve()),
+        "run_id": cfg.run_id,
+        "strategy": cfg.strategy,
+        "dataset": cfg.dataset,
+        "class_names": json.dumps(list(task.classes)),
+        "mean": json.dumps(list(task.mean)),
+        "std": json.dumps(list(task.std)),
+    }
+
+
+def client_classes(cfg: RunConfig) -> dict[str, dict[str, int]]:
+    """Per client id, the classes of its training data and how many samples of each ({class name: count}), from
+    the run's split; empty when the clients read their own data (the server never sees a device's labels)."""
+    if cfg.data_dir is not None:
+        return {}
+    ds, partition = load_partitioned(cfg)
+    return {
+        str(s.client_id): {ds.classes[c]: int(n) for c, n in enumerate(np.bincount(ds.y[s.train])) if n}
+        for s in partition.clients
+    }
 
 
 def own_data_path(cfg: RunConfig, client_id: str) -> Path | None:

@@ -21,7 +21,7 @@ from fedge.own_data import read_public_data
 from fedge.partition import Partition
 from fedge.spec import ModelSpec
 from fedge.transport import Transport
-from launch.runs import data_task, load_partitioned, resolve_device, run_folder
+from launch.runs import client_classes, data_task, load_partitioned, resolve_device, run_folder, run_metadata
 from server.coordinator import Coordinator, LoopConfig, RoundFailed, check_resumable, run_identity
 from server.fleet import Fleet
 from server.plots import plot_accuracy, plot_phi, plot_server_time, plot_time_to_accuracy
@@ -135,7 +135,8 @@ def run_federation_rounds(
     if finals:
         from export.run_models import write_final_models  # ONNX export loads only when there is something to export
 
-        write_final_models(out, finals, load_dataset(cfg.dataset, cfg.data), cfg.rounds - 1, cfg.export_onnx, progress)
+        ds, rnd = load_dataset(cfg.dataset, cfg.data), cfg.rounds - 1
+        write_final_models(out, finals, ds, rnd, run_metadata(cfg, out), client_classes(cfg), cfg.export_onnx, progress)
     return summary
 
 

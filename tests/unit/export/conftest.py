@@ -12,7 +12,7 @@ from launch.simulation import run_simulation
 from helpers.export_models import POOLS, weights
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("run") / "pfedclub"
     cfg = config_from(

@@ -2,6 +2,7 @@
 the failure path, the run folder's final models, and `fedge export` / `fedge predict`."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -148,6 +149,17 @@ def test_export_onnx_config_flag():
         config_from({"export_onnx": "maybe"})
 
 
+def test_the_parity_sample_spans_the_classes_of_a_class_sorted_dataset(mnist):
+    from export.run_models import PARITY_SAMPLES, parity_sample
+
+    ds, _ = mnist  # mnist-5k is sorted by class: its first 64 images are all zeros
+    x = parity_sample(ds)
+    rows = {tuple(r.flatten().tolist()): i for i, r in enumerate(ds.tensors(np.arange(len(ds)))[0])}
+    labels = ds.y[[rows[tuple(r.flatten().tolist())] for r in x]]
+    assert len(x) == PARITY_SAMPLES and set(np.bincount(labels, minlength=10).tolist()) == {6, 7}
+    assert torch.equal(x, parity_sample(ds))
+
+
 def test_run_writes_and_checks_final_teachers(run_dir):
     ds = load_dataset("digits")
     x = ds.tensors(np.arange(100, 164))[0]  # other real inputs than the export's own check
@@ -187,7 +199,7 @@ def test_cli_export_and_predict(run_dir, tmp_path, capsys):
         capsys, "predict", tmp_path / f"client{client}-student.onnx", "--dataset", "digits", "--limit", "50"
     )
     assert code == 0, err
-    assert out.startswith("accuracy ") and "(" in out and "/50)" in out
+    assert re.search(r"^accuracy [\d.]+ \(\d+/50\) on all samples of digits", out, re.M), out
     code, out, err = cli(
         capsys,
         "predict",
@@ -221,7 +233,10 @@ def test_cli_export_errors(run_dir, tmp_path, capsys, argv, message):
 
 def test_cli_predict_errors(tmp_path, capsys):
     code, _, err = cli(capsys, "predict", tmp_path / "none.onnx", "--dataset", "digits")
-    assert code == 2 and "cannot load" in err
+    assert code == 2 and "none.onnx does not exist; give an ONNX file of `fedge export`" in err
+    (tmp_path / "junk.onnx").write_bytes(b"not a model")
+    code, _, err = cli(capsys, "predict", tmp_path / "junk.onnx", "--dataset", "digits")
+    assert code == 2 and "onnxruntime cannot load" in err
 
 
 def test_a_missing_optional_package_names_the_extra_to_install():

@@ -17,6 +17,7 @@ from fedge.partition import (
     client_shard,
     describe,
     make_partition,
+    stratified_sample,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -306,3 +307,25 @@ def test_max_public_samples_caps_the_public_set_keeping_classes():
     assert not np.array_equal(np.sort(np.concatenate(lowest)), capped.public)  # a random subset, not the first
     with pytest.raises(PartitionError, match="max_public_samples"):
         PartitionConfig("iid", 4, max_public_samples=0)
+
+
+@pytest.mark.parametrize("n", [1, 7, 64, 500, 1234])
+def test_a_stratified_sample_of_a_class_sorted_set_keeps_its_proportions(y: np.ndarray, n: int) -> None:
+    skewed = np.sort(np.concatenate([y, np.full(700, 3), np.full(13, 9)]))  # sorted by class, shares unequal
+    for labels in (y, skewed):
+        idx = stratified_sample(labels, n, seed=5)
+        share = np.bincount(labels, minlength=10) * n / len(labels)
+        got = np.bincount(labels[idx], minlength=10)
+        assert len(idx) == n and len(set(idx.tolist())) == n and np.all(np.diff(idx) > 0)
+        if n >= 10:  # every class gets its share within one sample (and the smallest at least one)
+            assert np.abs(got - share).max() < 1, (got, share)
+        assert np.array_equal(idx, stratified_sample(labels, n, seed=5))  # the same seed, the same sample
+        assert not np.array_equal(idx, stratified_sample(labels, n, seed=6))
+        assert not np.array_equal(idx, np.arange(n))  # never the first n
+
+
+def test_a_stratified_sample_draws_among_given_indices_and_stops_at_their_number(y: np.ndarray) -> None:
+    among = np.flatnonzero(np.isin(y, [2, 7]))
+    idx = stratified_sample(y, 100, seed=0, among=among)
+    assert set(idx.tolist()) <= set(among.tolist()) and np.bincount(y[idx], minlength=10)[[2, 7]].tolist() == [50, 50]
+    assert np.array_equal(stratified_sample(y, 5000, seed=0, among=among), among)  # fewer than n: all of them
