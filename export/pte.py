@@ -138,26 +138,30 @@ def predict_pte(path: str | os.PathLike[str], x: torch.Tensor) -> torch.Tensor:
         raise ExportError(f"{path}: {e}") from e
 
 
+def spread(x: torch.Tensor, n: int) -> torch.Tensor:
+    """min(n, len(x)) rows of x evenly spaced from its first to its last: where the labels are not at hand, a
+    parity batch that spans an array sorted by class (its first rows would all be of one class)."""
+    return x[torch.linspace(0, len(x) - 1, min(n, len(x))).round().long()] if len(x) else x
+
+
 def teacher_program(teacher: Weights, sample: torch.Tensor, batch_size: int = C.EXECUTORCH_TEACHER_BATCH) -> bytes:
     """A teacher's XNNPACK inference program for batches of min(batch_size, len(sample)), loaded back and checked
-    against eager on the first such batch of `sample` (export_pte): what the server ships to executorch clients.
+    against eager on such a batch spread over `sample` (export_pte): what the server ships to executorch clients.
     ExportError when the teacher cannot be exported or the program differs from eager."""
-    batch = min(batch_size, len(sample))
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "teacher.pte"
-        export_pte(teacher.spec, teacher.state, path, sample[:batch])
+        export_pte(teacher.spec, teacher.state, path, spread(sample, batch_size))
         return path.read_bytes()
 
 
 def teacher_logits_pte(teacher: Weights, x: torch.Tensor, batch_size: int = C.EXECUTORCH_TEACHER_BATCH) -> torch.Tensor:
     """A teacher's logits on x through its XNNPACK inference program (exported for batches of `batch_size`, checked
-    against eager on the first batch of x, then run over all of x): what an executorch client distills from.
+    against eager on a batch spread over x, then run over all of x): what an executorch client distills from.
     ValueError when the teacher cannot be exported or run."""
-    batch = min(batch_size, len(x))
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "teacher.pte"
         try:
-            export_pte(teacher.spec, teacher.state, path, x[:batch])
+            export_pte(teacher.spec, teacher.state, path, spread(x, batch_size))
             return predict_pte(path, x)
         except ExportError as e:
             raise ValueError(f"teacher {teacher.spec.name!r} cannot run under ExecuTorch: {e}") from e

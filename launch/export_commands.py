@@ -174,8 +174,11 @@ def _manifest(out: Path, weights: Any, metadata: dict[str, str], fields: dict[st
 
 
 def _batch_of(sample: Any, b: int) -> Any:
-    """`b` real inputs for a program's fixed batch: the first b of `sample`, or its first one repeated."""
-    return sample[:b] if len(sample) >= b else sample[:1].expand(b, *sample.shape[1:])
+    """`b` real inputs for a program's fixed batch: b spread over `sample` (export.pte.spread), or its first one
+    repeated."""
+    from export.pte import spread
+
+    return spread(sample, b) if len(sample) >= b else sample[:1].expand(b, *sample.shape[1:])
 
 
 def _export_pte(weights: Any, out: Path, sample: Any, metadata: dict[str, str], args: Any, cfg: dict) -> None:

@@ -82,7 +82,7 @@ def make_strategy(cfg: RunConfig, ds: Dataset, partition: Partition) -> Strategy
 
 def teacher_program_exporter(sample: torch.Tensor) -> Callable[[Weights], bytes]:
     """The server's teacher program exporter (ReassemblyStrategy.program_for): a teacher's XNNPACK inference
-    program, loaded back and checked against eager on the first EXECUTORCH_TEACHER_BATCH samples of `sample` (the
+    program, loaded back and checked against eager on EXECUTORCH_TEACHER_BATCH samples spread over `sample` (the
     public data). ExportError (a ValueError) when it cannot be exported or differs from eager; export and
     executorch are imported only at the first export, i.e. only when an executorch client gets a teacher."""
 

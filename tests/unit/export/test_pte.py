@@ -44,3 +44,11 @@ def test_inference_export_handles_inputs_with_a_size_one_channel_of_stride_one(t
     model.load_state_dict(weights(spec))
     six = torch.cat([x, x[:2].flip(0)])
     torch.testing.assert_close(predict_pte(tmp_path / "m.pte", six), model(six).detach(), rtol=0, atol=1e-4)
+
+
+def test_a_teacher_programs_check_batch_spans_an_array_sorted_by_class():
+    from export.pte import spread
+
+    labels = torch.arange(10).repeat_interleave(50)  # 500 rows sorted by class: the first 16 are all of class 0
+    assert set(torch.bincount(spread(labels, 16), minlength=10).tolist()) == {1, 2}  # 1.6 per class
+    assert spread(labels, 16)[[0, -1]].tolist() == [0, 9] and torch.equal(spread(labels[:5], 16), labels[:5])
