@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -71,23 +71,48 @@ class ModelInfo:
             return f"client {self.client} trained on classes {held} (training samples per class)"
         if self.client is None:
             return "not a client's model (no client in its metadata): no classes to compare against"
+        if self.meta.get("personalized") == "false":
+            return (
+                f"{self.meta.get('strategy', 'its strategy')} shares models between clients (not personalized): "
+                f"client {self.client}'s model learnt from the federation's data, not its client's alone"
+            )
         return (
             f"client {self.client}'s training classes are not in the metadata (it read its own data, or the "
             "file was exported before fedge recorded them)"
         )
 
 
-def _json(meta: dict[str, str], key: str, path: Path) -> Any:
+_INVALID = object()
+
+
+def _prop(meta: dict[str, str], key: str, path: Path, valid: Callable[[Any], bool], what: str) -> Any:
+    """The JSON metadata prop `key`, None when absent; malformed JSON, or a value `valid` refuses, raise
+    ExportError saying what it should be."""
     if not meta.get(key):
         return None
     try:
-        return json.loads(meta[key])
+        value = json.loads(meta[key])
     except json.JSONDecodeError:
-        raise ExportError(f"{path}: its metadata {key!r} is not JSON: {meta[key][:80]!r}") from None
+        value = _INVALID
+    if value is _INVALID or not valid(value):
+        raise ExportError(f"{path}: its metadata {key!r} should be {what}, got {meta[key][:80]!r}")
+    return value
+
+
+def _strings(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(s, str) for s in v)
+
+
+def _numbers(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+
+
+def _counts(v: Any) -> bool:
+    return isinstance(v, dict) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in v.values())
 
 
 def model_info(path: str | Path) -> ModelInfo:
-    """The fedge metadata of the ONNX file at `path`; an unreadable file or malformed metadata raise
+    """The fedge metadata of the ONNX file at `path`; a missing or unreadable file or malformed metadata raise
     ExportError."""
     path = Path(path)
     if not path.is_file():
@@ -95,21 +120,22 @@ def model_info(path: str | Path) -> ModelInfo:
             f"{path} does not exist; give an ONNX file of `fedge export` or a run's models/<client>/*.onnx"
         )
     meta = onnx_metadata(path)
-    classes = _json(meta, "class_names", path)
     shape = meta.get("input_shape")
     try:
         input_shape = tuple(int(d) for d in shape.split("x")) if shape else None
     except ValueError:
-        raise ExportError(f"{path}: its metadata input_shape {shape!r} is not C x H x W") from None
-    mean, std, held = (_json(meta, k, path) for k in ("mean", "std", "client_classes"))
+        raise ExportError(f"{path}: its metadata 'input_shape' should be C x H x W, got {shape!r}") from None
+    classes = _prop(meta, "class_names", path, _strings, "a JSON list of class names")
+    mean, std = (_prop(meta, k, path, _numbers, "a JSON list of numbers, one per channel") for k in ("mean", "std"))
+    held = _prop(meta, "client_classes", path, _counts, "a JSON object of class name: training samples")
     return ModelInfo(
         path,
         meta,
-        None if classes is None else tuple(map(str, classes)),
+        None if classes is None else tuple(classes),
         input_shape,
         None if mean is None else tuple(map(float, mean)),
         None if std is None else tuple(map(float, std)),
-        None if held is None else {str(c): int(n) for c, n in held.items()},
+        held,
     )
 
 
@@ -129,8 +155,8 @@ class Scores:
         return int(np.trace(self.confusion))
 
     @property
-    def accuracy(self) -> float | None:
-        return self.correct / self.total if self.total else None
+    def accuracy(self) -> float:
+        return self.correct / self.total
 
     def per_class(self, held: dict[str, int] | None) -> list[dict[str, Any]]:
         """One row per class: its label, name, samples, correct, accuracy (None without samples) and, when the
@@ -149,9 +175,9 @@ class Scores:
 
 
 def score(logits: np.ndarray, y: np.ndarray, classes: tuple[str, ...]) -> Scores:
-    """The confusion matrix of argmax(logits) against labels `y` over `classes`."""
+    """The confusion matrix of argmax(logits) against labels `y` (at least one) over `classes`."""
     k = len(classes)
-    pred = np.asarray(logits).argmax(1) if len(y) else np.zeros(0, np.int64)
+    pred = np.asarray(logits).argmax(1)
     confusion = np.bincount(np.asarray(y) * k + pred, minlength=k * k).reshape(k, k).astype(np.int64)
     return Scores(classes, confusion)
 
@@ -186,8 +212,7 @@ def table(scores: Scores, held: dict[str, int] | None) -> str:
             continue
         mark = ("  yes" if r["held_by_client"] else "  no") if held else ""
         lines.append(f"{r['class']:<{width}} {r['samples']:>8,} {r['correct']:>8,} {r['accuracy']:>9.4f}{mark}")
-    acc = "-" if scores.accuracy is None else f"{scores.accuracy:.4f}"
-    lines.append(f"{'all':<{width}} {scores.total:>8,} {scores.correct:>8,} {acc:>9}")
+    lines.append(f"{'all':<{width}} {scores.total:>8,} {scores.correct:>8,} {scores.accuracy:>9.4f}")
     return "\n".join(lines + ([f"no samples of classes {', '.join(absent)}"] if absent else []))
 
 
@@ -240,8 +265,8 @@ def _plot_confusion(scores: Scores, path: Path, title: str) -> None:
                 if scores.confusion[i, j]:
                     color = "white" if share[i, j] > 0.5 else "black"
                     ax.text(j, i, str(scores.confusion[i, j]), ha="center", va="center", fontsize=7, color=color)
-    acc = "-" if scores.accuracy is None else f"{scores.accuracy:.4f}"
-    ax.set(xlabel="predicted class", ylabel="true class", title=f"{title}\naccuracy {acc} on {scores.total:,}")
+    title = f"{title}\naccuracy {scores.accuracy:.4f} on {scores.total:,}"
+    ax.set(xlabel="predicted class", ylabel="true class", title=title)
     ax.title.set_fontsize(9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -25,13 +25,13 @@ log = logging.getLogger(__name__)
 SERVER_ROLES = ("teacher", "model")  # final models the server writes to <run>/models/<client>/<role>.safetensors
 ROLES = SERVER_ROLES + ("student",)
 PARITY_SAMPLES = 64  # real dataset images each export is checked on
-PARITY_SEED = 0  # which ones: a seeded draw keeping the class proportions (datasets may be sorted by class)
+JSON_PROPS = ("class_names", "mean", "std", "client_classes", "personalized")  # metadata props holding JSON
 
 
 def parity_sample(ds: Dataset, n: int = PARITY_SAMPLES) -> torch.Tensor:
-    """`n` images of the dataset drawn by PARITY_SEED with its class proportions kept, normalised as in training
-    (real inputs for the parity check; never the first n, which may all be of one class)."""
-    return ds.tensors(stratified_sample(ds.y, n, PARITY_SEED))[0]
+    """`n` images of the dataset drawn by the default seed with its class proportions kept, normalised as in
+    training (real inputs for the parity check; never the first n, which may all be of one class)."""
+    return ds.tensors(stratified_sample(ds.y, n, C.DEFAULT_SEED))[0]
 
 
 def model_metadata(

@@ -10,7 +10,7 @@ import os
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -92,16 +92,29 @@ class Dataset:
 
         `idx` must be a 1-D integer array with entries in [0, N); anything else raises DatasetError.
         """
+        idx = self._checked(idx)
+        return normalise(self.pixels(idx), self.mean, self.std), torch.from_numpy(self.y[idx].copy())
+
+    def pixels(self, idx: np.ndarray) -> torch.Tensor:
+        """Float32 NCHW images x/255 in [0, 1] at `idx` (checked as in `tensors`), not normalised."""
+        return torch.from_numpy(self.x[self._checked(idx)]).to(torch.float32).div_(255.0)
+
+    def _checked(self, idx: np.ndarray) -> np.ndarray:
         idx = np.asarray(idx)
         if idx.ndim != 1 or not (idx.dtype.kind in "iu" or idx.size == 0):
             raise DatasetError(f"{self.name}: idx must be a 1-D integer array, got {idx.dtype} {idx.shape}")
         if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
             raise DatasetError(f"{self.name}: idx out of range [0, {len(self)})")
-        idx = idx.astype(np.int64, copy=False)
-        images = torch.from_numpy(self.x[idx]).to(torch.float32).div_(255.0)
-        mean = torch.tensor(self.mean, dtype=torch.float32).view(1, -1, 1, 1)
-        std = torch.tensor(self.std, dtype=torch.float32).view(1, -1, 1, 1)
-        return images.sub_(mean).div_(std), torch.from_numpy(self.y[idx].copy())
+        return idx.astype(np.int64, copy=False)
+
+
+def normalise(x: torch.Tensor | np.ndarray, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
+    """(x - mean) / std per channel of float32 NCHW images x in [0, 1] (x itself is left as it is): the one
+    normalisation of every input fedge trains or scores a model on, a dataset's or a device's own."""
+    x = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)) if isinstance(x, np.ndarray) else x
+    mean_t = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
+    std_t = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
+    return x.to(torch.float32).sub(mean_t).div_(std_t)
 
 
 def make_dataset(name: str, x: np.ndarray, y: np.ndarray, classes: tuple[str, ...]) -> Dataset:

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from fedge import constants as C
-from fedge.data import Dataset
+from fedge.data import Dataset, normalise
 from fedge.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -99,19 +99,26 @@ def read_own_data(path: str | Path, task: DataTask, seed: int, test_fraction: fl
         train, test = held_out_split(y, test_fraction, seed, path)
         x, y, x_test, y_test = x[train], y[train], x[test], y[test]
     log.info("own data %s: %d training and %d test examples", path, len(y), len(y_test))
-    return OwnData(normalise(x, task), torch.from_numpy(y), normalise(x_test, task), torch.from_numpy(y_test))
+    return OwnData(
+        normalise(x, task.mean, task.std),
+        torch.from_numpy(y),
+        normalise(x_test, task.mean, task.std),
+        torch.from_numpy(y_test),
+    )
 
 
-def read_labelled(path: str | Path, task: DataTask) -> tuple[np.ndarray, np.ndarray, str]:
+def read_labelled(path: str | Path, task: DataTask) -> tuple[np.ndarray, np.ndarray, str, bool]:
     """Labelled data at `path` to evaluate a model on: (images float32 NCHW in [0, 1], int64 labels, which
-    part was read). An .npz with a test split gives that split alone (its training part is what a device trained
-    on); otherwise every image. Unlabelled or bad input raises OwnDataError (see the module docstring)."""
+    part was read, whether that is a test split). An .npz with a test split gives that split alone (its training
+    part is what a device trained on); otherwise every image. Unlabelled or bad input raises OwnDataError (see
+    the module docstring)."""
     path = Path(path).expanduser()
     x, y, x_test, y_test = _read(path, task, labelled=True)
     if x_test is not None and y_test is not None:
-        return x_test, y_test, f"the test split (x_test, y_test) of {path}"
+        return x_test, y_test, f"the test split (x_test, y_test) of {path}", True
     assert y is not None
-    return x, y, f"all images of {path}" if path.is_dir() else f"x_train, y_train of {path} (it has no test split)"
+    where = f"all images of {path}" if path.is_dir() else f"x_train, y_train of {path} (it has no test split)"
+    return x, y, where, False
 
 
 def read_public_data(path: str | Path, task: DataTask) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -121,7 +128,7 @@ def read_public_data(path: str | Path, task: DataTask) -> tuple[torch.Tensor, to
     x, y, x_test, y_test = _read(path, task, labelled=None)
     if x_test is not None and y is not None and y_test is not None:
         x, y = np.concatenate([x, x_test]), np.concatenate([y, y_test])
-    return normalise(x, task), None if y is None else torch.from_numpy(y)
+    return normalise(x, task.mean, task.std), None if y is None else torch.from_numpy(y)
 
 
 def held_out_split(y: np.ndarray, fraction: float, seed: int, where: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -319,10 +326,3 @@ def _refuse_size(task: DataTask, what: str) -> None:
             f"{what}; the {task.owner} takes {w}x{h} images ({task.shape_text}). Resize them, or pass --resize "
             "to resize them as a device's reader does (bilinear)"
         )
-
-
-def normalise(x: np.ndarray, task: DataTask) -> torch.Tensor:
-    """(x - mean) / std per channel, as fedge.data.Dataset.tensors does for a simulated shard."""
-    mean = torch.tensor(task.mean, dtype=torch.float32).view(1, -1, 1, 1)
-    std = torch.tensor(task.std, dtype=torch.float32).view(1, -1, 1, 1)
-    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).sub_(mean).div_(std)

@@ -239,10 +239,11 @@ _ASSIGNERS: dict[str, Assigner] = {
 SCHEMES: tuple[str, ...] = tuple(_ASSIGNERS)
 
 
-def stratified_cap(pool: np.ndarray, y: np.ndarray, cap: int) -> np.ndarray:
+def stratified_cap(pool: np.ndarray, y: np.ndarray, cap: int, every_class: bool = True) -> np.ndarray:
     """The first `cap` samples of `pool` (in random order) class by class, class proportions kept: each class
-    present gets its share of `cap` rounded by largest remainder (within one sample of it), and at least one
-    sample when `cap` allows it. A pool of at most `cap` samples is returned as it is.
+    present gets its share of `cap` rounded by largest remainder (within one sample of it). With `every_class`
+    (a client's shard, whose class set must survive the cap) a class whose share rounds to none still gets one
+    sample when `cap` allows it, taken from the largest. A pool of at most `cap` samples is returned as it is.
     """
     if len(pool) <= cap:
         return pool
@@ -251,7 +252,7 @@ def stratified_cap(pool: np.ndarray, y: np.ndarray, cap: int) -> np.ndarray:
     exact = counts * cap / len(pool)
     quota = np.floor(exact).astype(np.int64)
     quota[np.argsort(-(exact - quota), kind="stable")[: cap - int(quota.sum())]] += 1
-    if cap >= len(classes):
+    if every_class and cap >= len(classes):
         for i in np.flatnonzero(quota == 0):
             quota[np.argmax(quota)] -= 1
             quota[i] = 1
@@ -260,10 +261,13 @@ def stratified_cap(pool: np.ndarray, y: np.ndarray, cap: int) -> np.ndarray:
 
 def stratified_sample(y: np.ndarray, n: int, seed: int, among: np.ndarray | None = None) -> np.ndarray:
     """Sorted indices of at most `n` samples of `among` (default: all of `y`), drawn by `seed` with the class
-    proportions of `among` kept (stratified_cap): the one way fedge takes a subset to evaluate or benchmark on,
-    never the first n of an array that may be sorted by class. The same arguments give the same sample."""
+    proportions of `among` kept, every class within one sample of its share (stratified_cap; a class whose share
+    rounds to none is left out rather than over-represented): the one way fedge takes a labelled subset to
+    evaluate or benchmark on, never the first n of an array that may be sorted by class. The same arguments give
+    the same sample."""
     pool = np.arange(len(y)) if among is None else np.asarray(among, dtype=np.int64)
-    return _indices([stratified_cap(np.random.default_rng(seed).permutation(pool), np.asarray(y), max(int(n), 0))])
+    drawn = stratified_cap(np.random.default_rng(seed).permutation(pool), np.asarray(y), max(int(n), 0), False)
+    return _indices([drawn])
 
 
 def _split_train_test(pool: np.ndarray, y: np.ndarray, test_fraction: float) -> tuple[np.ndarray, np.ndarray]:

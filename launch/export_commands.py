@@ -18,7 +18,7 @@ def cmd_predict(args: argparse.Namespace) -> None:
     how any --limit sample was drawn."""
     from export.onnx import predict_onnx
     from export.predict import model_info, score, table, unheld_warning, write_report
-    from fedge.own_data import normalise
+    from fedge.data import normalise
     from fedge.partition import stratified_sample
 
     if (args.dataset is None) == (args.data_dir is None):
@@ -31,28 +31,30 @@ def cmd_predict(args: argparse.Namespace) -> None:
     if args.seed < 0:
         raise ConfigError(f"--seed must be 0 or more, got {args.seed}")
     info = model_info(args.model)
-    images, labels, pool, where, task = (_own_data_part if args.data_dir else _dataset_part)(args, info)
-    drawn, drawn_from = "", len(pool)
+    images, labels, pool, where, task, note = (_own_data_part if args.data_dir else _dataset_part)(args, info)
+    if not len(pool):
+        raise ConfigError(f"{where} holds no samples to score; score the model on a --dataset or --data-dir")
+    drawn, drawn_from, scored_on = "", len(pool), where
     if args.limit is not None and args.limit < len(pool):
         drawn = (
             f"; {args.limit:,} of its {len(pool):,} samples drawn by seed {args.seed} with the class proportions "
             "kept (per-class counts below)"
         )
+        scored_on = f"a {args.limit:,}-sample draw from {where}"
         pool = stratified_sample(labels, args.limit, args.seed, among=pool)
-    x = normalise(images(pool), task)
+    x = normalise(images(pool), task.mean, task.std)
     logits = predict_onnx(args.model, x)
     if logits.shape[1:] != (len(task.classes),):
         raise ExportError(
             f"{args.model} gives {logits.shape[1:]} outputs per sample; the data has {len(task.classes)} classes"
         )
     scores = score(logits, labels[pool], task.classes)
-    acc = "-" if scores.accuracy is None else f"{scores.accuracy:.4f}"
     print(f"model: {info.describe()}")
     print(f"trained: {info.trained_on()}")
-    if args.client is not None and info.client is not None and args.client != info.client:
-        print(f"note: this is client {info.client}'s model, scored on client {args.client}'s test shard")
     print(f"data: {where}{drawn}")
-    print(f"accuracy {acc} ({scores.correct}/{scores.total}) on {where}, onnxruntime")
+    if note:
+        print(f"note: {note}")
+    print(f"accuracy {scores.accuracy:.4f} ({scores.correct}/{scores.total}) on {scored_on}, onnxruntime")
     print(table(scores, info.client_classes))
     warning = unheld_warning(scores, info)
     if warning:
@@ -64,7 +66,8 @@ def cmd_predict(args: argparse.Namespace) -> None:
         print(f"wrote {report} and {png}")
 
 
-Part = tuple[Callable[[Any], Any], Any, Any, str, Any]  # images(idx) in [0, 1], labels, pool indices, where, task
+# images(idx) in [0, 1], labels, pool indices, where, task, a note on what the score means (or None)
+Part = tuple[Callable[[Any], Any], Any, Any, str, Any, str | None]
 
 
 def _dataset_part(args: argparse.Namespace, info: Any) -> Part:
@@ -75,6 +78,8 @@ def _dataset_part(args: argparse.Namespace, info: Any) -> Part:
     from fedge.data import load_dataset
     from fedge.own_data import DataTask
 
+    if args.resize:
+        raise ConfigError("--resize goes with --data-dir: a dataset's images are the size they are")
     ds = load_dataset(args.dataset, args.data)
     task = DataTask.of(ds)
     if info.classes is not None and info.classes != task.classes:
@@ -101,13 +106,21 @@ def _dataset_part(args: argparse.Namespace, info: Any) -> Part:
         cfg = load_config(args.config, {})
         if cfg.dataset != ds.name:
             raise ConfigError(f"the run in {args.config} used dataset {cfg.dataset!r}, not {ds.name!r}")
+        if cfg.data_dir is not None:
+            raise ConfigError(
+                f"the run in {args.config} had its clients read their own data ({cfg.data_dir}), not shards of "
+                f"{ds.name}; score client {args.client}'s model on its data with --data-dir"
+            )
         shards = {str(s.client_id): s for s in make_partition(ds.y, ds.num_classes, partition_config(cfg)).clients}
         if args.client not in shards:
             raise ConfigError(f"the run has no client {args.client!r}; its clients are 0..{len(shards) - 1}")
         pool, where = shards[args.client].test, f"client {args.client}'s test shard of {ds.name}"
     elif args.config:
         raise ConfigError("--config goes with --client: it defines that client's test shard")
-    return (lambda idx: ds.x[idx].astype(np.float32) / np.float32(255.0)), ds.y, pool, where, task
+    note = None
+    if args.client is not None and info.client is not None and args.client != info.client:
+        note = f"this is client {info.client}'s model, scored on client {args.client}'s test shard"
+    return ds.pixels, ds.y, pool, where, task, note
 
 
 def _own_data_part(args: argparse.Namespace, info: Any) -> Part:
@@ -120,8 +133,15 @@ def _own_data_part(args: argparse.Namespace, info: Any) -> Part:
     if args.client is not None or args.config or args.data:
         raise ConfigError("--client, --config and --data go with --dataset, not --data-dir")
     task = info.task(resize=args.resize)
-    x, y, where = read_labelled(args.data_dir, task)
-    return (lambda idx: x[idx]), y, np.arange(len(y)), where, task
+    x, y, where, test_split = read_labelled(args.data_dir, task)
+    note = None
+    if not test_split and info.client is not None:
+        note = (
+            f"if this is client {info.client}'s own data, it trained on about {1 - C.OWN_TEST_FRACTION:.0%} of it "
+            f"(a device holds out {C.OWN_TEST_FRACTION:.0%} of each class); an .npz with x_test, y_test is scored "
+            "on that split alone"
+        )
+    return (lambda idx: x[idx]), y, np.arange(len(y)), where, task, note
 
 
 def cmd_export(args: argparse.Namespace) -> None:
@@ -137,16 +157,18 @@ def cmd_export(args: argparse.Namespace) -> None:
         raise ExportError(f"--batch must be positive, got {args.batch}")
     if args.format == "pte-train" and args.what != "student":
         raise ExportError("pte-train is a student's on-device training program; use --what student")
+    from server.strategy import STRATEGIES
+
     weights, rnd = load_final_model(args.run_dir, args.client, args.what)
-    cfg = json.loads((Path(args.run_dir) / "config.json").read_text())
     run_cfg = load_config(Path(args.run_dir) / "config.json", {})
+    cfg, personalized = run_cfg.to_dict(), STRATEGIES.get(run_cfg.strategy).personalized
     ds = load_dataset(run_cfg.dataset, run_cfg.data)
     if args.batch is None:
         args.batch = cfg.get("batch_size", C.DEFAULT_BATCH_SIZE) if args.format == "pte-train" else 1
     suffix = {"onnx": ".onnx", "pte": ".pte", "pte-train": "-train.pte"}[args.format]
     out = Path(args.out) / f"client{args.client}-{args.what}{suffix}"
-    classes = client_classes(run_cfg).get(args.client)
-    metadata = model_metadata(run_metadata(run_cfg, args.run_dir), args.client, args.what, rnd, classes)
+    classes = client_classes(run_cfg).get(args.client) if personalized else None
+    metadata = model_metadata(run_metadata(run_cfg, args.run_dir, personalized), args.client, args.what, rnd, classes)
     exporters[args.format](weights, out, parity_sample(ds), metadata, args, cfg)
 
 
@@ -162,11 +184,10 @@ def _export_onnx(weights: Any, out: Path, sample: Any, metadata: dict[str, str],
 
 def _manifest(out: Path, weights: Any, metadata: dict[str, str], fields: dict[str, Any]) -> Path:
     """<out>.json beside an ExecuTorch file: what an app needs to feed it (see docs/android.md)."""
+    from export.run_models import JSON_PROPS
     from fedge.files import atomic_write
 
-    meta = {
-        k: json.loads(v) if k in ("class_names", "mean", "std", "client_classes") else v for k, v in metadata.items()
-    }
+    meta = {k: json.loads(v) if k in JSON_PROPS else v for k, v in metadata.items()}
     doc = {"model": weights.spec.name, **meta, "params": weights.spec.params, "macs": weights.spec.macs, **fields}
     path = out.with_suffix(".json")
     atomic_write(path, (json.dumps(doc, indent=2) + "\n").encode())

@@ -6,14 +6,13 @@ import json
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from fedge import constants as C
 from fedge.config import ConfigError, RunConfig
 from fedge.data import Dataset, load_dataset
 from fedge.own_data import DataTask
-from fedge.partition import Partition, PartitionConfig, make_partition
+from fedge.partition import Partition, PartitionConfig, describe, make_partition
 
 
 def resolve_device(device: str) -> str:
@@ -72,14 +71,22 @@ def data_task(cfg: RunConfig) -> DataTask:
     )
 
 
-def run_metadata(cfg: RunConfig, run_dir: str | Path) -> dict[str, str]:
-    """The metadata props every model exported from a run carries (fedge.own_data's task: class names and
-    normalisation, as the clients read their data), beside export.run_models' per-model ones."""
-    task = data_task(cfg)
+def clients_task(cfg: RunConfig) -> DataTask:
+    """The task the run's clients read their data into: the dataset's own (shape, classes, statistics) for shards
+    of it, the config's (data_task) when they read their own data."""
+    return DataTask.of(load_dataset(cfg.dataset, cfg.data)) if cfg.data_dir is None else data_task(cfg)
+
+
+def run_metadata(cfg: RunConfig, run_dir: str | Path, personalized: bool) -> dict[str, str]:
+    """The metadata props every model exported from a run carries: where it comes from, whether its strategy
+    makes personalized models, and the clients' task (class names, normalisation), beside export.run_models'
+    per-model ones."""
+    task = clients_task(cfg)
     return {
         "run": str(Path(run_dir).resolve()),
         "run_id": cfg.run_id,
         "strategy": cfg.strategy,
+        "personalized": json.dumps(personalized),
         "dataset": cfg.dataset,
         "class_names": json.dumps(list(task.classes)),
         "mean": json.dumps(list(task.mean)),
@@ -94,8 +101,8 @@ def client_classes(cfg: RunConfig) -> dict[str, dict[str, int]]:
         return {}
     ds, partition = load_partitioned(cfg)
     return {
-        str(s.client_id): {ds.classes[c]: int(n) for c, n in enumerate(np.bincount(ds.y[s.train])) if n}
-        for s in partition.clients
+        str(r["client"]): {ds.classes[c]: int(n) for c, n in r["train_counts"].items()}
+        for r in describe(partition, ds.y)
     }
 
 

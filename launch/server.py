@@ -136,7 +136,9 @@ def run_federation_rounds(
         from export.run_models import write_final_models  # ONNX export loads only when there is something to export
 
         ds, rnd = load_dataset(cfg.dataset, cfg.data), cfg.rounds - 1
-        write_final_models(out, finals, ds, rnd, run_metadata(cfg, out), client_classes(cfg), cfg.export_onnx, progress)
+        run = run_metadata(cfg, out, strategy.personalized)
+        classes = client_classes(cfg) if strategy.personalized else {}  # a shared model is not its client's alone
+        write_final_models(out, finals, ds, rnd, run, classes, cfg.export_onnx, progress)
     return summary
 
 

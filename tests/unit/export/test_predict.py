@@ -78,6 +78,7 @@ def test_limit_on_a_class_sorted_set_is_a_seeded_sample_keeping_class_proportion
 
     assert code == 0, err
     assert "200 of its 1,797 samples drawn by seed 3 with the class proportions kept" in out
+    assert re.search(r"^accuracy [\d.]+ \(\d+/200\) on a 200-sample draw from x_train, y_train of ", out, re.M), out
     report = json.loads((tmp_path / "o" / "per_class.json").read_text())
     counts = np.array([r["samples"] for r in report["per_class"]])
     share = np.bincount(digits.y, minlength=10) * 200 / len(digits.y)
@@ -158,6 +159,7 @@ def test_own_data_in_a_folder_or_an_npz_scores_as_the_dataset_does(teacher, digi
         code, out, err = cli(capsys, "predict", path, "--data-dir", data)
         assert code == 0, err
         assert scored(out) == want and f"data: {where} {data}" in out
+        assert ("note: if this is client" in out) == (where == "all images of")  # a device trains on most of it
 
 
 def npz(path, x, y):
@@ -203,6 +205,7 @@ def png_folder(root, name, size):
             "--client, --config and --data go with --dataset",
         ),
         (lambda t, d: ["--dataset", "digits", "--config", t / "config.json"], "--config goes with --client"),
+        (lambda t, d: ["--dataset", "digits", "--resize"], "--resize goes with --data-dir"),
     ],
 )
 def test_each_mismatch_is_a_one_line_error(teacher, digits, tmp_path, capsys, make, message):
@@ -235,3 +238,59 @@ def test_a_model_without_fedge_metadata_cannot_read_own_data_nor_a_dataset_of_ot
 def fresh(spec):
     torch.manual_seed(0)
     return build(spec).state_dict()
+
+
+def test_a_shared_model_is_not_judged_by_its_clients_classes(tmp_path, capsys):
+    from fedge.config import config_from
+    from launch.simulation import run_simulation
+
+    out = tmp_path / "heterofl"
+    settings = dict(
+        strategy="heterofl", dataset="digits", clients=3, active=3, rounds=1, local_epochs=1, transport="inproc"
+    )
+    run_simulation(config_from(settings | {"out": str(out), "seed": 0}), progress=False)
+    model = out / "models" / "0" / "model.onnx"
+    meta = onnx_metadata(model)
+    assert meta["personalized"] == "false" and "client_classes" not in meta and meta["strategy"] == "heterofl"
+
+    code, printed, err = cli(capsys, "predict", model, "--dataset", "digits")
+
+    assert code == 0, err
+    assert "trained: heterofl shares models between clients (not personalized)" in printed
+    assert "\nwarning:" not in printed and "  held" not in printed
+
+
+def test_scores_need_samples_and_the_run_shards_they_name(teacher, tmp_path, capsys):
+    from fedge.config import config_from
+
+    tiny = config_from(dict(dataset="digits", clients=3, active=3, partition="iid", max_samples_per_client=10))
+    (tmp_path / "tiny.json").write_text(tiny.to_json())  # one sample of each class: no client keeps a test sample
+    own = config_from(dict(dataset="digits", clients=3, active=3, data_dir=str(tmp_path / "client-{id}")))
+    (tmp_path / "own.json").write_text(own.to_json())
+
+    code, _, err = cli(
+        capsys, "predict", teacher[1], "--dataset", "digits", "--client", "1", "--config", tmp_path / "tiny.json"
+    )
+    assert code == 2 and "client 1's test shard of digits holds no samples to score" in err
+    code, _, err = cli(
+        capsys, "predict", teacher[1], "--dataset", "digits", "--client", "1", "--config", tmp_path / "own.json"
+    )
+    assert code == 2 and "had its clients read their own data" in err and "with --data-dir" in err
+
+
+@pytest.mark.parametrize(
+    "meta, message",
+    [
+        ({"client_classes": "[1, 2]"}, "'client_classes' should be a JSON object of class name: training samples"),
+        ({"client_classes": '{"3": -1}'}, "'client_classes' should be a JSON object"),
+        ({"mean": "0.5"}, "'mean' should be a JSON list of numbers, one per channel, got '0.5'"),
+        ({"class_names": '"0123456789"'}, "'class_names' should be a JSON list of class names"),
+        ({"class_names": "[0, 1"}, "'class_names' should be a JSON list of class names"),
+    ],
+)
+def test_malformed_metadata_is_a_one_line_error(digits, tmp_path, capsys, meta, message):
+    spec = create("cnn1", digits.input_shape, digits.num_classes)
+    sample = digits.tensors(stratified_sample(digits.y, 8, seed=0))[0]
+    path = export_onnx(spec, fresh(spec), tmp_path / "m.onnx", sample, meta).path
+    code, out, err = cli(capsys, "predict", path, "--dataset", "digits")
+    assert code == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1, err
