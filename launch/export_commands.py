@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-from export import ExportError
 from fedge import constants as C
 from fedge.config import ConfigError, load_config
 
@@ -16,6 +15,7 @@ def cmd_predict(args: argparse.Namespace) -> None:
     """Score an ONNX model through onnxruntime on labelled data (a dataset, one client's test shard of a run, or
     the user's own images) class by class, saying what the model is, which classes its client trained on, and
     how any --limit sample was drawn."""
+    from export import ExportError
     from export.onnx import predict_onnx
     from export.predict import model_info, score, table, unheld_warning, write_report
     from fedge.data import normalise
@@ -146,6 +146,7 @@ def _own_data_part(args: argparse.Namespace, info: Any) -> Part:
 
 def cmd_export(args: argparse.Namespace) -> None:
     """Export a run's final teacher or a client's newest student to a deployable format."""
+    from export import ExportError
     from export.run_models import load_final_model, model_metadata, parity_sample
     from fedge.data import load_dataset
     from launch.runs import client_classes, run_metadata
@@ -232,6 +233,7 @@ def _export_pte_train(weights: Any, out: Path, sample: Any, metadata: dict[str, 
     """The student's training program (.pte) and weights (.ptd), gated by gradient parity on real inputs."""
     import torch
 
+    from export import ExportError
     from export.parity import checked_parity
     from export.training_program import export_training
     from fedge.executorch_program import BN_STATS, TRAIN_INPUTS, TRAIN_OUTPUTS
@@ -338,7 +340,7 @@ def add_export_parsers(sub: Any) -> None:
     )
     p.add_argument("model", metavar="MODEL.onnx", help="an ONNX file written by fedge")
     data = p.add_argument_group("data (one of --dataset, --data-dir)")
-    data.add_argument("--dataset", help="a registered dataset's name (fedge datasets)")
+    data.add_argument("--dataset", help="a registered dataset's name (`fedge data` lists them)")
     data.add_argument("--data", help="with --dataset: path to the dataset's files")
     data.add_argument("--client", help="with --dataset: only this client's test shard (needs --config)")
     data.add_argument("--config", help="with --client: the run's config.json (it defines the client shards)")
