@@ -38,8 +38,9 @@ def model_metadata(
     run: Mapping[str, str], client: str, role: str, rnd: int | None, classes: Mapping[str, int] | None
 ) -> dict[str, str]:
     """The metadata props of one model exported from a run: the run's (launch.runs.run_metadata: run folder,
-    run id, strategy, dataset, class names, normalisation), then client, role, round and `client_classes`, the
-    client's training classes with their counts (JSON; absent when unknown: the client read its own data)."""
+    run id, strategy, personalized, dataset, class names, normalisation), then client, role, round and
+    `client_classes`, the client's training classes with their counts (JSON; absent when `classes` is None or
+    empty: a shared model, or a client that read its own data)."""
     meta = dict(run) | {"client": client, "role": role, "round": "" if rnd is None else str(rnd)}
     return meta | ({"client_classes": json.dumps(dict(classes))} if classes else {})
 
