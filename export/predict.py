@@ -188,7 +188,7 @@ def unheld_warning(scores: Scores, info: ModelInfo) -> str | None:
     if not info.client_classes:
         return None
     held = set(info.client_classes)
-    never = [c for r, c in zip(scores.per_class(None), scores.classes) if r["samples"] and c not in held]
+    never = [r["class"] for r in scores.per_class(None) if r["samples"] and r["class"] not in held]
     if not never:
         return None
     own_correct, own = scores.subset(held)
@@ -216,9 +216,12 @@ def table(scores: Scores, held: dict[str, int] | None) -> str:
     return "\n".join(lines + ([f"no samples of classes {', '.join(absent)}"] if absent else []))
 
 
-def write_report(out: str | Path, info: ModelInfo, scores: Scores, data: dict[str, Any]) -> tuple[Path, Path]:
+def write_report(
+    out: str | Path, info: ModelInfo, scores: Scores, data: dict[str, Any], warning: str | None
+) -> tuple[Path, Path]:
     """--out DIR: per_class.json (the model's metadata, what it was scored on, the per-class table, the
-    confusion matrix and the warning, if any) and confusion.png. Needs matplotlib (the server extra)."""
+    confusion matrix and unheld_warning's `warning`, if any) and confusion.png. Needs matplotlib (the server
+    extra)."""
     from fedge.extras import require
 
     require("matplotlib", what="fedge predict --out (the confusion matrix plot)")
@@ -234,7 +237,7 @@ def write_report(out: str | Path, info: ModelInfo, scores: Scores, data: dict[st
         "per_class": scores.per_class(info.client_classes),
         "confusion": scores.confusion.tolist(),
         "confusion_axes": "rows: true class, columns: predicted class, in per_class order",
-        "warning": unheld_warning(scores, info),
+        "warning": warning,
     }
     report = out / PER_CLASS_JSON
     atomic_write(report, (json.dumps(doc, indent=2) + "\n").encode(), mode=0o644)

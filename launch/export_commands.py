@@ -62,7 +62,7 @@ def cmd_predict(args: argparse.Namespace) -> None:
     if args.out:
         sample = {"seed": args.seed, "drawn_from": drawn_from, "limit": args.limit}
         data = {"where": where, "sample": sample if drawn else None}
-        report, png = write_report(args.out, info, scores, data)
+        report, png = write_report(args.out, info, scores, data, warning)
         print(f"wrote {report} and {png}")
 
 
