@@ -75,6 +75,11 @@ class RunConfig:
     heartbeat_s: float = C.HEARTBEAT_S
     keepalive_s: int = C.KEEPALIVE_S
     chunk_size: int = C.CHUNK_SIZE
+    # How strategies that average uploads bound and aggregate them (server/bounds.py, server/aggregation.py).
+    clip_factor: float = C.CLIP_FACTOR
+    aggregator: str = C.DEFAULT_AGGREGATOR
+    trim_fraction: float = C.TRIM_FRACTION
+    byzantine: int = C.KRUM_BYZANTINE
     export_onnx: bool = True
     out: str | None = None
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # the strategy's options, by name
@@ -115,6 +120,9 @@ class RunConfig:
             raise ConfigError(
                 f"widths must be one of {', '.join(C.WIDTHS)} (the zoo's width preset), got {self.widths!r}"
             )
+        if not (self.clip_factor == 0 or self.clip_factor >= 1):
+            raise ConfigError(f"clip_factor must be 0 (no clipping) or >= 1, got {self.clip_factor}")
+        check_aggregation(self.aggregator, self.trim_fraction, self.byzantine)
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
 
@@ -125,6 +133,17 @@ class RunConfig:
     def to_json(self) -> str:
         """The whole config as JSON, readable back by load_config (e.g. by client processes)."""
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+def check_aggregation(aggregator: str, trim_fraction: float, byzantine: int) -> None:
+    """ConfigError unless `aggregator` is one of constants.AGGREGATORS, trim_fraction in [0, 0.5) and byzantine
+    (Krum's f) >= 0."""
+    if aggregator not in C.AGGREGATORS:
+        raise ConfigError(f"aggregator must be one of {', '.join(C.AGGREGATORS)}, got {aggregator!r}")
+    if not 0 <= trim_fraction < 0.5:
+        raise ConfigError(f"trim_fraction must be in [0, 0.5), got {trim_fraction}")
+    if byzantine < 0:
+        raise ConfigError(f"byzantine (Krum's f) must be >= 0, got {byzantine}")
 
 
 def _boolean(value: Any) -> bool:

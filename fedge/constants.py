@@ -57,6 +57,19 @@ CIFAR10_BINARY_MD5 = "c32a1d4ab5d03f1284b67883e8d87530"
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
 OWN_TEST_FRACTION = 0.20
 LUMA_WEIGHTS = (0.299, 0.587, 0.114)
+# What reading a device's own data may take, checked against the sizes its files declare before anything is
+# decoded (fedge/own_data.py: the raw arrays, every float32 tensor built of them and the normalised copy). A
+# quarter of the device profile's memory_bytes (itself what is left after the OS and the Python + torch runtime):
+# the client keeps about half of that estimate (its normalised train and test tensors) for the whole run, and the
+# rest of memory_bytes is the training footprint (weights, gradients, optimiser state, a batch's activations, up
+# to CANDIDATE_CHUNK candidate models at a time under pFedClub), which the profile check counts without the data.
+OWN_DATA_MEMORY_SHARE = 0.25
+# Where no device profile applies (`fedge predict`, the server's --public-data): 2 GiB, a laptop's or server's
+# share; CIFAR-10's 50,000 training images, as uint8 32x32 RGB, take ~1.4 GB by the same count.
+OWN_DATA_DEFAULT_MAX_BYTES = 2 << 30
+# The most pixels (W x H) of one image, whatever the budget: 50 MP, above what common cameras write (12-50 MP)
+# and below Pillow's own decompression-bomb warning (Image.MAX_IMAGE_PIXELS, ~89 MP), turned into a refusal too.
+OWN_IMAGE_MAX_PIXELS = 50_000_000
 
 # pFedClub / pFedHR (pFedClub §4.1 and §4.4: K = 4, λ = 0.2, τ = 0.07, 3 fine-tuning epochs, η = 0.1).
 CLUSTERS = 4
@@ -131,15 +144,37 @@ REGISTER_TIMEOUT_S = 120.0  # the server waits this long for the fleet to regist
 HEARTBEAT_S = 5.0  # clients publish a heartbeat this often; silence for 3x marks them dead
 KEEPALIVE_S = 10  # MQTT keep-alive; the broker publishes the will after 1.5x of silence
 ACK_TIMEOUT_S = 10.0  # a client re-sends an unacknowledged upload or registration after this long
+# A registration while the client's instruction is open gets it again (a restarted client lost it): on a new
+# connection (an "online" status since it was sent) or this long after the last send, at most this many times.
+TASK_RESEND_INTERVAL_S = ACK_TIMEOUT_S
+MAX_TASK_RESENDS = 4
 RECONNECT_MIN_S = 0.5  # reconnect backoff: jittered, doubling up to the max
 RECONNECT_MAX_S = 30.0
 RECONNECT_GRACE_S = 5.0  # a round waits this long for a client announced offline to come back (its link may flap)
-NORM_OUTLIER_FACTOR = 100.0  # an upload whose norm exceeds this x the round's median is rejected
-NORM_MIN_UPLOADS = 3  # the norm check needs a median of at least this many uploads
-# Any round size: an upload's norm may be at most this x its reference (the model of the same architecture the
-# server sent, else the client's previous accepted upload, else a fresh initialisation). Measured: 30 epochs of
-# local training move the zoo's norms by 0.86x (MobileNetV1) to 2.6x (MobileNetV3-Small) from initialisation.
+# Upload bounds (server/bounds.py). Norms are over a model's learned parameters only: BatchNorm's running statistics
+# are not what training optimises (an honest cnn4's running_var reaches 383 after 10 epochs) and get their own check.
+NORM_OUTLIER_FACTOR = 100.0  # an upload whose parameter norm exceeds this x the round's median is rejected
+NORM_MIN_UPLOADS = 3  # a round-relative bound (median) needs at least this many uploads
+# Any round size: an upload's parameter norm may be at most this x its reference (the model of the same
+# architecture the server sent, else the client's previous accepted upload, else a fresh initialisation).
+# Measured: 30 epochs of local training move the zoo's parameter norms by 0.86x (MobileNetV1) to 2.6x
+# (MobileNetV3-Small) from initialisation.
 UPLOAD_NORM_FACTOR = 10.0
+# A BatchNorm running mean entry beyond MAX_FEATURE_MAGNITUDE, or a running variance beyond its square or below 0,
+# is a lie (server/bounds.buffer_rejection).
+# Updates (what a client uploads minus what the server sent it; strategies that send what clients train): each
+# tensor's update is clipped to CLIP_FACTOR x the median RMS of that tensor's updates in the round (with fewer than
+# NORM_MIN_UPLOADS updates of it, the median of its last CLIP_HISTORY accepted ones, any client's), and a reply
+# whose whole parameter update has an RMS over UPDATE_OUTLIER_FACTOR x the round's median is refused.
+CLIP_FACTOR = 3.0  # run key clip_factor; 0 turns clipping off
+UPDATE_OUTLIER_FACTOR = 10.0
+CLIP_HISTORY = 8
+# Robust aggregation (server/aggregation.py), run key `aggregator`: mean (the strategy's own average), FedMedian,
+# FedTrimmedAvg (trim_fraction: Flower's β default 0.2), Krum and multi-Krum (byzantine: Krum's f).
+AGGREGATORS = ("mean", "median", "trimmed_mean", "krum", "multi_krum")
+DEFAULT_AGGREGATOR = "mean"
+TRIM_FRACTION = 0.2
+KRUM_BYZANTINE = 1
 # FedAvg: no client's share of a round's average may exceed this (example counts are self-reported). 0.5 leaves
 # the default fleet's balanced rounds of 4 as they are; with two replies it makes unequal counts count equally.
 MAX_CLIENT_SHARE = 0.5
@@ -147,18 +182,41 @@ MAX_CLIENT_SHARE = 0.5
 # ‖mean gradient‖/‖W‖ is far below 1 in practice) and is left out, counted in summary.json (`ignored_reports`).
 MAX_REPORTED_LOSS = 1e4
 MAX_REPORTED_ACTIVENESS = 1e4
-# DC-PFL / FedGH statistics uploads (server/dcpfl_math.statistics_rejection). Features of a trained network are
-# O(1-100); a class mean entry beyond this, or a covariance entry beyond its square, is a lie.
+# FedTrans growth (server/fedtrans.py): DoC (Eq. 1) and cell activeness advance only on reports of at least this many
+# distinct clients of the newest model, so that their median is bounded by honest reports when one client lies; a
+# round with fewer reporters adds its reports to a pool that carries over to later rounds until this many clients
+# (each with its latest report) have reported.
+MIN_GROWTH_REPORTERS = 3
+# DC-PFL / FedGH statistics uploads (server/dcpfl_math.statistics_rejection) and BatchNorm running statistics
+# (server/bounds.buffer_rejection). Features of a trained network are O(1-100); a class mean or running mean entry
+# beyond this, or a covariance or running variance entry beyond its square, is a lie.
 MAX_FEATURE_MAGNITUDE = 1e6
 SYMMETRY_TOLERANCE = 1e-5  # max |Σ − Σᵀ| allowed, relative to max |Σ| (the client sends Σ exactly symmetric)
 PSD_TOLERANCE = 1e-4  # smallest eigenvalue allowed: −this x the largest (float32 rounding of a PSD matrix)
+# DC-PFL / FedGH statistics against the round (server/dcpfl_math.scale_rejections): a reply holding a class whose
+# mean norm ‖µ_c‖ or spread √tr Σ_c exceeds STATISTICS_SCALE_FACTOR x its reference is refused ("statistics_scale").
+# The reference: the median over the round's replies holding the class, when at least STATISTICS_MIN_REPLIES do;
+# else the round's scale (the median over at least that many replies of each one's median over its classes); else
+# the server's global statistics of the class (DC-PFL). Measured on honest runs (mnist-5k, zoos fedgh and cnn1,
+# non-IID 2 classes and Dirichlet 0.3, 4-6 clients, 4 rounds): value / reference reached 2.5 (mean norms 4-95,
+# spreads 1-14); 10 leaves 4x to spare.
+STATISTICS_SCALE_FACTOR = 10.0
+STATISTICS_MIN_REPLIES = 3
 
 # Brokers (fedge/embedded_broker.py and fedge/mosquitto.py).
 MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + 64 * 1024  # largest MQTT packet a broker accepts: one chunk plus headers
-MAX_QUEUED_MESSAGES = 4096  # Mosquitto: per-client queue beyond the in-flight window; holds a whole model's chunks
-MAX_QUEUED_BYTES = 2 * MAX_PAYLOAD_BYTES  # ... and its byte cap (Mosquitto drops what is over, silently)
+# What a broker holds for one client to deliver: Mosquitto's queue beyond its in-flight window, RabbitMQ's
+# subscription queue (oldest dropped), the embedded broker's deliveries in progress (newest dropped). A whole
+# largest task and one re-send (server/fleet.py re-sends a task to a re-registering client at most MAX_TASK_RESENDS
+# times, TASK_RESEND_INTERVAL_S apart on one connection).
+MAX_QUEUED_MESSAGES = 4096  # holds a whole model's chunks
+MAX_QUEUED_BYTES = 2 * MAX_PAYLOAD_BYTES  # ... and its byte cap (what is over is dropped, silently but for embedded)
+# The embedded broker hands freed memory back to the OS (glibc's malloc_trim) when deliveries of at least this many
+# bytes held for one connection are over: glibc keeps large frees of a busy process otherwise.
+BROKER_TRIM_BYTES = 64 * 1024 * 1024
 MAX_USER_CONNECTIONS = 4  # RabbitMQ: connections one user may hold at once (a reconnect may overlap a dying one)
 IDLE_QUEUE_EXPIRES_S = 60  # RabbitMQ: a subscription queue nobody consumes from is deleted after this long
+PERSISTENT_SESSION_EXPIRES_H = 1  # Mosquitto: the same for a non-clean session, in hours (its smallest unit)
 MAX_KEEPALIVE_S = 60  # Mosquitto refuses MQTT 3.1.1 clients asking for a longer keep-alive
 BROKER_START_TIMEOUT_S = 10.0
 BROKER_STOP_TIMEOUT_S = 10.0

@@ -4,12 +4,17 @@
 Beyond amqtt: a CONNECT whose will is retained or names a topic its user may not publish to is refused; no
 message is retained (a retained publish is delivered as an ordinary one, its flag dropped); a client id must be
 the username or start with ``<username>.``; one connection per user: a second CONNECT of the same user ends the
-first connection (its will is published, as Mosquitto does), counted in ``EmbeddedBroker.takeovers``.
+first connection (its will is published, as Mosquitto does), counted in ``EmbeddedBroker.takeovers``. What the
+broker holds for one connection to deliver (queued or awaiting its PUBACK) is bounded as Mosquitto bounds a client's
+queue (MAX_QUEUED_MESSAGES, MAX_QUEUED_BYTES): a delivery over either is dropped and counted (``queue_full``); and
+no session outlives its connection (a non-clean one included), so whatever was kept for it is freed when it goes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import functools
 import hmac
 import ipaddress
 import logging
@@ -78,16 +83,117 @@ class _Snapshots(dict):
         return [(key, list(value)) for key, value in super().items()]
 
 
+@dataclass
+class _Outbox:
+    """What the broker holds for one session's delivery: messages handed to amqtt and not yet done with."""
+
+    messages: int = 0
+    bytes: int = 0
+    peak: int = 0  # the most bytes it held since it last emptied
+    dropping: bool = False  # over its limits since it last emptied (logged once)
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """glibc's malloc_trim, or None (another C library, another OS)."""
+    try:
+        return getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except (OSError, TypeError):
+        return None
+
+
+def return_freed_memory() -> None:
+    """Hand the memory malloc keeps after large frees back to the OS, where the C library can (glibc)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+class _BoundedHandler:
+    """A connection's amqtt protocol handler as the broadcast sees it: a delivery that would take the session's
+    outbox over its limits is dropped; an accepted one is counted until amqtt is done with it (written and
+    acknowledged, or given up on), and its failure ends quietly, keeping nothing."""
+
+    def __init__(self, broker: _FedgeAmqttBroker, session: Session, handler: Any) -> None:
+        self._broker, self._session, self._handler = broker, session, handler
+
+    async def mqtt_publish(
+        self, topic: str, data: bytes | bytearray | None, qos: int | None, retain: bool, ack_timeout: int | None = None
+    ) -> None:
+        size = len(data or b"")
+        if not self._broker.admit(self._session, size):
+            return
+        try:
+            await self._handler.mqtt_publish(topic, data, qos, retain, ack_timeout)
+        except Exception as exc:  # noqa: BLE001 - the connection went (amqtt: a closed stream, no PUBACK in 5 s)
+            log.debug("broker: a delivery to %s ended: %s", self._session.client_id, exc or type(exc).__name__)
+        finally:
+            self._broker.release(self._session, size)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._handler, name)
+
+
 class _FedgeAmqttBroker(Broker):
-    """amqtt's broker with two changes: it keeps no retained message (fedge never uses one, and amqtt would
-    deliver a stored one to a later subscriber without asking the ACL, even one whose SUBSCRIBE it refused), and
-    its subscription table is iterated over snapshots (see _Snapshots)."""
+    """amqtt's broker with four changes: it keeps no retained message (fedge never uses one, and amqtt would
+    deliver a stored one to a later subscriber without asking the ACL, even one whose SUBSCRIBE it refused), its
+    subscription table is iterated over snapshots (see _Snapshots), each session's deliveries in progress are
+    bounded (see _BoundedHandler), and `forget` drops a session when its connection ends."""
 
     refused: Counter[str]  # EmbeddedBroker's counter of refusals, shared
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, queue_messages: int, queue_bytes: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._subscriptions = _Snapshots()
+        self.queue_messages, self.queue_bytes = queue_messages, queue_bytes
+        self.outboxes: dict[int, _Outbox] = {}  # id(session) -> its deliveries in progress (while there are any)
+
+    def _get_handler(self, session: Session) -> Any:
+        """amqtt asks for a session's handler only to publish to it: hand it out bounded."""
+        handler = super()._get_handler(session)
+        return None if handler is None else _BoundedHandler(self, session, handler)
+
+    def admit(self, session: Session, size: int) -> bool:
+        """Count a delivery of `size` bytes to `session`, or refuse it (counted as queue_full) when its outbox
+        would then hold more than `queue_messages` messages or `queue_bytes` bytes."""
+        box = self.outboxes.setdefault(id(session), _Outbox())
+        if box.messages + 1 > self.queue_messages or box.bytes + size > self.queue_bytes:
+            self.refused["queue_full"] += 1
+            if not box.dropping:
+                box.dropping = True
+                log.warning(
+                    "broker: %s is not taking its messages (%d messages, %d bytes held for it); dropping what is "
+                    "over %d messages or %d bytes",
+                    session.client_id,
+                    box.messages,
+                    box.bytes,
+                    self.queue_messages,
+                    self.queue_bytes,
+                )
+            return False
+        box.messages, box.bytes = box.messages + 1, box.bytes + size
+        box.peak = max(box.peak, box.bytes)
+        return True
+
+    def release(self, session: Session, size: int) -> None:
+        """A delivery `admit` counted is over. When it was the session's last one and the session held
+        BROKER_TRIM_BYTES or more, the freed memory goes back to the OS."""
+        box = self.outboxes[id(session)]
+        box.messages, box.bytes = box.messages - 1, box.bytes - size
+        if box.messages == 0:
+            del self.outboxes[id(session)]
+            if box.peak >= C.BROKER_TRIM_BYTES:
+                return_freed_memory()
+
+    async def forget(self, client_id: str) -> None:
+        """Drop the session of `client_id`, whose connection ended: its subscriptions and anything queued for it
+        while it is away. amqtt keeps a non-clean session forever (fedge's clients all connect clean)."""
+        if client_id not in self._sessions:
+            return
+        try:
+            await asyncio.wait_for(self._cleanup_session(client_id), C.BROKER_STOP_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - never into the connection's task; amqtt would expire it anyway
+            log.warning("broker: cannot drop the session of %s: %s", client_id, exc or type(exc).__name__)
 
     async def retain_message(
         self,
@@ -186,8 +292,11 @@ class EmbeddedBroker:
         port: int = 0,
         users: dict[str, str] | None = None,
         server_user: str = DEFAULT_SERVER_USER,
+        queue_messages: int = C.MAX_QUEUED_MESSAGES,
+        queue_bytes: int = C.MAX_QUEUED_BYTES,
     ) -> None:
         self.host = host
+        self.queue_messages, self.queue_bytes = queue_messages, queue_bytes
         self.port = port
         self.server_user = server_user
         self.users = None if users is None else check_users(users, server_user)
@@ -196,7 +305,7 @@ class EmbeddedBroker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._error: BaseException | None = None
-        self._broker: Broker | None = None
+        self._broker: _FedgeAmqttBroker | None = None
         self._connections: dict[str, _Connection] = {}  # username -> its connection
         self.takeovers: Counter[str] = Counter()  # username -> connections it ended by connecting again
         self.refused: Counter[str] = Counter()  # reason code -> connections or messages refused (see report)
@@ -208,8 +317,14 @@ class EmbeddedBroker:
 
     def report(self) -> dict[str, Any]:
         """For summary.json: what the broker refused, by reason (bad_connect, bad_login, forbidden_will,
-        retained_will, retained_publish), and the connections it ended because their id connected again."""
+        retained_will, retained_publish, queue_full: a delivery over a connection's queue limits), and the
+        connections it ended because their id connected again."""
         return {"kind": "embedded", "refused": dict(self.refused), "takeovers": dict(self.takeovers)}
+
+    def held(self) -> tuple[int, int]:
+        """(messages, bytes) the broker holds for delivery, all connections together (see MAX_QUEUED_BYTES)."""
+        boxes = [] if self._broker is None else list(self._broker.outboxes.values())
+        return sum(b.messages for b in boxes), sum(b.bytes for b in boxes)
 
     def start(self) -> EmbeddedBroker:
         """Start the broker and return once it listens; BrokerError if it cannot (the port is taken, ...)."""
@@ -276,7 +391,9 @@ class EmbeddedBroker:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         server = None
         try:
-            self._broker = _FedgeAmqttBroker(self._amqtt_config(), loop=self._loop)
+            self._broker = _FedgeAmqttBroker(
+                self._amqtt_config(), loop=self._loop, queue_messages=self.queue_messages, queue_bytes=self.queue_bytes
+            )
             self._broker.refused = self.refused
             await self._broker.start()
             server = await asyncio.start_server(self._accept, self.host, self.port, backlog=C.LISTEN_BACKLOG)
@@ -296,7 +413,7 @@ class EmbeddedBroker:
         same user, then give the connection to amqtt."""
         reader: ReaderAdapter = StreamReaderAdapter(stream_reader)
         writer = StreamWriterAdapter(stream_writer)
-        user = None
+        user = client_id = None
         if self._credentials is not None:
             peer = stream_writer.get_extra_info("peername")
             try:
@@ -309,7 +426,7 @@ class EmbeddedBroker:
                     code, counted = BAD_USERNAME_PASSWORD, "bad_login"
                     if reason is None:
                         counted, reason = will_refusal(connect, self.server_user) or (None, None)
-                        code, user = NOT_AUTHORIZED, connect.username
+                        code, user, client_id = NOT_AUTHORIZED, connect.username, connect.client_id
             except (asyncio.TimeoutError, AMQTTError, MQTTError, NoDataError, ConnectionError, ValueError) as exc:
                 self.refused["bad_connect"] += 1
                 log.warning("broker dropped %s: no valid CONNECT (%s)", peer, exc or type(exc).__name__)
@@ -340,6 +457,8 @@ class EmbeddedBroker:
         try:
             await self._broker.external_connected(reader, writer, "default")
         finally:
+            if client_id:  # before the next connection of this user may start (it waits for `done`)
+                await self._broker.forget(client_id)
             mine.done.set()
             if self._connections.get(user) is mine:
                 del self._connections[user]

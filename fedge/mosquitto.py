@@ -86,6 +86,7 @@ def write_mosquitto_config(
         f"max_packet_size {C.MAX_MESSAGE_BYTES}",
         f"max_queued_messages {C.MAX_QUEUED_MESSAGES}",
         f"max_queued_bytes {C.MAX_QUEUED_BYTES}",
+        f"persistent_client_expiration {C.PERSISTENT_SESSION_EXPIRES_H}h",
         f"max_keepalive {C.MAX_KEEPALIVE_S}",
     ]
     if run_as is not None:

@@ -1,5 +1,5 @@
 """A device's own data (or the operator's public set): a folder of class folders of images, or an .npz, read
-into the run's task — its input shape, class names and normalisation.
+into the run's task — its input shape, class names and normalisation — within a memory limit.
 
 Layouts:
 - a folder `DIR/<class name>/<image>` (PNG or JPEG; other files such as `.DS_Store` are ignored), the label of
@@ -13,20 +13,32 @@ Conversions, each applied only where needed: grayscale to RGB (the gray value in
 grayscale (luma, ITU-R 601-2: 0.299 R + 0.587 G + 0.114 B; an alpha channel or palette is dropped first), and a
 resize to the task's H x W (bilinear; a task with `resize=False`, as `fedge predict` makes without --resize, refuses
 another size instead). Everything else (a wrong rank, a channel count other than 1 or 3, pixel
-values out of range or NaN, labels outside the classes, an unknown or empty class folder, a corrupt image, a
-folder without images) raises OwnDataError naming the file and what was expected.
+values out of range or NaN, labels outside the classes, an unknown or empty class folder, a corrupt or truncated
+image, a folder without images) raises OwnDataError naming the file and what was expected.
+
+Memory: sizes are checked as declared, before anything is decoded — the image count of a folder, each image's
+pixels (its header), each .npz member's shape and dtype (its .npy header, against the bytes the member holds).
+The reader's estimate (`max_bytes` of the read; `own_data_limit` of a device's memory) counts the raw arrays,
+every float32 tensor it builds from them and the normalised copy; over the limit raises OwnDataError.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import os
+import struct
+import warnings
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from numpy.lib import format as npy_format
 
 from fedge import constants as C
 from fedge.data import Dataset, normalise
@@ -35,10 +47,23 @@ from fedge.errors import UserError
 log = logging.getLogger(__name__)
 # Pillow modes of 8 bits per channel that convert to "L" or "RGB" without losing range.
 _PIL_MODES = ("1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "CMYK", "YCbCr", "LAB", "HSV")
+_PIL_BYTES_PER_PIXEL = 4  # Pillow keeps every multi-band mode (RGB included) in 4 bytes a pixel
+_F32 = 4
+_MIB = 1 << 20
+# What a zip member, the zlib stream of a PNG, may raise when it is corrupt.
+_ZIP_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile, NotImplementedError, RuntimeError, zlib.error)
 
 
 class OwnDataError(UserError, ValueError):
     """A device's own data (folder or .npz) that cannot be read into the run's task; the message names the file."""
+
+
+def own_data_limit(memory_bytes: int) -> int:
+    """The bytes a device with `memory_bytes` (its profile's) may spend reading its own data:
+    C.OWN_DATA_MEMORY_SHARE of it. A negative memory raises ValueError."""
+    if memory_bytes < 0:
+        raise ValueError(f"memory_bytes must be >= 0, got {memory_bytes}")
+    return int(memory_bytes * C.OWN_DATA_MEMORY_SHARE)
 
 
 @dataclass(frozen=True)
@@ -88,12 +113,19 @@ class OwnData:
     y_test: torch.Tensor
 
 
-def read_own_data(path: str | Path, task: DataTask, seed: int, test_fraction: float = C.OWN_TEST_FRACTION) -> OwnData:
+def read_own_data(
+    path: str | Path,
+    task: DataTask,
+    seed: int,
+    test_fraction: float = C.OWN_TEST_FRACTION,
+    max_bytes: int = C.OWN_DATA_DEFAULT_MAX_BYTES,
+) -> OwnData:
     """A client's labelled data at `path` (folder or .npz) in the task's shape, normalised. Without a test split
     of its own, `test_fraction` of each class is held out, chosen by `seed` (the same seed, the same split).
-    Bad input raises OwnDataError naming the file (see the module docstring)."""
+    Bad input, or data whose declared size needs more than `max_bytes` to read (a device passes
+    `own_data_limit` of its profile's memory), raises OwnDataError naming the file (see the module docstring)."""
     path = Path(path).expanduser()
-    x, y, x_test, y_test = _read(path, task, labelled=True)
+    x, y, x_test, y_test = _read(path, task, True, max_bytes)
     assert y is not None
     if x_test is None or y_test is None:
         train, test = held_out_split(y, test_fraction, seed, path)
@@ -107,13 +139,15 @@ def read_own_data(path: str | Path, task: DataTask, seed: int, test_fraction: fl
     )
 
 
-def read_labelled(path: str | Path, task: DataTask) -> tuple[np.ndarray, np.ndarray, str, bool]:
+def read_labelled(
+    path: str | Path, task: DataTask, max_bytes: int = C.OWN_DATA_DEFAULT_MAX_BYTES
+) -> tuple[np.ndarray, np.ndarray, str, bool]:
     """Labelled data at `path` to evaluate a model on: (images float32 NCHW in [0, 1], int64 labels, which
     part was read, whether that is a test split). An .npz with a test split gives that split alone (its training
-    part is what a device trained on); otherwise every image. Unlabelled or bad input raises OwnDataError (see
-    the module docstring)."""
+    part is what a device trained on); otherwise every image. Unlabelled or bad input, or more than `max_bytes`
+    to read, raises OwnDataError (see the module docstring)."""
     path = Path(path).expanduser()
-    x, y, x_test, y_test = _read(path, task, labelled=True)
+    x, y, x_test, y_test = _read(path, task, True, max_bytes)
     if x_test is not None and y_test is not None:
         return x_test, y_test, f"the test split (x_test, y_test) of {path}", True
     assert y is not None
@@ -121,11 +155,14 @@ def read_labelled(path: str | Path, task: DataTask) -> tuple[np.ndarray, np.ndar
     return x, y, where, False
 
 
-def read_public_data(path: str | Path, task: DataTask) -> tuple[torch.Tensor, torch.Tensor | None]:
+def read_public_data(
+    path: str | Path, task: DataTask, max_bytes: int = C.OWN_DATA_DEFAULT_MAX_BYTES
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The server's public set at `path`: all its images normalised, with labels when it has them (class folders,
-    or `y`/`y_train` in an .npz; a test split, if any, is added). Bad input raises OwnDataError."""
+    or `y`/`y_train` in an .npz; a test split, if any, is added). Bad input, or more than `max_bytes` to read,
+    raises OwnDataError."""
     path = Path(path).expanduser()
-    x, y, x_test, y_test = _read(path, task, labelled=None)
+    x, y, x_test, y_test = _read(path, task, None, max_bytes)
     if x_test is not None and y is not None and y_test is not None:
         x, y = np.concatenate([x, x_test]), np.concatenate([y, y_test])
     return normalise(x, task.mean, task.std), None if y is None else torch.from_numpy(y)
@@ -153,7 +190,7 @@ def held_out_split(y: np.ndarray, fraction: float, seed: int, where: Path) -> tu
 Arrays = tuple[np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray | None]
 
 
-def _read(path: Path, task: DataTask, labelled: bool | None) -> Arrays:
+def _read(path: Path, task: DataTask, labelled: bool | None, max_bytes: int) -> Arrays:
     """(x_train float32 NCHW in [0, 1], y_train or None, x_test or None, y_test or None). `labelled`: True
     demands labels, None takes what is there."""
     if not path.exists():
@@ -161,121 +198,340 @@ def _read(path: Path, task: DataTask, labelled: bool | None) -> Arrays:
     if path.is_file():
         if path.suffix.lower() != ".npz":
             raise OwnDataError(f"{path}: not an .npz file; expected a folder of class folders or an .npz")
-        return _read_npz(path, task, labelled)
-    return _read_folder(path, task, labelled)
+        return _read_npz(path, task, labelled, max_bytes)
+    return _read_folder(path, task, labelled, max_bytes)
+
+
+def _over_limit(what: str, need: str, max_bytes: int, advice: str) -> OwnDataError:
+    """The refusal of data that needs more than `max_bytes` to read: `what` needs `need`, and what to do."""
+    return OwnDataError(
+        f"{what} need {need} to read, over this reader's limit of {max_bytes / _MIB:.1f} MiB "
+        f"({C.OWN_DATA_MEMORY_SHARE:g} of the device profile's memory_bytes; "
+        f"{C.OWN_DATA_DEFAULT_MAX_BYTES / _MIB:.0f} MiB without a profile); {advice}"
+    )
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
 
 
 # ------------------------------------------------------------------------------------------------ folders
 
 
-def _images_in(folder: Path) -> list[Path]:
-    return sorted(
-        p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in C.IMAGE_EXTENSIONS and p.name[:1] != "."
-    )
+def _images_in(folder: Path, room: int) -> list[Path]:
+    """The folder's image files, sorted; listing stops after `room` + 1 of them (more than the caller can take)."""
+    found: list[Path] = []
+    with os.scandir(folder) as entries:
+        for e in entries:
+            if e.name[:1] != "." and Path(e.name).suffix.lower() in C.IMAGE_EXTENSIONS and e.is_file():
+                found.append(folder / e.name)
+                if len(found) > room:
+                    break
+    return sorted(found)
 
 
-def _read_folder(root: Path, task: DataTask, labelled: bool | None) -> Arrays:
+def _read_folder(root: Path, task: DataTask, labelled: bool | None, max_bytes: int) -> Arrays:
+    c, h, w = task.input_shape
+    per_image = 3 * _F32 * c * h * w  # its float32 tensor, the split's copy of it and the normalised copy
+    room = max_bytes // per_image
     folders = sorted(p for p in root.iterdir() if p.is_dir() and p.name[:1] != ".")
-    loose = _images_in(root)
+    loose = _images_in(root, room)
     expected = f"class folders named {', '.join(task.classes)} holding {', '.join(C.IMAGE_EXTENSIONS)} images"
     if folders and loose:
         raise OwnDataError(f"{root}: has both class folders and loose images ({loose[0].name}); expected {expected}")
+    files, labels = loose, []
     if not folders:
         if not loose:
             raise OwnDataError(f"{root}: no images; expected {expected}")
         if labelled:
             raise OwnDataError(f"{root}: images without class folders have no labels; expected {expected}")
-        return np.stack([_read_image(p, task) for p in loose]), None, None, None
-    xs, ys = [], []
     for folder in folders:
         if folder.name not in task.classes:
             raise OwnDataError(
                 f"{folder}: unknown class folder {folder.name!r}; the {task.owner}'s classes are "
                 f"{', '.join(task.classes)}"
             )
-        files = _images_in(folder)
-        if not files:
+        found = _images_in(folder, room - len(files))
+        if not found:
             raise OwnDataError(f"{folder}: class folder {folder.name!r} has no {', '.join(C.IMAGE_EXTENSIONS)} images")
-        xs += [_read_image(p, task) for p in files]
-        ys += [task.classes.index(folder.name)] * len(files)
-    return np.stack(xs), np.asarray(ys, dtype=np.int64), None, None
+        files = files + found
+        labels += [task.classes.index(folder.name)] * len(found)
+        if len(files) > room:
+            break
+    if len(files) > room:
+        raise _over_limit(
+            f"{root}: more than {room} images, as float32 {task.shape_text} tensors,",
+            f"over {len(files) * per_image / _MIB:.1f} MiB",
+            max_bytes,
+            "use fewer images, or a device with more memory",
+        )
+    x = np.empty((len(files), c, h, w), np.float32)
+    spare = max_bytes - len(files) * per_image
+    for i, p in enumerate(files):
+        x[i] = _read_image(p, task, spare)
+    return x, np.asarray(labels, dtype=np.int64) if folders else None, None, None
 
 
-def _read_image(path: Path, task: DataTask) -> np.ndarray:
-    """One image as float32 (C, H, W) in [0, 1]: to grayscale or RGB and resized to H x W (bilinear) if needed."""
+def _read_image(path: Path, task: DataTask, spare: int) -> np.ndarray:
+    """One image as float32 (C, H, W) in [0, 1]: to grayscale or RGB and resized to H x W (bilinear) if needed.
+    Its declared size is checked before it is decoded: decoding may use `spare` bytes."""
     from PIL import Image, UnidentifiedImageError
 
     c, h, w = task.input_shape
     if c not in (1, 3):
         raise OwnDataError(f"{path}: images fill 1 (grayscale) or 3 (RGB) channels; the task's input is {c} channels")
     try:
-        with Image.open(path) as img:
+        with warnings.catch_warnings():
+            # Pillow warns above Image.MAX_IMAGE_PIXELS and refuses twice that ("decompression bomb"): a refusal
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            opened = Image.open(path, formats=("PNG", "JPEG"))  # reads the header only
+        with opened as img:
+            _check_header(path, img.size, img.mode, task, spare)
+            if img.format == "PNG":
+                _check_png(path)  # Pillow leaves the rows of a short image stream black
             img.load()
-            if img.mode not in _PIL_MODES:
-                raise OwnDataError(
-                    f"{path}: image mode {img.mode} (more than 8 bits per channel) is not supported; "
-                    f"save it as 8-bit grayscale or RGB for the task's {task.shape_text}"
-                )
             img = img.convert("L" if c == 1 else "RGB")
             if img.size != (w, h):
                 _refuse_size(task, f"{path}: the image is {img.size[0]}x{img.size[1]} (W x H)")
                 img = img.resize((w, h), Image.Resampling.BILINEAR)
             pixels = np.asarray(img, dtype=np.float32) / 255.0
-    except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as e:
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise OwnDataError(
+            f"{path}: refused before decoding: {_one_line(e)} Downscale it (the {task.owner} takes {w}x{h} images)"
+        ) from None
+    except (OSError, UnidentifiedImageError, SyntaxError, ValueError, zlib.error) as e:
         if isinstance(e, OwnDataError):
             raise
-        raise OwnDataError(f"{path}: cannot read the image (corrupt or not a PNG/JPEG): {e}") from None
+        raise OwnDataError(f"{path}: cannot read the image (corrupt or not a PNG/JPEG): {_one_line(e)}") from None
     return pixels[None] if c == 1 else pixels.transpose(2, 0, 1)
+
+
+def _check_header(path: Path, size: tuple[int, int], mode: str, task: DataTask, spare: int) -> None:
+    """OwnDataError for an image, as its header declares it, of an unsupported mode, more than
+    C.OWN_IMAGE_MAX_PIXELS pixels, or whose decoding (Pillow's pixels and their conversion) needs over `spare`."""
+    c, h, w = task.input_shape
+    if mode not in _PIL_MODES:
+        raise OwnDataError(
+            f"{path}: image mode {mode} (more than 8 bits per channel) is not supported; "
+            f"save it as 8-bit grayscale or RGB for the task's {task.shape_text}"
+        )
+    pixels = size[0] * size[1]
+    if pixels > C.OWN_IMAGE_MAX_PIXELS:
+        raise OwnDataError(
+            f"{path}: the image declares {size[0]}x{size[1]} (W x H) = {pixels:,} pixels, more than the "
+            f"{C.OWN_IMAGE_MAX_PIXELS:,} an image may have; downscale it (the {task.owner} takes {w}x{h} images)"
+        )
+    need = pixels * (_PIL_BYTES_PER_PIXEL + (1 if c == 1 else _PIL_BYTES_PER_PIXEL))
+    if need > spare:
+        raise _over_limit(
+            f"{path}: the image's {size[0]}x{size[1]} (W x H) pixels",
+            f"{need / _MIB:.1f} MiB",
+            spare,
+            f"downscale it (the {task.owner} takes {w}x{h} images), or use fewer images",
+        )
+
+
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # by colour type: gray, RGB, palette, gray + alpha, RGBA
+_ADAM7 = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2))
+
+
+def _check_png(path: Path) -> None:
+    """OwnDataError unless the PNG at `path` is whole: every chunk complete with its CRC, an IEND, and image data
+    that decompress to every row its header declares. Reads the file once, a block at a time."""
+    try:
+        with open(path, "rb") as f:
+            problem = _png_problem(f)
+    except zlib.error as e:
+        problem = f"its image data do not decompress: {_one_line(e)}"
+    if problem:
+        raise OwnDataError(f"{path}: the PNG is truncated or corrupt ({problem}); copy or export the image again")
+
+
+def _png_problem(f: BinaryIO) -> str | None:
+    """What is missing from the PNG stream `f`, or None; decompresses at most the bytes its IHDR declares."""
+    if f.read(8) != _PNG_SIGNATURE:
+        return "no PNG signature"
+    inflate, produced, expected = zlib.decompressobj(), 0, -1
+    while True:
+        head = f.read(8)
+        if len(head) < 8:
+            return "it ends before its IEND chunk"
+        left, kind = struct.unpack(">I4s", head)
+        crc = zlib.crc32(kind)
+        while left:
+            block = f.read(min(left, 1 << 16))
+            if not block:
+                return f"its {repr(kind)[2:-1]} chunk is cut short"
+            crc, left = zlib.crc32(block, crc), left - len(block)
+            if kind == b"IHDR" and len(block) == 13 and expected < 0:
+                expected = _png_stream_bytes(*struct.unpack(">IIBBBBB", block))
+            while kind == b"IDAT" and block and 0 <= produced <= expected:
+                produced += len(inflate.decompress(block, 1 << 16))
+                block = inflate.unconsumed_tail
+        if f.read(4) != struct.pack(">I", crc):
+            return f"its {repr(kind)[2:-1]} chunk is cut short or its CRC is wrong"
+        if kind == b"IEND":
+            break
+    if produced < expected:
+        return f"its image data hold {produced:,} of the {expected:,} bytes its header declares"
+    return None
+
+
+def _png_stream_bytes(width: int, height: int, depth: int, colour: int, *rest: int) -> int:
+    """The bytes a PNG's image data decompress to: a filter byte and the packed pixels of each row, of each Adam7
+    pass when interlaced (`rest`: compression, filter, interlace method)."""
+    bits = depth * _PNG_CHANNELS.get(colour, 4)
+    total = 0
+    for x0, y0, dx, dy in _ADAM7 if rest[2] else ((0, 0, 1, 1),):
+        pw, ph = -(-(width - x0) // dx), -(-(height - y0) // dy)
+        if pw > 0 and ph > 0:
+            total += ph * (1 + -(-pw * bits // 8))
+    return total
 
 
 # ------------------------------------------------------------------------------------------------ .npz
 
 
-def _read_npz(path: Path, task: DataTask, labelled: bool | None) -> Arrays:
+@dataclass(frozen=True)
+class _Member:
+    """One array of an .npz as its .npy header declares it (nothing read beyond the header)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    nbytes: int
+
+
+def _npz_members(zf: zipfile.ZipFile, path: Path) -> dict[str, _Member]:
+    """Each .npy member's declared array, by key (its name without .npy). A member declaring Python objects, or
+    more bytes than the zip says it holds, raises OwnDataError; a bad header raises ValueError."""
+    members = {}
+    for info in zf.infolist():
+        if not info.filename.endswith(".npy"):
+            continue
+        key = info.filename[: -len(".npy")]
+        with zf.open(info) as f:
+            version = npy_format.read_magic(f)
+            if version not in ((1, 0), (2, 0)):
+                raise ValueError(f"{key}: .npy format version {version} (numpy.savez writes 1.0 or 2.0)")
+            read_header = npy_format.read_array_header_1_0 if version == (1, 0) else npy_format.read_array_header_2_0
+            shape, _, dtype = read_header(f)
+            held = info.file_size - f.tell()
+        if dtype.hasobject:
+            raise OwnDataError(
+                f"{path}: cannot read it as an .npz of arrays (corrupt, or holds pickled objects): {key} holds "
+                f"Python objects ({dtype}), which are never unpickled"
+            )
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes > held:
+            raise OwnDataError(
+                f"{path}: {key} declares a {shape} {dtype} array of {nbytes:,} bytes but holds {max(held, 0):,}; "
+                "the file is corrupt or was not written by numpy.savez"
+            )
+        members[key] = _Member(info.filename, tuple(shape), dtype, nbytes)
+    return members
+
+
+def _read_npz(path: Path, task: DataTask, labelled: bool | None, max_bytes: int) -> Arrays:
     try:
-        # allow_pickle=False: a device's file is data, never code to unpickle.
-        with np.load(path, allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+        with zipfile.ZipFile(path) as zf:
+            members = _npz_members(zf, path)
+            x_key, y_key = _npz_keys(path, members, labelled)
+            wanted = [k for k in (x_key, y_key, "x_test", "y_test") if k in members]
+            need = sum(_member_cost(members[k], task, images=k[0] == "x") for k in wanted)
+            if need > max_bytes:
+                declared = ", ".join(f"{k} {members[k].shape} {members[k].dtype}" for k in wanted)
+                raise _over_limit(
+                    f"{path}: {declared}",
+                    f"{need / _MIB:.1f} MiB as raw and float32 arrays",
+                    max_bytes,
+                    f"use fewer images, or store them as uint8 at the task's {task.shape_text}",
+                )
+            arrays = {k: _load(zf, members[k]) for k in wanted}
+    except OwnDataError:
+        raise
+    except _ZIP_ERRORS as e:
         raise OwnDataError(
-            f"{path}: cannot read it as an .npz of arrays (corrupt, or holds pickled objects): {e}"
+            f"{path}: cannot read it as an .npz of arrays (corrupt, or holds pickled objects): {_one_line(e)}"
         ) from None
-    keys = sorted(arrays)
-    if "x_train" in arrays:
+    x = _images(arrays.pop(x_key), task, f"{path}: {x_key}")
+    y = _labels(arrays.pop(y_key), len(x), task, f"{path}: {y_key}") if y_key in arrays else None
+    if "x_test" not in arrays:
+        return x, y, None, None
+    x_test = _images(arrays.pop("x_test"), task, f"{path}: x_test")
+    return x, y, x_test, _labels(arrays.pop("y_test"), len(x_test), task, f"{path}: y_test")
+
+
+def _load(zf: zipfile.ZipFile, m: _Member) -> np.ndarray:
+    """Member `m`'s array (its size already checked); a body shorter than its header says raises ValueError."""
+    with zf.open(m.name) as f:
+        # allow_pickle=False: a device's file is data, never code to unpickle.
+        return npy_format.read_array(f, allow_pickle=False)
+
+
+def _npz_keys(path: Path, members: dict[str, _Member], labelled: bool | None) -> tuple[str, str]:
+    """The (images, labels) keys of an .npz; a missing or unpaired one raises OwnDataError."""
+    keys = sorted(members)
+    if "x_train" in members:
         x_key, y_key = "x_train", "y_train"
-    elif "x" in arrays and labelled is None:
+    elif "x" in members and labelled is None:
         x_key, y_key = "x", "y"
     else:
         want = "x_train, y_train (and optionally x_test, y_test)" + ("" if labelled else ", or x (unlabelled)")
         raise OwnDataError(f"{path}: holds {keys}; expected {want}")
-    if labelled and y_key not in arrays:
+    if labelled and y_key not in members:
         raise OwnDataError(f"{path}: has {x_key} but no {y_key}; a client's data needs labels")
-    if ("x_test" in arrays) != ("y_test" in arrays):
+    if ("x_test" in members) != ("y_test" in members):
         raise OwnDataError(f"{path}: x_test and y_test come together; it holds {keys}")
-    x = _images(arrays[x_key], task, f"{path}: {x_key}")
-    y = _labels(arrays[y_key], len(x), task, f"{path}: {y_key}") if y_key in arrays else None
-    if "x_test" not in arrays:
-        return x, y, None, None
-    x_test = _images(arrays["x_test"], task, f"{path}: x_test")
-    return x, y, x_test, _labels(arrays["y_test"], len(x_test), task, f"{path}: y_test")
+    return x_key, y_key
+
+
+def _member_cost(m: _Member, task: DataTask, images: bool) -> int:
+    """Bytes reading member `m` takes at most: its raw array and, for images, every float32 tensor _images builds
+    of it (the file's shape, its channels converted, its size changed) and the normalised copy; for labels, their
+    decoded names and the int64 copy."""
+    n = m.shape[0] if m.shape else 1
+    if not images:
+        return 2 * m.nbytes + 8 * n
+    layout = _layout(m.shape, task)
+    if layout is None:
+        return m.nbytes  # refused by _images before any conversion
+    cs, hs, ws, _ = layout
+    c, h, w = task.input_shape
+    converted = 0 if cs == c else c * hs * ws + (cs * hs * ws if c == 1 else 0)  # luma's weighted product
+    floats = cs * hs * ws + converted + (c * h * w if (hs, ws) != (h, w) else 0) + c * h * w
+    return m.nbytes + _F32 * n * floats
+
+
+def _layout(shape: tuple[int, ...], task: DataTask) -> tuple[int, int, int, bool] | None:
+    """(C, H, W, channels last) of the images of an array of `shape`: (N, H, W) is grayscale, (N, H, W, C)
+    channels last when its 2nd axis cannot be channels; None for a shape that is not images of the task."""
+    if len(shape) == 3:
+        return 1, shape[1], shape[2], False
+    if len(shape) == 4 and shape[1] not in (1, 3) and shape[3] in (1, 3):
+        return shape[3], shape[1], shape[2], True
+    if len(shape) != 4 or (shape[1:] != tuple(task.input_shape) and shape[1] not in (1, 3)):
+        return None
+    return shape[1], shape[2], shape[3], False
 
 
 def _images(a: np.ndarray, task: DataTask, where: str) -> np.ndarray:
     """Float32 (N, C, H, W) in [0, 1] in the task's shape, converting channels and size where needed."""
     c, h, w = task.input_shape
     expected = f"expected images (N, {c}, {h}, {w}), (N, {h}, {w}, {c})" + (f" or (N, {h}, {w})" if c == 1 else "")
-    if a.ndim == 3:
-        a = a[:, None]
-    elif a.ndim == 4 and a.shape[1] not in (1, 3) and a.shape[3] in (1, 3):
-        a = a.transpose(0, 3, 1, 2)
-    elif a.ndim != 4 or (a.shape[1:] != (c, h, w) and a.shape[1] not in (1, 3)):
+    layout = _layout(a.shape, task)
+    if layout is None:
         raise OwnDataError(f"{where} has shape {a.shape}; {expected}")
+    a = a[:, None] if a.ndim == 3 else a.transpose(0, 3, 1, 2) if layout[3] else a
     if len(a) == 0:
         raise OwnDataError(f"{where} holds no images; {expected}")
     if a.dtype.kind in "iu":
         if a.min() < 0 or a.max() > 255:
             raise OwnDataError(f"{where}: integer pixels must lie in 0..255, found {a.min()}..{a.max()}")
-        x = torch.from_numpy(a.astype(np.float32) / 255.0)
+        f = a.astype(np.float32)
+        f /= np.float32(255.0)  # in place: no second copy of the dataset
+        x = torch.from_numpy(f)
     elif a.dtype.kind == "f":
         if not np.isfinite(a).all():
             raise OwnDataError(f"{where}: has NaN or infinite pixels")
@@ -284,6 +540,7 @@ def _images(a: np.ndarray, task: DataTask, where: str) -> np.ndarray:
         x = torch.from_numpy(a.astype(np.float32))
     else:
         raise OwnDataError(f"{where}: pixels of type {a.dtype}; expected uint8 0..255 or float in [0, 1]")
+    del a
     if x.shape[1] != c:
         if c not in (1, 3):
             raise OwnDataError(f"{where} has {x.shape[1]} channels; {expected}")

@@ -7,7 +7,7 @@ import math
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, replace
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any, Sequence
 
 import torch
@@ -254,3 +254,14 @@ def tensor_shapes(spec: ModelSpec) -> dict[str, tuple[tuple[int, ...], torch.dty
         while len(_shapes) > SHAPES_CACHE_SIZE:
             _shapes.popitem(last=False)
     return dict(shapes)
+
+
+@lru_cache(maxsize=SHAPES_CACHE_SIZE)
+def _parameter_names(spec_json: str) -> frozenset[str]:
+    return frozenset(n for n, _ in build(ModelSpec.from_json(spec_json), "meta").named_parameters())
+
+
+def parameter_names(spec: ModelSpec) -> frozenset[str]:
+    """The names of the model's learned parameters (what an optimizer trains); the rest of its state dict are
+    buffers (BatchNorm's running statistics and counter, a FedMN routing). Built on "meta", remembered per spec."""
+    return _parameter_names(spec.to_json())

@@ -173,6 +173,7 @@ RUN_FLAGS = (
     "lr",
     "seed",
     "partition",
+    "aggregator",
     "out",
     "public_data",
 )
@@ -450,6 +451,13 @@ def add_run_parser(sub: Any) -> None:
     p.add_argument("--lr", type=float, help="client learning rate (Adam)")
     p.add_argument("--seed", type=int, help="run seed")
     p.add_argument("--partition", choices=SCHEMES, help="how data is split")
+    p.add_argument(
+        "--aggregator",
+        choices=C.AGGREGATORS,
+        help=f"how strategies that average uploads aggregate them (default {C.DEFAULT_AGGREGATOR}: the strategy's "
+        "own weighted mean); median, trimmed_mean (--set trim_fraction=), krum, multi_krum (--set byzantine=) "
+        "resist lying clients at a cost in accuracy (docs/security.md)",
+    )
     p.add_argument("--out", help="run folder (default runs/<time>-<strategy>-<dataset>)")
     p.add_argument("--public-data", metavar="PATH", help=PUBLIC_DATA_HELP)
     p.add_argument(

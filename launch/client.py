@@ -21,7 +21,7 @@ from fedge.config import ConfigError, RunConfig
 from fedge.data import Dataset
 from fedge.messages import Weights
 from fedge.mqtt import Broker, connector
-from fedge.own_data import read_own_data
+from fedge.own_data import own_data_limit, read_own_data
 from fedge.partition import ClientShard
 from fedge.seeding import derive_seed
 from fedge.topics import check_id
@@ -103,7 +103,8 @@ def client_agents(
 ) -> list[ClientAgent]:
     """The clients `ids` of the run's fleet: each id is a shard number of the run's partition; model and
     profile default to the ones the run assigns to that shard. With cfg.data_dir each client reads its own data
-    there (`{id}` replaced by its id; fedge.own_data) instead of its shard."""
+    there (`{id}` replaced by its id; fedge.own_data) instead of its shard, within its profile's own-data limit
+    (OwnDataError before anything is decoded when the files declare more)."""
     models = assign_models(cfg.zoo, cfg.clients, cfg.seed)
     for cid in ids:
         check_id(cid, "client id")
@@ -122,7 +123,8 @@ def client_agents(
         if cfg.data_dir is None:
             agents.append(make_agent(cfg, ds, shards[cid], *chosen, where))
             continue
-        own = read_own_data(own_data_path(cfg, cid), task, derive_seed(cfg.seed, "own-data", cid))
+        limit = own_data_limit(get_profile(chosen[1]).memory_bytes)  # checked before anything is decoded
+        own = read_own_data(own_data_path(cfg, cid), task, derive_seed(cfg.seed, "own-data", cid), max_bytes=limit)
         data = ClientData(own.x_train, own.y_train, own.x_test, own.y_test)
         agents.append(build_agent(cfg, cid, data, task.input_shape, len(task.classes), *chosen, where))
     return agents

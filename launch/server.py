@@ -22,6 +22,7 @@ from fedge.partition import Partition
 from fedge.spec import ModelSpec
 from fedge.transport import Transport
 from launch.runs import client_classes, data_task, load_partitioned, resolve_device, run_folder, run_metadata
+from server.aggregation import Aggregation
 from server.coordinator import Coordinator, LoopConfig, RoundFailed, check_resumable, run_identity
 from server.fleet import Fleet
 from server.plots import plot_accuracy, plot_phi, plot_server_time, plot_time_to_accuracy
@@ -54,6 +55,7 @@ def strategy_config(cfg: RunConfig) -> StrategyConfig:
         device=resolve_device(cfg.device),
         sgd_lr=cfg.sgd_lr,
         sgd_momentum=cfg.sgd_momentum,
+        aggregation=Aggregation(cfg.aggregator, cfg.trim_fraction, cfg.byzantine),
     )
 
 
@@ -119,6 +121,7 @@ def run_federation_rounds(
         cfg.round_retries,
         cfg.widths,
         deadline_s,
+        cfg.clip_factor,
     )
     coordinator = Coordinator(strategy, transport, clients, loop, runlog)
     start = time.perf_counter()

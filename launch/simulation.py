@@ -3,26 +3,37 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable, Mapping
 
 from fedge import constants as C
 from fedge.config import RunConfig
-from fedge.transport import InProcTransport
+from fedge.transport import Handler, InProcTransport
 from launch.client import client_agents
 from launch.runs import load_partitioned, run_folder
 from launch.server import make_strategy, resolve_options, run_federation_rounds
 
 
-def run_simulation(cfg: RunConfig, progress: bool = True, resume: bool = False) -> dict[str, Any]:
+def run_simulation(
+    cfg: RunConfig,
+    progress: bool = True,
+    resume: bool = False,
+    adversaries: Mapping[str, Callable[[Handler], Handler]] | None = None,
+) -> dict[str, Any]:
     """Run a whole federation in this process; writes the run folder and returns the summary. Clients keep
-    their model snapshots in <out>/clients/<id>; `resume` continues an interrupted run in cfg.out (same cfg)."""
+    their model snapshots in <out>/clients/<id>; `resume` continues an interrupted run in cfg.out (same cfg).
+    `adversaries` turns clients into liars: client id -> a function of its honest handler returning the one it
+    runs instead (bench/robust.py's attacks); an id that is not a client raises ValueError."""
     cfg = resolve_options(cfg)  # fail fast on an unknown strategy or option, before loading data
     out = run_folder(cfg, resume)
     ds, partition = load_partitioned(cfg)
     strategy = make_strategy(cfg, ds, partition)
     ids = [str(s.client_id) for s in partition.clients]
     agents = client_agents(cfg, ids, state_dir=out / C.CLIENT_STATE_DIR)  # shards, or own data (cfg.data_dir)
-    transport = InProcTransport({a.client_id: a.handle for a in agents})
+    handlers = {a.client_id: a.handle for a in agents}
+    unknown = sorted(set(adversaries or {}) - set(handlers))
+    if unknown:
+        raise ValueError(f"adversaries {unknown} are not clients of this run ({len(handlers)} clients)")
+    transport = InProcTransport({cid: (adversaries or {}).get(cid, lambda h: h)(h) for cid, h in handlers.items()})
     return run_federation_rounds(
         dataclasses.replace(cfg, out=str(out)),
         strategy,

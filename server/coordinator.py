@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import statistics
@@ -20,11 +19,21 @@ from tqdm import tqdm
 from device_profiles import DeviceProfile, get_profile
 from fedge import constants as C
 from fedge.checkpoint import CheckpointError, Tree, nonfinite
-from fedge.messages import ClientInfo, Result, Task, Weights, client_order
+from fedge.messages import ClientInfo, Result, Task, client_order
 from fedge.payloads import Expected, payload_rejection
 from fedge.seeding import derive_seed
-from fedge.spec import ModelSpec, build
+from fedge.spec import parameter_names
 from fedge.transport import Transport
+from server.bounds import (
+    TENSORS,
+    UpdateBounds,
+    norm_outliers,
+    reference_norm,
+    reply_buffer_rejection,
+    update_pairs,
+    upload_norm,
+    with_tensors,
+)
 from server.clock import ClientClock, RunClock, client_clock, task_epochs
 from server.runlog import RunLog
 from server.strategy import Strategy, StrategyError
@@ -46,7 +55,8 @@ class LoopConfig:
     """Rounds, clients per round, the seed, the quorum (min_replies training replies, else the round is
     tried again up to round_retries more times), whether to draw a progress bar, and the zoo width preset the
     fleet's models were built at (part of what a checkpoint must share with a run that resumes it), and the
-    transport's round deadline if it has one (the simulated clock charges it for a client that never replied)."""
+    transport's round deadline if it has one (the simulated clock charges it for a client that never replied), and
+    the multiple of the round's median update a client's update is clipped to (server/bounds.py; 0: no clipping)."""
 
     rounds: int
     active: int
@@ -57,6 +67,7 @@ class LoopConfig:
     round_retries: int = C.ROUND_RETRIES
     widths: str = C.DEFAULT_WIDTHS
     deadline_s: float | None = None
+    clip_factor: float = C.CLIP_FACTOR
 
 
 def sample_clients(client_ids: Sequence[str], active: int, seed: int, rnd: int) -> list[str]:
@@ -90,57 +101,6 @@ def rejection(
     if task.type == "evaluate" and not 0 <= res.metrics.get("accuracy", -1) <= 1:
         return "metrics", "an evaluation without an accuracy in [0, 1]"
     return payload_rejection(res, expected, info, profile)
-
-
-def tensors_norm(tensors: Iterable[torch.Tensor]) -> float:
-    """The L2 norm over every floating-point tensor of `tensors` together (others are skipped)."""
-    return math.sqrt(sum(float(t.double().square().sum()) for t in tensors if t.is_floating_point()))
-
-
-def upload_norm(weights: Weights) -> float:
-    """The L2 norm over every floating-point tensor of one uploaded model."""
-    return tensors_norm(weights.state.values())
-
-
-@functools.lru_cache(maxsize=64)
-def fresh_norm(spec_json: str) -> float:
-    """The norm of a freshly initialised model of this architecture (fixed seed; the global RNG is left as is)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        spec = ModelSpec.from_json(spec_json)
-        return upload_norm(Weights(spec, build(spec).state_dict()))
-
-
-def reference_norm(weights: Weights, task: Task, previous: float | None) -> tuple[float, str]:
-    """What an upload's norm is bounded by, and its name: the model of the same architecture the server sent in
-    the task (FedAvg's global model), else the client's previous accepted upload of that role, else a fresh
-    initialisation of the architecture. Each is the server's own state or was checked before."""
-    arch = weights.spec.with_origin(None)
-    sent = [m for m in task.models.values() if m.spec.with_origin(None) == arch]
-    if sent:
-        return upload_norm(sent[0]), "the model it was sent"
-    if previous is not None:
-        return previous, "its previous accepted upload"
-    return fresh_norm(arch.to_json()), "a fresh initialisation of its architecture"
-
-
-def norm_outliers(results: Mapping[str, Result]) -> dict[str, str]:
-    """Client → message for each reply with an uploaded model whose norm exceeds NORM_OUTLIER_FACTOR times the
-    median norm of that model role this round; a role is checked only with at least NORM_MIN_UPLOADS uploads."""
-    out: dict[str, str] = {}
-    for role in sorted({role for res in results.values() for role in res.models}):
-        norms = {cid: upload_norm(res.models[role]) for cid, res in results.items() if role in res.models}
-        if len(norms) < C.NORM_MIN_UPLOADS:
-            continue
-        median = statistics.median(norms.values())
-        for cid, norm in norms.items():
-            if norm > C.NORM_OUTLIER_FACTOR * median:
-                out.setdefault(
-                    cid,
-                    f"model {role!r} has norm {norm:.4g}, over {C.NORM_OUTLIER_FACTOR:g} x "
-                    f"the round's median {median:.4g}",
-                )
-    return out
 
 
 def run_identity(
@@ -200,14 +160,16 @@ class Coordinator:
         self.last_mean = float("nan")
         self.rejected: Counter[str] = Counter()
         self.upload_norms: dict[str, float] = {}  # "<client>/<role>" -> norm of its last accepted upload
+        self.bounds = UpdateBounds(loop.clip_factor)  # updates relative to the round: clipping and its history
         self.discarded: list[int] = []  # rounds whose aggregate was not finite and was thrown away
         self.failed: list[dict[str, int]] = []
         self.clock = RunClock()  # simulated seconds, training MACs and bytes (server/clock.py)
         self.bar: tqdm | None = None
 
     def accepted(self, results: Mapping[str, Result], tasks: Mapping[str, Task]) -> dict[str, Result]:
-        """The replies that pass `rejection`, the strategy's own `reply_rejection`, `beyond_bound` and
-        `norm_outliers`; each other one is logged in one line and counted."""
+        """The replies that pass `rejection`, the strategy's own `reply_rejection`, `beyond_bound`, `norm_outliers`,
+        sane BatchNorm statistics and the round's update bounds (server/bounds.py), with their updates clipped;
+        each other one is logged in one line and counted."""
         keep, reasons = {}, {}
         for cid, res in results.items():
             task = tasks.get(cid)
@@ -224,16 +186,38 @@ class Coordinator:
                 reasons[cid] = reason
         norms = {(cid, role): upload_norm(w) for cid, res in keep.items() for role, w in res.models.items()}
         reasons |= {cid: ("norm_bound", message) for cid, message in self.beyond_bound(keep, tasks, norms).items()}
-        reasons |= {
-            cid: ("norm_outlier", message) for cid, message in norm_outliers(keep).items() if cid not in reasons
-        }
+        for code, found in (
+            ("norm_outlier", norm_outliers(keep)),
+            ("buffers", {cid: why for cid, res in keep.items() if (why := reply_buffer_rejection(res))}),
+        ):
+            reasons |= {cid: (code, message) for cid, message in found.items() if cid not in reasons}
+        reasons |= self.strategy.round_rejections(tasks, {cid: res for cid, res in keep.items() if cid not in reasons})
+        refused, clipped = self.bound_updates({cid: res for cid, res in keep.items() if cid not in reasons}, tasks)
+        reasons |= {cid: ("update_outlier", message) for cid, message in refused.items()}
         for cid, (code, message) in reasons.items():
             log.warning("rejected reply from client %s: %s", cid, message)
             self.rejected[code] += 1
             keep.pop(cid, None)
         for cid, res in keep.items():
             self.upload_norms.update({f"{cid}/{role}": norms[cid, role] for role in res.models})
-        return keep
+        if clipped:
+            log.info("updates clipped to %g x the round's median: %s", self.bounds.clip_factor, sorted(clipped))
+        return {cid: with_tensors(res, clipped[cid]) if cid in clipped else res for cid, res in keep.items()}
+
+    def bound_updates(
+        self, results: Mapping[str, Result], tasks: Mapping[str, Task]
+    ) -> tuple[dict[str, str], dict[str, dict[str, torch.Tensor]]]:
+        """UpdateBounds.apply over the replies' updates of what their tasks sent (the strategy's `update_of` and
+        `tensor_updates`): (client → why its update is an outlier, client → its clipped tensors)."""
+        pairs, params = {}, {}
+        for cid, res in results.items():
+            found = update_pairs(tasks[cid], res, self.strategy.update_of, self.strategy.tensor_updates)
+            if found:
+                pairs[cid] = found
+                params[cid] = {role: parameter_names(w.spec) for role, w in res.models.items()} | {
+                    TENSORS: parameter_names(self.clients[cid].spec)
+                }
+        return self.bounds.apply(pairs, params)
 
     def beyond_bound(
         self, results: Mapping[str, Result], tasks: Mapping[str, Task], norms: Mapping[tuple[str, str], float]
@@ -305,6 +289,7 @@ class Coordinator:
             "rejected": dict(self.rejected),
             "failed_rounds": list(self.failed),
             "upload_norms": dict(self.upload_norms),
+            "update_bounds": self.bounds.state(),
             "discarded_aggregates": list(self.discarded),
             "sim_clock": self.clock.state(),
             "strategy_state": self.strategy.state(),
@@ -320,6 +305,7 @@ class Coordinator:
             self.rejected, self.failed = Counter(tree["rejected"]), list(tree["failed_rounds"])
             self.upload_norms, self.discarded = dict(tree["upload_norms"]), list(tree["discarded_aggregates"])
             self.clock.load_state(tree.get("sim_clock"))  # absent in checkpoints from before the clock: zeros
+            self.bounds.load_state(tree.get("update_bounds"))  # absent before update bounds: an empty history
             self.strategy.load_state(tree["strategy_state"])
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"the checkpoint in {self.runlog.out} lacks or garbles a field: {e}") from None
@@ -477,6 +463,9 @@ class Coordinator:
                 "server_seconds": self.server_seconds,
                 "never_trained": sorted(set(self.clients) - self.participated, key=client_order),
                 "rejected_replies": dict(self.rejected),
+                "clipped_updates": {
+                    cid: self.bounds.clipped[cid] for cid in sorted(self.bounds.clipped, key=client_order)
+                },
                 "discarded_aggregates": list(self.discarded),
                 "failed_rounds": list(self.failed),
                 "models": {cid: info.spec.name for cid, info in self.clients.items()},

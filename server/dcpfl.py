@@ -5,10 +5,12 @@ statistics; no model and no feature leaves a client.
 DC-PFL, each round (Algorithm 1, server lines 2-9):
 - send φ^t and the global class means µ_c^t (none in the first round) to the selected clients (line 4); they
   train on L_sup + λ·L_kd and upload per-class counts, means and covariances (edge_client/dcpfl.py);
-- refuse an upload whose statistics are impossible before anything is pooled (dcpfl_math.statistics_rejection);
+- refuse an upload whose statistics are impossible before anything is pooled (dcpfl_math.statistics_rejection),
+  or whose class means or spreads are beyond STATISTICS_SCALE_FACTOR x the round's (dcpfl_math.scale_rejections),
+  so that no accepted reply's means move one step of Eq. (8) much further than an honest one;
 - one SGD step of φ per reply, in client order, on that client's class means (line 5, Eqs. 8-9);
-- pool the round's statistics per class (line 7, Eqs. 10-11, float64); a class no reply holds keeps its previous
-  global statistics;
+- pool the round's statistics per class (line 7, Eqs. 10-11, float64), no client's share of a class above
+  `max_client_share`; a class no reply holds keeps its previous global statistics;
 - draw Σ|G_c| virtual features from N(µ_c, Σ_c), |G_c| ∝ |D_c| (line 8), and calibrate φ on them (line 9,
   Eq. 12).
 Ablations (Table 1): `aux_lambda=0` is "w/o AL", `calibration=false` is "w/o GC".
@@ -33,6 +35,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from device_profiles import DeviceProfile, training_footprint_bytes
+from fedge import constants as C
 from fedge.checkpoint import Tree
 from fedge.class_stats import COUNTS, COVARIANCES, GLOBAL_MEANS, KNOWN_CLASSES, MEANS, ClassStats
 from fedge.config import ConfigError
@@ -43,7 +46,15 @@ from fedge.seeding import derive_seed
 from fedge.spec import ModelSpec, build
 from fedge.tasks import DCTrainTask
 from fedge.weights import load_module
-from server.dcpfl_math import calibrate, ce_step, pool, statistics_rejection, updated, virtual_features
+from server.dcpfl_math import (
+    calibrate,
+    ce_step,
+    pool,
+    scale_rejections,
+    statistics_rejection,
+    updated,
+    virtual_features,
+)
 from server.strategy import Strategy, StrategyError, StrategyOptions, option, register_strategy, torch_profiles
 
 log = logging.getLogger(__name__)
@@ -73,8 +84,16 @@ class DCPFLOptions(StrategyOptions):
         100, "full-batch SGD steps of Eq. (12) on the virtual features each round (paper: unreported)"
     )
     server_lr: float = option(SERVER_LR, "η_φ: the server's SGD learning rate in Eqs. (8) and (12) (paper: 0.01)")
+    max_client_share: float = option(
+        C.MAX_CLIENT_SHARE,
+        "largest share of a class's pooled statistics (Eqs. 10-11) one client may get, in (0, 1]; 1: the paper's",
+    )
 
     def __post_init__(self) -> None:
+        if not 0 < self.max_client_share <= 1:
+            raise ConfigError(
+                f"max_client_share must be in (0, 1] (1: the paper's count weights), got {self.max_client_share}"
+            )
         if not (self.aux_lambda >= 0 and math.isfinite(self.aux_lambda)):
             raise ConfigError(
                 f"aux_lambda must be a finite number >= 0 (0: the w/o AL ablation), got {self.aux_lambda}"
@@ -202,6 +221,21 @@ class SharedHead(Strategy):
             return None
         return statistics_rejection(self.stats_of(result), result.num_examples)
 
+    def round_rejections(self, tasks: Mapping[str, Task], results: Mapping[str, Result]) -> dict[str, tuple[str, str]]:
+        """The dc_train replies whose class mean norms or spreads are beyond STATISTICS_SCALE_FACTOR x the round's
+        (dcpfl_math.scale_rejections; with fewer than STATISTICS_MIN_REPLIES replies, against `known_statistics`),
+        refused as `statistics_scale`."""
+        replies = {
+            cid: self.stats_of(res)
+            for cid, res in results.items()
+            if cid in tasks and tasks[cid].type == "dc_train" and res.type == "dc_train"
+        }
+        return scale_rejections(replies, self.known_statistics()) if replies else {}
+
+    def known_statistics(self) -> ClassStats | None:
+        """The server's own statistics per class, the reference of a round too small for a median; none here."""
+        return None
+
     def stats_of(self, result: Result) -> ClassStats:
         """A checked reply's statistics."""
         t = result.tensors
@@ -276,6 +310,10 @@ class DCPFL(SharedHead):
     def aux_lambda(self) -> float:
         return self.options.aux_lambda
 
+    def known_statistics(self) -> ClassStats | None:
+        """The global statistics (a class with count 0 has none)."""
+        return self.stats
+
     def task_tensors(self) -> dict[str, torch.Tensor]:
         """The global class means µ_c^t and which classes have one; none before any statistics (the first round,
         where clients train on L_sup alone) or with λ = 0."""
@@ -288,7 +326,9 @@ class DCPFL(SharedHead):
         for _, s in replies:  # Algorithm 1 line 5: Eq. (8) once per client, in turn, on its class means (Eq. 9)
             held = torch.nonzero(s.counts > 0).flatten()
             ce_step(head, s.means[held], held, self.options.server_lr)
-        self.stats = updated(self.stats, pool([s for _, s in replies], self.num_classes))  # line 7: Eqs. (10)-(11)
+        # line 7: Eqs. (10)-(11), shares capped
+        pooled = pool([s for _, s in replies], self.num_classes, self.options.max_client_share)
+        self.stats = updated(self.stats, pooled)
         if self.options.calibration:  # lines 8-9: virtual features from N(µ_c, Σ_c), Eq. (12)
             gen = torch.Generator().manual_seed(derive_seed(self.config.seed, "dcpfl-virtual", rnd))
             z, y = virtual_features(self.stats, self.options.virtual_samples, gen)

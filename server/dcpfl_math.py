@@ -1,10 +1,12 @@
 """DC-PFL's server equations (Tang et al., IJCAI 2024) and FedGH's header training as pure functions: the checks
-of a statistics upload, global classifier training on class means (Eqs. 8-9), count-weighted pooling (Eqs. 10-11),
-Gaussian virtual features and calibration (Eq. 12)."""
+of a statistics upload, alone and against the round, global classifier training on class means (Eqs. 8-9),
+count-weighted pooling with capped shares (Eqs. 10-11), Gaussian virtual features and calibration (Eq. 12)."""
 
 from __future__ import annotations
 
-from typing import Sequence
+import math
+import statistics
+from typing import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -12,6 +14,7 @@ from torch.nn import functional as F
 
 from fedge import constants as C
 from fedge.class_stats import ClassStats
+from server.aggregation import capped_shares
 
 
 def statistics_rejection(stats: ClassStats, num_examples: int) -> tuple[str, str] | None:
@@ -55,6 +58,59 @@ def statistics_rejection(stats: ClassStats, num_examples: int) -> tuple[str, str
     return None
 
 
+def class_scales(stats: ClassStats) -> tuple[dict[int, float], dict[int, float]]:
+    """The scale of each class an upload holds, in feature units: the mean's norm ‖µ_c‖ for every class with a
+    sample, the spread √tr Σ_c for every class with two or more (none without covariances; a trace below 0, from
+    float rounding of a checked PSD matrix, counts as 0)."""
+    counts = stats.counts.tolist()
+    norms = {c: float(stats.means[c].double().norm()) for c, n in enumerate(counts) if n > 0}
+    if stats.covariances is None:
+        return norms, {}
+    covs = stats.covariances
+    return norms, {c: math.sqrt(max(float(covs[c].double().trace()), 0.0)) for c, n in enumerate(counts) if n > 1}
+
+
+def scale_rejections(
+    replies: Mapping[str, ClassStats],
+    known: ClassStats | None = None,
+    factor: float = C.STATISTICS_SCALE_FACTOR,
+    quorum: int = C.STATISTICS_MIN_REPLIES,
+) -> dict[str, tuple[str, str]]:
+    """Client → ("statistics_scale", message) for each reply (statistics already checked by statistics_rejection)
+    holding a class whose mean norm or spread (class_scales) exceeds `factor` x its reference, the first one found
+    in class order. The reference of class c: the median over the replies whose value of it exists when at least
+    `quorum` do (one liar moves it no further than the honest values around it); else, with at least `quorum`
+    replies, the round's scale: the median over the replies of each one's median over its classes; else c's value
+    in `known` (the server's global statistics, DC-PFL), if it has one; else none and c is not checked. A reference
+    of 0 checks nothing. ValueError for factor <= 0 or quorum < 1."""
+    if not factor > 0 or quorum < 1:
+        raise ValueError(f"scale_rejections needs factor > 0 and quorum >= 1, got {factor} and {quorum}")
+    scales = {cid: class_scales(s) for cid, s in replies.items()}
+    known_scales = class_scales(known) if known is not None else ({}, {})
+    out: dict[str, tuple[str, str]] = {}
+    for q, what in enumerate(("mean norm", "spread (√tr Σ)")):
+        values = {cid: pair[q] for cid, pair in scales.items()}
+        medians = [statistics.median(v.values()) for v in values.values() if v]
+        wide = statistics.median(medians) if len(medians) >= quorum else None
+        for cid in sorted(values):
+            for c, value in sorted(values[cid].items()):
+                held = [v[c] for v in values.values() if c in v]
+                if len(held) >= quorum:
+                    ref, source = statistics.median(held), f"the median of the {len(held)} replies holding it"
+                elif wide is not None:
+                    ref, source = wide, f"the round's scale over {len(medians)} replies"
+                elif c in known_scales[q]:
+                    ref, source = known_scales[q][c], "the server's global statistics of the class"
+                else:
+                    continue
+                if ref > 0 and value > factor * ref and cid not in out:
+                    out[cid] = (
+                        "statistics_scale",
+                        f"class {c}'s {what} is {value:.4g}, over {factor:g} x {ref:.4g}, {source}",
+                    )
+    return out
+
+
 def ce_step(head: nn.Module, z: torch.Tensor, y: torch.Tensor, lr: float) -> float:
     """One plain SGD step φ ← φ − η ∇ mean_i CE(g_φ(z_i), y_i), in place; the loss before the step. Eq. (8) with
     the loss of Eq. (9) when z are one client's class means µ_c,k (CE averaged over its |C_k| classes); one step of
@@ -71,11 +127,16 @@ def ce_step(head: nn.Module, z: torch.Tensor, y: torch.Tensor, lr: float) -> flo
     return float(loss.detach())
 
 
-def pool(parts: Sequence[ClassStats], num_classes: int) -> ClassStats:
+def pool(parts: Sequence[ClassStats], num_classes: int, max_share: float = 1.0) -> ClassStats:
     """Eqs. (10)-(11) in float64, per class over the parts holding it: N_c = Σ_k n_k, µ_c = Σ_k n_k µ_k / N_c,
     Σ_c = Σ_k (n_k−1)/(N_c−1) Σ_k + Σ_k n_k/(N_c−1) µ_k µ_kᵀ − N_c/(N_c−1) µ_c µ_cᵀ (the unbiased covariance of
     all their features together), computed as Σ_k [(n_k−1) Σ_k + n_k (µ_k−µ_c)(µ_k−µ_c)ᵀ] / (N_c−1), which is
-    equal and does not cancel; N_c = 1 gives Σ_c = 0, N_c = 0 zeros. Covariances only when every part has them."""
+    equal and does not cancel; N_c = 1 gives Σ_c = 0, N_c = 0 zeros. Covariances only when every part has them.
+    Counts are the clients' word, so no part's share n_k / N_c of a class may exceed `max_share` (capped_shares;
+    1: the paper's weights): a capped class pools with n_k replaced by share_k · N_c (each >= 1, so the
+    covariance weights stay >= 0), N_c itself unchanged. ValueError for max_share outside (0, 1]."""
+    if not 0 < max_share <= 1:
+        raise ValueError(f"pool needs max_share in (0, 1], got {max_share}")
     d = parts[0].means.shape[1]
     counts = torch.zeros(num_classes, dtype=torch.int64)
     means = torch.zeros(num_classes, d, dtype=torch.float64)
@@ -86,6 +147,10 @@ def pool(parts: Sequence[ClassStats], num_classes: int) -> ClassStats:
         if not held:
             continue
         n = sum(k for k, _ in held)
+        if max_share < 1:  # deviation (README): the paper weights by the reported counts alone
+            shares = capped_shares([k for k, _ in held], max_share)
+            if any(abs(share * n - k) > 1e-9 * n for share, (k, _) in zip(shares, held)):
+                held = [(share * n, p) for share, (_, p) in zip(shares, held)]  # type: ignore[misc]
         mu = sum(k * p.means[c].double() for k, p in held) / n
         counts[c], means[c] = n, mu
         if covs is not None and n > 1:

@@ -15,48 +15,10 @@ from fedge.messages import ClientInfo, Result, Task, Weights
 from fedge.payloads import Expected
 from fedge.seeding import derive_seed
 from fedge.spec import build
-from fedge.weights import State
+from server.aggregation import capped_shares, combine
 from server.strategy import Strategy, StrategyError, StrategyOptions, option, register_strategy
 
 log = logging.getLogger(__name__)
-
-
-def capped_shares(weights: Sequence[float], cap: float) -> list[float]:
-    """Each weight's share of the total, no share above `cap` (reliability-notes §6.8: self-reported example
-    counts set the weights, so one client's share is capped): shares over the cap are set to it and the rest of
-    the mass is split over the others in proportion to their weights, repeatedly (water-filling). With
-    len(weights) * cap <= 1 no split fits and every share is equal. ValueError for no or non-positive weights."""
-    if not weights or min(weights) <= 0:
-        raise ValueError(f"capped_shares needs positive weights, got {list(weights)}")
-    n = len(weights)
-    if cap * n <= 1:
-        return [1 / n] * n
-    capped: set[int] = set()
-    while True:
-        free = sum(w for i, w in enumerate(weights) if i not in capped)
-        mass = 1 - cap * len(capped)
-        shares = [cap if i in capped else mass * w / free for i, w in enumerate(weights)]
-        over = {i for i, share in enumerate(shares) if i not in capped and share > cap}
-        if not over:
-            return shares
-        capped |= over
-
-
-def weighted_average(states: Sequence[State], weights: Sequence[float]) -> State:
-    """Σ_k w_k θ_k / Σ_k w_k per tensor; integer buffers (BN counters) take the maximum.
-
-    Raises ValueError when there is nothing to average or the weights do not sum to a positive number.
-    """
-    total = float(sum(weights))
-    if not states or total <= 0:
-        raise ValueError("weighted_average needs at least one state with positive weight")
-    out = {}
-    for name, first in states[0].items():
-        if first.is_floating_point():
-            out[name] = sum(s[name].double() * (w / total) for s, w in zip(states, weights)).to(first.dtype)
-        else:
-            out[name] = torch.stack([s[name] for s in states]).max(0).values
-    return out
 
 
 def checkpoint_global(current: Weights, state: Tree) -> Weights:
@@ -89,6 +51,7 @@ class FedAvg(Strategy):
     """Homogeneous fleets only: the server holds one global model, sends it, averages the replies."""
 
     personalized = False
+    update_of = {"local": "global"}
 
     def setup(self, clients: Mapping[str, ClientInfo]) -> None:
         super().setup(clients)
@@ -127,8 +90,9 @@ class FedAvg(Strategy):
                 self.options.max_client_share,
                 {cid: round(x, 4) for cid, x in self.shares.items()},
             )
+        parts = [(r.models["local"].state, share) for r, share in zip(replies, shares)]
         self.global_model = Weights(
-            self.global_model.spec, weighted_average([r.models["local"].state for r in replies], shares)
+            self.global_model.spec, combine(self.global_model.state, parts, self.config.aggregation)
         )
 
     def record(self, rnd: int, client: str) -> dict[str, float]:

@@ -61,10 +61,11 @@ from fedge.modular import (
 )
 from fedge.payloads import Expected, TensorSlot
 from fedge.seeding import derive_seed
-from fedge.spec import build, tensor_shapes
+from fedge.spec import build, parameter_names, tensor_shapes
 from fedge.tasks import ModularTrainTask
-from server.coordinator import tensors_norm
-from server.fedavg import capped_shares, checkpoint_global, weighted_average
+from server.aggregation import capped_shares, combine
+from server.bounds import tensors_norm
+from server.fedavg import checkpoint_global
 from server.strategy import Strategy, StrategyError, StrategyOptions, option, register_strategy, torch_profiles
 
 ROUTER_PASSES = 5  # router forward passes per sample per routed task: Π, its gradient pass (~3), the next decision
@@ -111,6 +112,8 @@ class FedMNOptions(StrategyOptions):
 class FedMN(Strategy):
     """Algorithm 1 with block-wise exchange (§II-E); module docstring."""
 
+    tensor_updates = True  # the uploaded blocks and router update what the task sent (server/bounds.py clips them)
+
     def setup(self, clients: Mapping[str, ClientInfo]) -> None:
         super().setup(clients)
         torch_profiles(self.name, clients, "trains a modular network and its router (the modular_train task)")
@@ -132,6 +135,7 @@ class FedMN(Strategy):
         for name in self.shapes:
             if (part := block_of(name)) is not None:
                 self.parts.setdefault(part, []).append(name)
+        self.learned = parameter_names(spec)  # the norm bound leaves out buffers (BatchNorm's running statistics)
         self.router_macs = router_macs(spec)  # forward MACs per sample of the router, which every client holds
         self.batchnorm = int(router_has_batchnorm(spec))  # a pass re-estimating its BatchNorm statistics
         self.shares: dict[str, float] = {}  # client -> its share of the router's average, this round
@@ -186,8 +190,8 @@ class FedMN(Strategy):
     def reply_rejection(self, task: Task, client: ClientInfo, result: Result) -> tuple[str, str] | None:
         """Code "route": a reply for another route than the task's, or a next or most likely route without a path
         from the input to the output. Code "norm_bound" (the coordinator's bound on uploaded models, which named
-        tensors do not pass through): a block or the router whose L2 norm exceeds UPLOAD_NORM_FACTOR times the norm
-        of what the task sent of it."""
+        tensors do not pass through): a block or the router whose parameters' L2 norm exceeds UPLOAD_NORM_FACTOR
+        times that of what the task sent of it."""
         if task.type != "modular_train":
             return None
         if not torch.equal(result.tensors[ROUTE], task.tensors[ROUTE]):
@@ -205,9 +209,11 @@ class FedMN(Strategy):
         return None
 
     def part_norms(self, tensors: Mapping[str, torch.Tensor]) -> dict[Any, float]:
-        """The L2 norm of each block (and of the router) that `tensors` holds."""
+        """The L2 norm of the learned parameters of each block (and of the router) that `tensors` holds."""
         return {
-            part: tensors_norm(tensors[n] for n in names) for part, names in self.parts.items() if names[0] in tensors
+            part: tensors_norm(tensors[n] for n in names if n in self.learned)
+            for part, names in self.parts.items()
+            if names[0] in tensors
         }
 
     def other_macs(self, task: Task, client: ClientInfo) -> int:
@@ -235,7 +241,8 @@ class FedMN(Strategy):
             if not users:
                 continue
             shares = capped_shares([r.num_examples for r in users], self.options.max_client_share)
-            state |= weighted_average([{n: r.tensors[n] for n in names} for r in users], shares)
+            parts = [({n: r.tensors[n] for n in names}, share) for r, share in zip(users, shares)]
+            state |= combine({n: state[n] for n in names}, parts, self.config.aggregation)
             if part == ROUTER:
                 self.shares = {r.client_id: share for r, share in zip(users, shares)}
         self.global_model = Weights(self.global_model.spec, state)

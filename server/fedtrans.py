@@ -4,8 +4,15 @@ allows, sampled by its utilities (Eqs. 2-4); models share weights softly, small 
 
 Our choices where the paper is open (README deviations): sim(M_i, M_j) is the mean of the cells' matching degrees
 (fedtrans_math.model_similarity); t in Eq. (5)'s η^t counts the rounds since M_j was made; Eq. (5)'s weights are
-normalised to sum to one; DoC is taken on the newest model's mean training loss of the rounds it was trained; a
+normalised to sum to one; DoC is taken on the newest model's median training loss of the rounds it was trained; a
 model that trained no client this round is left as it is unless a smaller model shares into it.
+
+Growth needs a quorum (README deviations): a point of the newest model's loss curve (Eq. 1) and of its cell
+activeness is the median over at least `growth_quorum` distinct clients' reports, so one liar moves a point only
+between the honest reports beside it: it cannot force, stall or steer growth beyond the spread of the honest
+clients' own reports (with 1-2 reporters it sets the point). A round with fewer reporters adds theirs (each
+client's latest) to a pool that carries over to the next rounds until the quorum is met; Eq. (1)'s γ and δ then
+count points, not rounds. A chain whose newest model fewer than `growth_quorum` clients ever train stops growing.
 """
 
 from __future__ import annotations
@@ -28,8 +35,8 @@ from fedge.seeding import derive_seed
 from fedge.spec import ModelSpec, build, tensor_shapes
 from fedge.tasks import is_cell_weight
 from fedge.weights import State
+from server.aggregation import capped_shares, combine
 from server.capacity import client_capacities, compatible
-from server.fedavg import capped_shares, weighted_average
 from server.fedtrans_math import (
     degree_of_convergence,
     lineage_map,
@@ -65,6 +72,10 @@ class FedTransOptions(StrategyOptions):
     soft_aggregation: bool = option(True, "Eq. (5) sharing between models; false: each model averages its own")
     large_to_small: bool = option(False, "also share large models into small ones (Table 1's ablation)")
     max_client_share: float = option(C.MAX_CLIENT_SHARE, "largest share of a model's average one client may get")
+    growth_quorum: int = option(
+        C.MIN_GROWTH_REPORTERS,
+        "distinct clients whose reports make one point of DoC (Eq. 1) and activeness; below 3 one liar steers growth",
+    )
 
     def __post_init__(self) -> None:
         checks = {
@@ -77,12 +88,14 @@ class FedTransOptions(StrategyOptions):
             "max_models": self.max_models >= 1,
             "layer_selection": self.layer_selection in SELECTIONS,
             "max_client_share": 0 < self.max_client_share <= 1,
+            "growth_quorum": self.growth_quorum >= 1,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             raise ConfigError(
-                f"fedtrans options {bad} out of range: alpha in [0, 1], beta finite, gamma, delta, gradient_rounds "
-                f"and max_models >= 1, eta in (0, 1], layer_selection one of {SELECTIONS}, max_client_share in (0, 1]"
+                f"fedtrans options {bad} out of range: alpha in [0, 1], beta finite, gamma, delta, gradient_rounds, "
+                f"max_models and growth_quorum >= 1, eta in (0, 1], layer_selection one of {SELECTIONS}, "
+                "max_client_share in (0, 1]"
             )
 
 
@@ -96,6 +109,7 @@ class FedTrans(Strategy):
     """Algorithm 1: assign (lines 6-10), update utilities (11), aggregate softly (13), grow the chain (15-22)."""
 
     personalized = False  # every client is evaluated on its best compatible model, trained or not
+    update_of = {"model": "model"}  # the trained model updates the one sent
 
     def setup(self, clients: Mapping[str, ClientInfo]) -> None:
         super().setup(clients)
@@ -121,8 +135,11 @@ class FedTrans(Strategy):
         self.created: list[int] = [0]
         self.ops: list[dict[str, str]] = [{}]  # per model: cell → the last transformation applied to it
         self.utilities: dict[str, list[float]] = {cid: [0.0] for cid in clients}  # Alg. 1 line 2
-        self.losses: list[float] = []  # the newest model's mean training loss per round it was trained
-        self.activeness: list[dict[str, float]] = []  # the newest model's mean cell activeness, last T rounds
+        self.losses: list[float] = []  # the newest model's median training loss per point (a quorum's reports)
+        self.activeness: list[dict[str, float]] = []  # the newest model's median cell activeness, last T points
+        # The newest model's reports waiting for a quorum: client -> its latest training loss / activeness.
+        self.pending: dict[str, dict[str, Any]] = {"train_loss": {}, "activeness": {}}
+        self.quorum_reports: dict[str, int] = {}  # reports pooled across rounds, and set aside, by kind
         self.similarity: list[list[float]] = [[1.0]]
         self.transforms: list[dict[str, Any]] = []
         self.growth_stopped = ""
@@ -174,16 +191,44 @@ class FedTrans(Strategy):
         self.update_weights(rnd, replies)  # line 13, Eq. (5)
         newest = len(self.models) - 1
         mine = sorted((cid for cid in replies if self.assigned[cid] == newest), key=client_order)
-        if any(cid in losses for cid in mine):
-            self.losses.append(statistics.median(losses[cid] for cid in mine if cid in losses))
+        point = self.quorum("train_loss", {cid: losses[cid] for cid in mine if cid in losses})
+        if point is not None:
+            self.losses.append(statistics.median(point))
             self.losses = self.losses[-(self.options.gamma + self.options.delta) :]
-        if mine:
-            self.activeness = (self.activeness + [self.round_activeness({c: replies[c] for c in mine})])[
-                -self.options.gradient_rounds :
-            ]
+        reports = self.quorum("activeness", self.activeness_reports({c: replies[c] for c in mine}))
+        if reports is not None:
+            names = sorted(reports[0])
+            median = {n: float(statistics.median(a[n] for a in reports)) for n in names}
+            self.activeness = (self.activeness + [median])[-self.options.gradient_rounds :]
         self.doc = degree_of_convergence(self.losses, self.options.gamma, self.options.delta)  # line 15, Eq. (1)
         if self.doc is not None and self.doc <= self.options.beta and not self.growth_stopped:  # line 16
             self.grow(rnd)
+
+    def quorum(self, kind: str, reports: Mapping[str, Any]) -> list[Any] | None:
+        """The reports (of `kind`: train_loss or activeness) of one point of the newest model's curve, or None
+        while fewer than `growth_quorum` distinct clients have reported: this round's `reports` (client -> report)
+        when they are enough alone, the pool of earlier ones set aside; else they join the pool (a client's later
+        report replaces its earlier one, set aside), which makes the point once it is large enough. Counted in
+        summary.json's `quorum_reports`."""
+        pool = self.pending[kind]
+        need = self.options.growth_quorum
+        if len(reports) >= need:
+            self.count(f"{kind}_set_aside", len(pool))
+            pool.clear()
+            return [reports[cid] for cid in sorted(reports, key=client_order)]
+        self.count(f"{kind}_pooled", len(reports))
+        self.count(f"{kind}_set_aside", len(set(reports) & set(pool)))
+        pool.update(reports)
+        if len(pool) < need:
+            return None
+        out = [pool[cid] for cid in sorted(pool, key=client_order)]
+        pool.clear()
+        return out
+
+    def count(self, key: str, n: int) -> None:
+        """Add n to the `quorum_reports` counter `key` (kept absent while 0)."""
+        if n:
+            self.quorum_reports[key] = self.quorum_reports.get(key, 0) + n
 
     def reported_losses(self, replies: Mapping[str, Result]) -> dict[str, float]:
         """The replies' training losses that are numbers in [0, MAX_REPORTED_LOSS]; a missing or absurd one (a
@@ -198,12 +243,14 @@ class FedTrans(Strategy):
         return out
 
     def model_averages(self, replies: Mapping[str, Result]) -> dict[int, State]:
-        """Each trained model's average over its clients' replies (example-weighted, shares capped)."""
+        """Each trained model's average over its clients' replies (example-weighted, shares capped; or the run's
+        robust aggregate, server/aggregation.py), from the model they were sent."""
         out = {}
         for k in sorted(set(self.assigned[cid] for cid in replies)):
             mine = sorted((cid for cid in replies if self.assigned[cid] == k), key=client_order)
             shares = capped_shares([replies[cid].num_examples for cid in mine], self.options.max_client_share)
-            out[k] = weighted_average([replies[cid].models["model"].state for cid in mine], shares)
+            parts = [(replies[cid].models["model"].state, share) for cid, share in zip(mine, shares)]
+            out[k] = combine(self.models[k].state, parts, self.config.aggregation)
         return out
 
     def update_weights(self, rnd: int, replies: Mapping[str, Result]) -> None:
@@ -242,12 +289,12 @@ class FedTrans(Strategy):
         names = lineage_map(self.lineages, source, target)
         return {p: crop(state[n], shapes[p]) for n, p in names.items() if p is not None}
 
-    def round_activeness(self, replies: Mapping[str, Result]) -> dict[str, float]:
-        """The newest model's cell activeness this round: per conv/linear weight, the median over the replies whose
-        `activeness` record is well-formed (a value in [0, MAX_REPORTED_ACTIVENESS] for every weight; others are
-        left out and counted). The median, not the mean: one client's report cannot pick the cell to grow."""
+    def activeness_reports(self, replies: Mapping[str, Result]) -> dict[str, dict[str, float]]:
+        """The newest model's cell activeness this round, by client: the replies whose `activeness` record is
+        well-formed (a value in [0, MAX_REPORTED_ACTIVENESS] for every conv/linear weight; others are left out and
+        counted). A point of activeness is their median per weight (`quorum`): one client cannot pick the cell."""
         names = set(weight_cells(self.models[-1].spec))
-        reports = []
+        reports = {}
         for cid in sorted(replies, key=client_order):
             act = replies[cid].records.get("activeness")
             if (
@@ -258,10 +305,10 @@ class FedTrans(Strategy):
                     for v in act.values()
                 )
             ):
-                reports.append(act)
+                reports[cid] = {n: float(v) for n, v in act.items()}
             elif act is not None:
                 self.ignored["activeness"] = self.ignored.get("activeness", 0) + 1
-        return {n: float(statistics.median(a[n] for a in reports)) for n in sorted(names)} if reports else {}
+        return reports
 
     def select_cells(self, rnd: int) -> list[Any]:
         """Lines 19-21: the cells of the newest model whose activeness, averaged over the last T rounds, exceeds α
@@ -311,6 +358,9 @@ class FedTrans(Strategy):
         self.utilities = {cid: u + [u[parent]] for cid, u in self.utilities.items()}
         self.similarity = self.similarities()
         self.losses, self.activeness = [], []
+        for kind, pool in self.pending.items():  # reports of the parent, which is no longer the newest model
+            self.count(f"{kind}_set_aside", len(pool))
+            pool.clear()
         self.transforms.append(
             {
                 "round": rnd,
@@ -418,6 +468,7 @@ class FedTrans(Strategy):
             "transforms": list(self.transforms),
             "growth_stopped": self.growth_stopped,
             "ignored_reports": dict(self.ignored),
+            "quorum_reports": dict(self.quorum_reports),
             "eval_models": {
                 cid: self.models[self.best(cid)].spec.name for cid in sorted(self.clients, key=client_order)
             },
@@ -443,6 +494,8 @@ class FedTrans(Strategy):
             "growth_stopped": self.growth_stopped,
             "doc": self.doc,
             "ignored": dict(self.ignored),
+            "pending": {kind: dict(pool) for kind, pool in self.pending.items()},
+            "quorum_reports": dict(self.quorum_reports),
         }
 
     def load_state(self, state: Tree) -> None:
@@ -459,6 +512,10 @@ class FedTrans(Strategy):
         self.created, self.ops = list(state["created"]), [dict(x) for x in state["ops"]]
         self.utilities = {cid: list(u) for cid, u in state["utilities"].items()}
         self.losses, self.activeness = list(state["losses"]), [dict(a) for a in state["activeness"]]
+        # absent from checkpoints written before the growth quorum: nothing pending, nothing counted
+        pending = state.get("pending", {})
+        self.pending = {kind: dict(pending.get(kind, {})) for kind in self.pending}
+        self.ignored, self.quorum_reports = dict(state.get("ignored", {})), dict(state.get("quorum_reports", {}))
         self.similarity = [list(r) for r in state["similarity"]]
         self.transforms, self.growth_stopped, self.doc = (
             list(state["transforms"]),

@@ -23,10 +23,12 @@ from fedge.constants import (
     CHUNK_SIZE,
     HEARTBEAT_S,
     MAX_HEADER_BYTES,
+    MAX_TASK_RESENDS,
     RECONNECT_GRACE_S,
     RECONNECT_MAX_S,
     REPLY_SLACK_BYTES,
     ROUND_DEADLINE_S,
+    TASK_RESEND_INTERVAL_S,
 )
 from fedge.envelope import Envelope, WireError
 from fedge.errors import UserError
@@ -59,6 +61,9 @@ class _Open:
     envelope: Envelope
     payload: bytes
     limit: int  # the largest reply accepted (from what the strategy expects for this task)
+    sent_at: float = 0.0  # monotonic time it was last sent
+    connects: int = 0  # the client's connection count (see Fleet.connects) when it was last sent
+    resends: int = 0  # sends beyond the first that a registration asked for
 
 
 class Fleet:
@@ -88,6 +93,7 @@ class Fleet:
         self.replaced: dict[str, dict[str, bool]] = {}  # client -> sessions a newer one replaced (oldest first)
         # -> whether it came back since (counted)
         self.takeovers: Counter[str] = Counter()  # client -> replaced sessions that came back (two connections)
+        self.connects: Counter[str] = Counter()  # client -> "online" statuses of its current sessions (connections)
         self.open: dict[str, _Open] = {}
         self.results: dict[str, Result] = {}
         self.round = -1
@@ -109,12 +115,11 @@ class Fleet:
             sender=topics.SERVER_ID,
         )
         with self.cond:
-            pending = list(self.open.values())
+            pending = [o for o in self.open.values() if o.client not in self.results]
+            for o in pending:
+                o.sent_at = time.monotonic()
         for o in pending:  # a broker without persistence forgot what was in flight
-            if o.client not in self.results:
-                self.link.send(
-                    topics.client_topic(self.run, topics.DOWNLINK, o.client), o.envelope, o.payload, self.chunk_size
-                )
+            self._send_task(o)
 
     def start(self, timeout: float) -> None:
         """Connect to the broker (MqttError if it refuses us or cannot be reached within `timeout`)."""
@@ -170,8 +175,10 @@ class Fleet:
             payload = encode_task(task)
             env = Envelope.new(self.run, task.round, "task", topics.SERVER_ID, payload, chunk_size=self.chunk_size)
             with self.cond:  # open before sending: a fast client may answer before publish returns
-                self.open[env.msg_id] = _Open(cid, task, env, payload, limits.get(cid, self.limits[cid]))
-            self.link.send(topics.client_topic(self.run, topics.DOWNLINK, cid), env, payload, self.chunk_size)
+                o = _Open(cid, task, env, payload, limits.get(cid, self.limits[cid]))
+                o.sent_at, o.connects = time.monotonic(), self.connects[cid]
+                self.open[env.msg_id] = o
+            self._send_task(o)
         deadline = time.monotonic() + self.deadline_s
         reported: set[str] = set()
         with self.cond:
@@ -199,7 +206,8 @@ class Fleet:
         return results
 
     def report(self) -> dict[str, Any]:
-        """Summary fields: the broker and run, missed deadlines, takeovers per client, every rejected message by
+        """Summary fields: the broker and run, missed deadlines, instructions re-sent to re-registering clients
+        (`resent_tasks`) and re-sends refused (`suppressed_resends`), takeovers per client, every rejected message by
         reason, the partial messages evicted from the reassembly budget by sender, and, when the broker runs in
         this process, what it refused (`broker_report`)."""
         broker = {} if self.broker_report is None else {"broker": self.broker_report()}
@@ -299,11 +307,34 @@ class Fleet:
             self.clients[cid], self.limits[cid] = info, reply_limit(info)
             self.offline.discard(cid)
             self.offline_since.pop(cid, None)
-            resend = [o for o in self.open.values() if o.client == cid and cid not in self.results]
+            resend = self._resends(cid)
             self.cond.notify_all()
         self._ack(cid, d.envelope, None)
         for o in resend:  # a restarted client lost the instruction it was working on
-            self.link.send(topics.client_topic(self.run, topics.DOWNLINK, cid), o.envelope, o.payload, self.chunk_size)
+            self._send_task(o)
+
+    def _resends(self, cid: str) -> list[_Open]:
+        """The open instructions a registration of `cid` gets again (call with `cond` held). A restarted or
+        reconnected client lost what it was working on; a registration repeated on the same connection did not,
+        so it gets nothing until TASK_RESEND_INTERVAL_S passed since the last send. The first repeat is always
+        honoured (its "online" status may arrive after it), and no instruction is re-sent more than
+        MAX_TASK_RESENDS times: a client re-registering in a loop costs the server and the broker at most that
+        many copies of its task, the rest are counted as `suppressed_resends`."""
+        now, due = time.monotonic(), []
+        for o in self.open.values():
+            if o.client != cid or cid in self.results:
+                continue
+            wanted = o.resends == 0 or o.connects != self.connects[cid] or now - o.sent_at >= TASK_RESEND_INTERVAL_S
+            if wanted and o.resends < MAX_TASK_RESENDS:
+                o.sent_at, o.connects, o.resends = now, self.connects[cid], o.resends + 1
+                self.counts["resent_tasks"] += 1
+                due.append(o)
+            else:
+                self.counts["suppressed_resends"] += 1
+        return due
+
+    def _send_task(self, o: _Open) -> None:
+        self.link.send(topics.client_topic(self.run, topics.DOWNLINK, o.client), o.envelope, o.payload, self.chunk_size)
 
     def _result(self, d: Delivery) -> None:
         result = decode_result(d.payload)
@@ -344,6 +375,8 @@ class Fleet:
             else:
                 self.offline.discard(cid)
                 self.offline_since.pop(cid, None)
+                if state == "online":  # a (re)connection: what was sent before may be lost (see _resends)
+                    self.connects[cid] += 1
             self.cond.notify_all()
 
     def _stop_session(self, cid: str, session: str) -> None:

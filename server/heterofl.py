@@ -41,9 +41,10 @@ from fedge.messages import ClientInfo, Result, Task, Weights, client_order
 from fedge.payloads import Expected
 from fedge.seeding import derive_seed
 from fedge.spec import ModelSpec, build, tensor_shapes
+from server.aggregation import capped_shares, combine
 from server.capacity import CapacityError, client_capacities, compatible
-from server.fedavg import capped_shares, checkpoint_global
-from server.slices import crop, sliced_average
+from server.fedavg import checkpoint_global
+from server.slices import crop
 from server.strategy import Strategy, StrategyError, StrategyOptions, option, register_strategy, torch_profiles
 from server.widths import scale_width, with_scalers
 
@@ -101,6 +102,7 @@ class HeteroFL(Strategy):
     """A global model of which each client trains the width slice its capacity allows."""
 
     personalized = False  # every client is evaluated on its slice of the one global model
+    update_of = {"model": "model"}  # the trained model updates the one sent
 
     def setup(self, clients: Mapping[str, ClientInfo]) -> None:
         super().setup(clients)
@@ -180,7 +182,8 @@ class HeteroFL(Strategy):
         )
 
     def aggregate(self, rnd: int, results: Mapping[str, Result]) -> None:
-        """Eq. (2): each global element becomes the example-weighted average of the replies holding it."""
+        """Eq. (2): each global element becomes the example-weighted average of the replies holding it (or the
+        run's robust aggregate over them, server/aggregation.py)."""
         replies = sorted((r for r in results.values() if "model" in r.models), key=lambda r: client_order(r.client_id))
         if not replies:
             return
@@ -188,7 +191,7 @@ class HeteroFL(Strategy):
         self.shares = {r.client_id: share for r, share in zip(replies, shares)}
         parts = [(r.models["model"].state, share) for r, share in zip(replies, shares)]
         spec = self.global_model.spec
-        self.global_model = Weights(spec, sliced_average(self.global_model.state, parts))
+        self.global_model = Weights(spec, combine(self.global_model.state, parts, self.config.aggregation))
 
     def evaluation(self, rnd: int, clients: Sequence[str]) -> dict[str, Task]:
         """Each client evaluates its own submodel of the global model."""

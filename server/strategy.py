@@ -20,6 +20,7 @@ from fedge.payloads import Expected
 from fedge.registry import Registry
 from fedge.spec import ModelSpec
 from fedge.tasks import TrainTask
+from server.aggregation import Aggregation
 
 
 class StrategyError(UserError, ValueError):
@@ -28,7 +29,8 @@ class StrategyError(UserError, ValueError):
 
 @dataclass(frozen=True)
 class StrategyConfig:
-    """What every strategy gets from the run's run-level keys: local training, the seed, the server's device."""
+    """What every strategy gets from the run's run-level keys: local training, the seed, the server's device, and
+    how a strategy that averages uploads aggregates them (server/aggregation.py)."""
 
     local_epochs: int
     batch_size: int
@@ -37,6 +39,7 @@ class StrategyConfig:
     device: str = "cpu"
     sgd_lr: float = C.SGD_LR
     sgd_momentum: float = C.SGD_MOMENTUM
+    aggregation: Aggregation = Aggregation()
 
 
 def option(default: Any, help: str) -> Any:
@@ -89,6 +92,11 @@ class Strategy:
     # A personalized strategy's final accuracy covers only clients that trained at least once
     # (a never-selected client has no personalized model); a global-model strategy covers all.
     personalized = True
+    # Reply model roles that are the client's update of a model its task sent (reply role -> task role; FedAvg:
+    # {"local": "global"}), and whether named tensors the task also sent are updated ones (FedMN's blocks): the
+    # coordinator bounds and clips their difference from what was sent against the round (server/bounds.py).
+    update_of: Mapping[str, str] = {}
+    tensor_updates = False
 
     def __init__(
         self, config: StrategyConfig, public: PublicData | None = None, options: StrategyOptions | None = None
@@ -139,6 +147,13 @@ class Strategy:
         values): (reason code, message) to refuse it before `aggregate` sees it, counted in summary.json like
         the coordinator's refusals; None (the default) to accept it."""
         return None
+
+    def round_rejections(self, tasks: Mapping[str, Task], results: Mapping[str, Result]) -> dict[str, tuple[str, str]]:
+        """The strategy's check of a round's replies together (a bound relative to the round, such as a median over
+        its replies), given those that passed every check of one reply, `reply_rejection` included, and the tasks
+        they answer (training or evaluation): client → (reason code, message) for each reply to refuse before
+        `aggregate` sees it, counted in summary.json like the others; {} (the default) to accept them all."""
+        return {}
 
     def trained_spec(self, task: Task, client: ClientInfo) -> ModelSpec:
         """The architecture `client` trains for `task` (one this strategy planned), which the simulated clock

@@ -259,6 +259,43 @@ def test_over_mosquitto_a_client_with_a_non_psd_covariance_is_refused(tmp_path, 
     assert_refused_and_others_trained(server.summary, tmp_path / "run", "statistics_not_psd", train_labels(cfg), 2)
 
 
+def measured_attack(t, n):
+    """Issue 28's attack, within MAX_FEATURE_MAGNITUDE: every held class's mean at 9e5, its covariance 9e11·I."""
+    held = t[COUNTS] > 0
+    means, covs = t[MEANS].clone(), t[COVARIANCES].clone()
+    means[held] = 9e5
+    covs[held] = 9e11 * torch.eye(covs.shape[1])
+    return t | {MEANS: means, COVARIANCES: covs}
+
+
+def three_times(t, n):
+    """Statistics of features 3x the client's own: within the round's bounds."""
+    return t | {MEANS: 3 * t[MEANS], COVARIANCES: 9 * t[COVARIANCES]}
+
+
+def test_one_liar_of_four_is_refused_against_the_round_or_moves_no_honest_accuracy(tmp_path, monkeypatch):
+    """4 clients (cnn1), 3 rounds, the same seed: the honest run refuses nothing; the measured attack (which took
+    the honest clients from 0.97 to 0.17 before the round's bounds) is refused as `statistics_scale` every round
+    and the honest clients score as in the honest run; a lie within the bounds moves them by 2 points at most."""
+
+    def run(name):
+        cfg = fleet(tmp_path / name, zoo="cnn1", clients=4, rounds=3, local_epochs=2, max_samples_per_client=200)
+        return run_inproc(cfg)
+
+    honest = run("honest")
+    assert honest["rejected_replies"] == {}
+    lying(monkeypatch, "1", measured_attack)
+    attacked = run("attacked")
+    assert attacked["rejected_replies"] == {"statistics_scale": 3} and attacked["never_trained"] == ["1"]
+    want = {cid: acc for cid, acc in honest["final_accuracy"]["per_client"].items() if cid != "1"}
+    assert attacked["final_accuracy"]["per_client"] == want
+    monkeypatch.undo()
+    lying(monkeypatch, "1", three_times)
+    within = run("within")
+    got = within["final_accuracy"]["per_client"]
+    assert all(abs(got[cid] - acc) <= 0.02 for cid, acc in want.items()), (got, want)
+
+
 # ---------------------------------------------------------------------------------------------- setup
 
 

@@ -11,7 +11,14 @@ import re
 import pytest
 
 from fedge.access import BrokerError, TlsFiles, check_users, generate_users, permitted, read_users
-from fedge.constants import MAX_MESSAGE_BYTES, MAX_QUEUED_BYTES, MAX_QUEUED_MESSAGES
+from fedge.constants import (
+    IDLE_QUEUE_EXPIRES_S,
+    MAX_MESSAGE_BYTES,
+    MAX_PAYLOAD_BYTES,
+    MAX_QUEUED_BYTES,
+    MAX_QUEUED_MESSAGES,
+    PERSISTENT_SESSION_EXPIRES_H,
+)
 from fedge.mosquitto import mosquitto_acl, mosquitto_password_hash, write_mosquitto_config
 from fedge.mqtt import mqtt_client_id
 from fedge.rabbitmq import permissions as rabbitmq_permissions
@@ -188,7 +195,14 @@ def test_write_rabbitmq_config_writes_hashes_not_passwords(tmp_path):
     assert sorted(u["name"] for u in definitions["users"]) == ["0", "1", "server"]
     assert {json.dumps(u["limits"]) for u in definitions["users"]} == {json.dumps({"max-connections": 4})}
     (policy,) = definitions["policies"]
-    assert policy["pattern"] == "^mqtt-subscription-" and policy["definition"]["overflow"] == "drop-head"
+    assert policy["pattern"] == "^mqtt-subscription-" and policy["apply-to"] == "queues"
+    assert policy["definition"] == {  # the per-client bound Mosquitto and the embedded broker keep too
+        "max-length": MAX_QUEUED_MESSAGES,
+        "max-length-bytes": MAX_QUEUED_BYTES,
+        "overflow": "drop-head",
+        "expires": IDLE_QUEUE_EXPIRES_S * 1000,
+    }
+    assert json.dumps(policy["definition"]) in files["users.sh"].read_text()  # a running cluster gets the same
     with pytest.raises(BrokerError, match="out of range"):
         write_rabbitmq_config(tmp_path / "c", users, tmp_path / "users", port=0, run_as=ME)
 
@@ -248,11 +262,13 @@ def test_write_mosquitto_config_writes_three_private_files(tmp_path):
         f"max_packet_size {MAX_MESSAGE_BYTES}",
         f"max_queued_messages {MAX_QUEUED_MESSAGES}",
         f"max_queued_bytes {MAX_QUEUED_BYTES}",
+        f"persistent_client_expiration {PERSISTENT_SESSION_EXPIRES_H}h",
         "max_keepalive 60",
         "persistence false",
     ):
         assert expected in lines
     assert MAX_MESSAGE_BYTES == 4 * 1024 * 1024 + 64 * 1024
+    assert MAX_QUEUED_BYTES == 2 * MAX_PAYLOAD_BYTES  # a whole largest task and one re-send
     assert f"user {ME}" in lines and "retain_available false" in lines
     assert not any(line.startswith("certfile") for line in lines)
 

@@ -8,7 +8,8 @@ from fedge.messages import ClientInfo, Result, Task, Weights
 from fedge.payloads import Expected
 from fedge.spec import build
 from fedge.zoo import create
-from server.coordinator import norm_outliers, rejection
+from server.bounds import norm_outliers, upload_norm
+from server.coordinator import rejection
 
 pytestmark = pytest.mark.timeout(60)
 SPEC = create("cnn1", (1, 8, 8), 10).with_origin("0")
@@ -75,14 +76,15 @@ def test_bad_replies_are_rejected_with_a_reason(kw, task, code):
 
 
 def upload(cid, scale):
-    return Result(cid, 3, "train", 20, {}, {"local": Weights(SPEC, {"w": torch.full((4,), scale)})})  # norm 2·scale
+    return Result(cid, 3, "train", 20, {}, {"local": Weights(SPEC, {k: v * scale for k, v in STATE.items()})})
 
 
 def test_norm_outliers_against_the_median_of_the_round():
     three = {"0": upload("0", 1.0), "1": upload("1", 2.0), "2": upload("2", 3.0)}
     assert norm_outliers(three) == {}
-    # norms 2, 4, 6, 1000: median 5, limit 100 x 5 = 500
+    # norms 1, 2, 3, 500 x n: median 2.5 n, limit 100 x 2.5 n = 250 n
     flagged = norm_outliers(three | {"3": upload("3", 500.0)})
-    assert list(flagged) == ["3"] and "norm 1000" in flagged["3"]
+    norm = upload_norm(upload("3", 500.0).models["local"])
+    assert list(flagged) == ["3"] and f"norm {norm:.4g}" in flagged["3"]
     assert norm_outliers({"0": upload("0", 1.0), "3": upload("3", 1e6)}) == {}  # too few uploads for a median
     assert norm_outliers(three | {"4": reply(models={})}) == {}  # a reply without a model is not counted

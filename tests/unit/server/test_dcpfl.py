@@ -93,7 +93,7 @@ def test_the_first_round_sends_the_head_and_no_global_means_a_later_round_the_me
     assert set(t1.tensors) == {GLOBAL_MEANS, KNOWN_CLASSES}
     assert t1.tensors[KNOWN_CLASSES].tolist() == [c in (0, 1, 2, 5) for c in range(C)]
     assert t1.tensors[GLOBAL_MEANS].shape == (C, D) and t1.tensors[GLOBAL_MEANS].dtype == torch.float32
-    pooled = pool([as_stats(replies["0"]), as_stats(replies["2"])], C)
+    pooled = pool([as_stats(replies["0"]), as_stats(replies["2"])], C, s.options.max_client_share)
     assert torch.equal(t1.tensors[GLOBAL_MEANS], pooled.means.float())
     assert not same(t1.models["head"].state, t.models["head"].state)  # the head trained
     without_al = strategy(aux_lambda=0)
@@ -106,10 +106,10 @@ def test_a_class_absent_in_a_round_keeps_its_previous_statistics():
     s = strategy()
     first = {"0": upload("0", [0, 1], rnd=0), "1": upload("1", [1, 3], rnd=0)}
     s.aggregate(0, first)
-    before = pool([as_stats(r) for r in first.values()], C)
+    before = pool([as_stats(r) for r in first.values()], C, s.options.max_client_share)
     second = {"1": upload("1", [3, 4], rnd=1), "2": upload("2", [4], rnd=1)}
     s.aggregate(1, second)
-    now = pool([as_stats(r) for r in second.values()], C)
+    now = pool([as_stats(r) for r in second.values()], C, s.options.max_client_share)
     # 0, 1 absent in round 1: as round 0 left them; 3 (in both rounds) and 4: round 1's pool (Eq. 10 is over S_t)
     for c, want in ((0, before), (1, before), (3, now), (4, now)):
         assert s.stats.counts[c] == want.counts[c] > 0

@@ -1,5 +1,6 @@
 """DC-PFL's server equations: pooling (Eqs. 10-11) against the statistics of all features together, Gaussian
-virtual features, virtual counts, the SGD steps of Eqs. 8 and 12, and the checks of a statistics upload."""
+virtual features, virtual counts, the SGD steps of Eqs. 8 and 12, the checks of a statistics upload alone and
+against its round, and capped shares in pooling."""
 
 import copy
 
@@ -19,6 +20,7 @@ from server.dcpfl_math import (
     ce_step,
     gaussian_samples,
     pool,
+    scale_rejections,
     statistics_rejection,
     virtual_counts,
     virtual_features,
@@ -270,3 +272,68 @@ def test_a_huge_mean_or_covariance_entry_is_refused():
     means[5, 0] = 10 * K.MAX_FEATURE_MAGNITUDE  # class 5 has no samples: its rows are not used, not checked
     means[2, 7] = 0
     assert code(replaced(s, means=means)) is None
+
+
+# ---------------------------------------------------------------------------------------------- against the round
+
+
+def stats(classes):
+    """2-d statistics of 3 classes: {class: (count, mean, covariance diagonal)}."""
+    counts, means, covs = torch.zeros(3, dtype=torch.int64), torch.zeros(3, 2), torch.zeros(3, 2, 2)
+    for c, (n, mean, diag) in classes.items():
+        counts[c], means[c], covs[c] = n, torch.tensor(mean), torch.diag(torch.tensor(diag))
+    return ClassStats(counts, means, covs)
+
+
+# Class 0 on three honest replies: mean norms 5, 10, 7; spreads √tr Σ 2, 4, 3.
+HONEST = {
+    "a": stats({0: (2, (3.0, 4.0), (1.0, 3.0))}),
+    "b": stats({0: (2, (6.0, 8.0), (4.0, 12.0))}),
+    "c": stats({0: (3, (0.0, 7.0), (9.0, 0.0))}),
+}
+
+
+def test_a_class_held_by_three_or_more_is_bounded_by_ten_times_their_median():
+    """Class 0 held by 4 (with the liar d): median norm (7 + 10) / 2 = 8.5, bound 85; median spread (3 + 4) / 2
+    = 3.5, bound 35. Only the bound decides: the honest replies pass however small d's values."""
+    assert scale_rejections(HONEST) == {}
+    assert scale_rejections(HONEST | {"d": stats({0: (2, (0.0, 84.9), (1.0, 1.0))})}) == {}
+    refused = scale_rejections(HONEST | {"d": stats({0: (2, (0.0, 85.1), (1.0, 1.0))})})
+    assert set(refused) == {"d"} and refused["d"][0] == "statistics_scale"
+    assert "85.1, over 10 x 8.5, the median of the 4 replies holding it" in refused["d"][1]
+    assert scale_rejections(HONEST | {"d": stats({0: (2, (0.0, 1.0), (34.9**2, 0.0))})}) == {}
+    refused = scale_rejections(HONEST | {"d": stats({0: (2, (0.0, 1.0), (35.1**2, 0.0))})})
+    assert "spread" in refused["d"][1] and "over 10 x 3.5" in refused["d"][1]
+    assert scale_rejections(HONEST | {"d": stats({0: (2, (0.0, 1e-6), (0.0, 0.0))})}) == {}
+
+
+def test_a_class_fewer_hold_is_bounded_by_the_rounds_scale_else_the_servers_statistics():
+    """d alone holds class 2: the round's scale is the median of the replies' own medians 5, 10, 7, and d's norm
+    (8.5 with d's 86 among them: bound 85). With two replies, class 2 is bounded by the server's global statistics
+    (norm 5: bound 50), and by nothing without them."""
+    refused = scale_rejections(HONEST | {"d": stats({2: (1, (0.0, 86.0), (0.0, 0.0))})})
+    assert "86, over 10 x 8.5, the round's scale over 4 replies" in refused["d"][1]
+    assert scale_rejections(HONEST | {"d": stats({2: (1, (0.0, 84.0), (0.0, 0.0))})}) == {}
+    known = stats({2: (5, (3.0, 4.0), (1.0, 3.0))})
+    pair = {"a": HONEST["a"], "d": stats({2: (1, (0.0, 51.0), (0.0, 0.0))})}
+    assert "51, over 10 x 5, the server's global statistics" in scale_rejections(pair, known)["d"][1]
+    assert scale_rejections(pair | {"d": stats({2: (1, (0.0, 49.0), (0.0, 0.0))})}, known) == {}
+    assert scale_rejections(pair) == {}
+    with pytest.raises(ValueError):
+        scale_rejections(HONEST, factor=0)
+
+
+def test_pooling_caps_each_clients_share_of_a_class():
+    """1-d, class 0: A has 3 samples (mean 0, variance 1), B one (mean 4). Counts: µ = 1. Shares capped at 0.5:
+    both weigh 2 of N = 4, µ = (2·0 + 2·4) / 4 = 2, Σ = [(2−1)·1 + 2·(0−2)² + 0 + 2·(4−2)²] / 3 = 17/3."""
+    a = ClassStats(torch.tensor([3]), torch.tensor([[0.0]]), torch.tensor([[[1.0]]]))
+    b = ClassStats(torch.tensor([1]), torch.tensor([[4.0]]), torch.tensor([[[0.0]]]))
+    assert float(pool([a, b], 1).means[0, 0]) == pytest.approx(1.0)
+    capped = pool([a, b], 1, max_share=0.5)
+    assert int(capped.counts[0]) == 4 and float(capped.means[0, 0]) == pytest.approx(2.0)
+    assert float(capped.covariances[0, 0, 0]) == pytest.approx(17 / 3)
+    # a cap that binds no one changes nothing
+    same = pool([a, b], 1, max_share=0.8)
+    assert torch.equal(same.means, pool([a, b], 1).means) and torch.equal(same.covariances, pool([a, b], 1).covariances)
+    with pytest.raises(ValueError):
+        pool([a, b], 1, max_share=0)

@@ -5,7 +5,8 @@ import torch
 
 from fedge.messages import ClientInfo, Result, Weights
 from fedge.zoo import create
-from server.fedavg import FedAvg, FedAvgOptions, capped_shares, weighted_average
+from server.aggregation import capped_shares, weighted_average
+from server.fedavg import FedAvg, FedAvgOptions
 from server.strategy import StrategyConfig, StrategyError
 
 pytestmark = pytest.mark.timeout(60)

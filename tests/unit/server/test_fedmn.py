@@ -14,7 +14,7 @@ from fedge.modular import NEXT_ROUTE, ROUTE, ROUTING, block_of, downloaded, layo
 from fedge.payloads import payload_rejection
 from fedge.spec import build
 from fedge.zoo import create
-from server.fedavg import weighted_average
+from server.aggregation import weighted_average
 from server.strategy import StrategyConfig, StrategyError, create_strategy
 
 pytestmark = pytest.mark.timeout(60)

@@ -22,7 +22,9 @@ from server.fedtrans import FedTrans, weight_cells
 from server.strategy import StrategyConfig, StrategyError, create_strategy
 
 CONFIG = StrategyConfig(local_epochs=1, batch_size=8, lr=1e-3, seed=0)
-FAST = {"gamma": 2, "delta": 1, "beta": 100.0}  # grows as soon as the newest model has 3 rounds of losses
+# Grows as soon as the newest model has 3 rounds of losses, from any number of reporters: these tests are of growth's
+# mechanics on fleets of 2; the quorum that guards growth against a liar has tests of its own below.
+FAST = {"gamma": 2, "delta": 1, "beta": 100.0, "growth_quorum": 1}
 TORCH_PROFILES = ["rpi-zero-2w", "rpi-4", "rpi-5", "jetson-orin-nano"]
 
 
@@ -308,3 +310,62 @@ def test_without_soft_aggregation_each_model_averages_only_its_own_clients():
     s.aggregate(3, res)
     got = s.models[1].state
     assert all(torch.allclose(got[k].double(), res["1"].models["model"].state[k].double()) for k in before)
+
+
+# ---------------------------------------------------------------------------------------------- growth quorum
+
+LIAR_LOSSES = {"rising": lambda rnd: 1.0 + rnd, "falling": lambda rnd: 10.0 - rnd}
+
+
+def two_reporter_growth(lie, quorum, beta, rounds=7):
+    """Four clients, two training each round ({0, 1}, then {1, 2}, ...), honest losses 2 - 0.02·round (+0.002 per
+    client id) and cell blocks.1.0 the active one; liar 1 reports `lie`'s losses and calls blocks.0.0 the active
+    cell. The strategy and its transformations."""
+    s = make(["rpi-4"] * 4, growth_quorum=quorum, beta=beta)
+    for rnd in range(rounds):
+        tasks = s.plan(rnd, ["0", "1"] if rnd % 2 == 0 else ["1", "2"])
+        res = replies(tasks, rnd, hot="blocks.1.0.weight")
+        for cid in res:
+            res[cid] = dataclasses.replace(res[cid], metrics={"train_loss": 2.0 - 0.02 * rnd + 0.002 * int(cid)})
+        if lie is not None:
+            act = {n: (1.0 if n == "blocks.0.0.weight" else 0.0) for n in res["1"].records["activeness"]}
+            res["1"] = dataclasses.replace(res["1"], metrics={"train_loss": lie(rnd)}, records={"activeness": act})
+        s.aggregate(rnd, res)
+    return s, [(t["round"], t["model"], t["ops"]) for t in s.transforms]
+
+
+def test_with_two_reporters_a_round_one_liar_can_neither_force_nor_stall_nor_steer_growth():
+    """A point of DoC needs 3 distinct clients, pooled over two rounds (points at rounds 1, 3, 5; honest DoC
+    about 0.04, a liar moves the median only between the two honest reports of a point, 0.016 apart): β = 0.005,
+    no growth, and a liar's rising losses force none; β = 0.1, growth at round 5 on the honest hot cell, and a
+    liar's falling losses stall nothing. With a quorum of 1 (the median of each round's two reports) the same
+    liar forces growth at round 2 or stalls it."""
+    for beta, lie in ((0.005, "rising"), (0.1, "falling")):
+        honest, grown = two_reporter_growth(None, 3, beta)
+        assert grown == ([] if beta < 0.01 else [(5, "cnn1-t1", [{"cell": "blocks.1.0", "op": "widen"}])])
+        for name in ("rising", "falling"):
+            assert two_reporter_growth(LIAR_LOSSES[name], 3, beta)[1] == grown, (beta, name)
+        if not grown:  # 2 reports a round, 14 in all; client 1's earlier one is superseded at each of 3 points
+            assert honest.summary()["quorum_reports"] == {
+                f"{kind}_{what}": n
+                for kind in ("train_loss", "activeness")
+                for what, n in (("pooled", 14), ("set_aside", 3))
+            }
+        _, paper = two_reporter_growth(None, 1, beta)
+        _, lied = two_reporter_growth(LIAR_LOSSES[lie], 1, beta)
+        assert [r for r, *_ in paper][:1] == ([] if beta < 0.01 else [2])
+        assert [r for r, *_ in lied][:1] == ([2] if beta < 0.01 else [])
+
+
+def test_a_newest_model_that_fewer_clients_than_the_quorum_train_never_grows():
+    """Two clients in all: their reports wait in the pool forever, counted, and the chain stays at M0."""
+    s = make(["rpi-4", "rpi-4"], growth_quorum=3)
+    run_rounds(s, 6)
+    assert len(s.models) == 1 and s.losses == [] and s.doc is None
+    assert s.summary()["quorum_reports"] == {
+        "train_loss_pooled": 12,
+        "train_loss_set_aside": 10,
+        "activeness_pooled": 12,
+        "activeness_set_aside": 10,
+    }
+    assert set(s.pending["train_loss"]) == {"0", "1"}

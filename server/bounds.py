@@ -1,0 +1,237 @@
+"""What an accepted upload may be, relative to its reference and to the round: parameter norms, sane BatchNorm
+statistics, and updates (upload minus what the server sent) clipped to a multiple of the round's median, with
+outliers refused (issue 28). Pure functions plus the history the clipping needs; the coordinator applies them."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import statistics
+from collections import Counter
+from typing import Iterable, Mapping
+
+import torch
+
+from fedge import constants as C
+from fedge.messages import Result, Task, Weights
+from fedge.spec import ModelSpec, build, parameter_names
+from fedge.weights import State
+
+RUNNING_MEAN, RUNNING_VAR = "running_mean", "running_var"  # BatchNorm's running statistics (torch's buffer names)
+TENSORS = "tensors"  # the update group of a reply's named tensors (a model role's group is the role)
+
+
+def tensors_norm(tensors: Iterable[torch.Tensor]) -> float:
+    """The L2 norm over every floating-point tensor of `tensors` together (others are skipped)."""
+    return math.sqrt(sum(float(t.double().square().sum()) for t in tensors if t.is_floating_point()))
+
+
+def upload_norm(weights: Weights) -> float:
+    """The L2 norm over the learned parameters of one uploaded model (buffers such as BatchNorm's running
+    statistics are not what training optimises: buffer_rejection checks them)."""
+    names = parameter_names(weights.spec)
+    return tensors_norm(t for n, t in weights.state.items() if n in names)
+
+
+@functools.lru_cache(maxsize=64)
+def fresh_norm(spec_json: str) -> float:
+    """The parameter norm of a freshly initialised model of this architecture (fixed seed; the global RNG is left
+    as is)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        spec = ModelSpec.from_json(spec_json)
+        return upload_norm(Weights(spec, build(spec).state_dict()))
+
+
+def reference_norm(weights: Weights, task: Task, previous: float | None) -> tuple[float, str]:
+    """What an upload's parameter norm is bounded by, and its name: the model of the same architecture the server
+    sent in the task (FedAvg's global model), else the client's previous accepted upload of that role, else a fresh
+    initialisation of the architecture. Each is the server's own state or was checked before."""
+    arch = weights.spec.with_origin(None)
+    sent = [m for m in task.models.values() if m.spec.with_origin(None) == arch]
+    if sent:
+        return upload_norm(sent[0]), "the model it was sent"
+    if previous is not None:
+        return previous, "its previous accepted upload"
+    return fresh_norm(arch.to_json()), "a fresh initialisation of its architecture"
+
+
+def norm_outliers(results: Mapping[str, Result]) -> dict[str, str]:
+    """Client → message for each reply with an uploaded model whose parameter norm exceeds NORM_OUTLIER_FACTOR
+    times the median norm of that model role this round; a role is checked only with at least NORM_MIN_UPLOADS
+    uploads."""
+    out: dict[str, str] = {}
+    for role in sorted({role for res in results.values() for role in res.models}):
+        norms = {cid: upload_norm(res.models[role]) for cid, res in results.items() if role in res.models}
+        if len(norms) < C.NORM_MIN_UPLOADS:
+            continue
+        median = statistics.median(norms.values())
+        for cid, norm in norms.items():
+            if norm > C.NORM_OUTLIER_FACTOR * median:
+                out.setdefault(
+                    cid,
+                    f"model {role!r} has norm {norm:.4g}, over {C.NORM_OUTLIER_FACTOR:g} x "
+                    f"the round's median {median:.4g}",
+                )
+    return out
+
+
+def buffer_rejection(tensors: Mapping[str, torch.Tensor], where: str) -> str | None:
+    """Why BatchNorm running statistics among `tensors` (by name suffix) are impossible, else None: a running
+    variance below 0 or beyond MAX_FEATURE_MAGNITUDE², a running mean beyond MAX_FEATURE_MAGNITUDE (the data are
+    normalised to unit scale; features of a trained network are O(1-100)). `where` names the
+    model in the message."""
+    bound = C.MAX_FEATURE_MAGNITUDE
+    for name, t in tensors.items():
+        kind = name.rpartition(".")[2]
+        if kind == RUNNING_VAR and t.numel() and not (float(t.min()) >= 0 and float(t.max()) <= bound**2):
+            return f"{where} {name} is outside [0, {bound**2:g}] (a BatchNorm running variance)"
+        if kind == RUNNING_MEAN and t.numel() and float(t.abs().max()) > bound:
+            return f"{where} {name} is beyond ±{bound:g} (a BatchNorm running mean)"
+    return None
+
+
+def reply_buffer_rejection(res: Result) -> str | None:
+    """buffer_rejection of every uploaded model and of the reply's named tensors."""
+    for role, weights in res.models.items():
+        why = buffer_rejection(weights.state, f"model {role!r}:")
+        if why:
+            return why
+    return buffer_rejection(res.tensors, "tensor")
+
+
+def update_pairs(
+    task: Task, res: Result, update_of: Mapping[str, str], tensor_updates: bool
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Key → (uploaded, sent) for every floating tensor of the reply that updates one the task sent: tensors of a
+    model role that `update_of` maps to a task model role ("<role>/<name>"), and, with `tensor_updates`, named
+    tensors the task also sent ("<name>"). Same shape only (the declaration checked that already)."""
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for role, sent_role in update_of.items():
+        if role in res.models and sent_role in task.models:
+            sent = task.models[sent_role].state
+            for name, t in res.models[role].state.items():
+                if t.is_floating_point() and name in sent and sent[name].shape == t.shape:
+                    out[f"{role}/{name}"] = (t, sent[name])
+    if tensor_updates:
+        for name, t in res.tensors.items():
+            if t.is_floating_point() and name in task.tensors and task.tensors[name].shape == t.shape:
+                out[name] = (t, task.tensors[name])
+    return out
+
+
+def rms(t: torch.Tensor) -> float:
+    """Root mean square of a tensor's entries (comparable across tensors of different sizes, HeteroFL's slices)."""
+    return math.sqrt(float(t.double().square().mean())) if t.numel() else 0.0
+
+
+class UpdateBounds:
+    """Bounds every update relative to the round (clip_factor x the median of that tensor's updates; fewer than
+    NORM_MIN_UPLOADS in the round: of its last CLIP_HISTORY accepted ones) and refuses a reply whose whole
+    parameter update is an outlier. Keeps the history and the counts of clipped tensors per client (checkpointed
+    by the coordinator)."""
+
+    def __init__(self, clip_factor: float) -> None:
+        self.clip_factor = clip_factor
+        self.history: dict[str, list[float]] = {}  # key -> the last CLIP_HISTORY accepted update RMS values
+        self.clipped: Counter[str] = Counter()  # client -> tensors clipped over the run
+
+    def scale(self, key: str, values: list[float]) -> float | None:
+        """The reference of `key` this round: the median of its values with enough of them, else of its history;
+        None when there is neither, or it is 0 (nothing moves: nothing to compare with)."""
+        pool = values if len(values) >= C.NORM_MIN_UPLOADS else self.history.get(key, [])
+        median = statistics.median(pool) if pool else 0.0
+        return median if median > 0 else None
+
+    def apply(
+        self,
+        pairs: Mapping[str, Mapping[str, tuple[torch.Tensor, torch.Tensor]]],
+        params: Mapping[str, Mapping[str, frozenset[str]]],
+    ) -> tuple[dict[str, str], dict[str, State]]:
+        """(client → why it is refused, client → its clipped tensors by key) for the round's update pairs
+        (update_pairs, per client; `params`: per client and group, its learned parameters' names). A client whose
+        whole parameter update of a group has an RMS over UPDATE_OUTLIER_FACTOR x the group's reference is refused;
+        every other client's tensors are clipped (clip). The accepted values join the history."""
+        groups = {cid: parameter_update_rms(pairs[cid], params[cid]) for cid in pairs}
+        refused: dict[str, str] = {}
+        for group in sorted({g for per in groups.values() for g in per}):
+            values = {cid: per[group] for cid, per in groups.items() if group in per}
+            ref = self.scale(f"#{group}", list(values.values()))
+            for cid, value in values.items():
+                if ref is not None and value > C.UPDATE_OUTLIER_FACTOR * ref:
+                    where = "round" if len(values) >= C.NORM_MIN_UPLOADS else "recent"
+                    refused.setdefault(
+                        cid,
+                        f"its update of {group} has RMS {value:.4g}, over {C.UPDATE_OUTLIER_FACTOR:g} x the "
+                        f"{where} median {ref:.4g}",
+                    )
+        kept = {cid: p for cid, p in pairs.items() if cid not in refused}
+        for group in sorted({g for cid in kept for g in groups[cid]}):
+            self.remember(f"#{group}", [groups[cid][group] for cid in kept if group in groups[cid]])
+        return refused, self.clip(kept)
+
+    def clip(self, pairs: Mapping[str, Mapping[str, tuple[torch.Tensor, torch.Tensor]]]) -> dict[str, State]:
+        """Client → its clipped tensors by key (only those clipped): each update u = uploaded - sent whose RMS
+        exceeds clip_factor x the key's reference is scaled to it, sent + u·bound/RMS(u) in the upload's dtype.
+        Records the accepted (clipped) values in the history."""
+        out: dict[str, State] = {}
+        values = {
+            cid: {k: rms(up.double() - sent.double()) for k, (up, sent) in per.items()} for cid, per in pairs.items()
+        }
+        for key in sorted({k for per in pairs.values() for k in per}):
+            holders = {cid: per[key] for cid, per in values.items() if key in per}
+            ref = self.scale(key, list(holders.values())) if self.clip_factor else None
+            for cid, value in holders.items():
+                if ref is not None and value > self.clip_factor * ref:
+                    up, sent = pairs[cid][key]
+                    bound = self.clip_factor * ref
+                    update = (up.double() - sent.double()) * (bound / value)
+                    out.setdefault(cid, {})[key] = (sent.double() + update).to(up.dtype)
+                    holders[cid] = bound
+                    self.clipped[cid] += 1
+            self.remember(key, list(holders.values()))
+        return out
+
+    def remember(self, key: str, values: list[float]) -> None:
+        self.history[key] = (self.history.get(key, []) + values)[-C.CLIP_HISTORY :]
+
+    def state(self) -> dict[str, object]:
+        return {"history": {k: list(v) for k, v in self.history.items()}, "clipped": dict(self.clipped)}
+
+    def load_state(self, state: Mapping[str, object] | None) -> None:
+        """Take a checkpoint's history and counts; an older checkpoint without them starts empty."""
+        state = state or {}
+        self.history = {k: [float(x) for x in v] for k, v in dict(state.get("history", {})).items()}  # type: ignore[arg-type]
+        self.clipped = Counter({k: int(v) for k, v in dict(state.get("clipped", {})).items()})  # type: ignore[arg-type]
+
+
+def parameter_update_rms(
+    pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]], params: Mapping[str, frozenset[str]]
+) -> dict[str, float]:
+    """Per group (a model role, or TENSORS for named tensors), the RMS of the whole update of its learned
+    parameters (`params`: per group, their names)."""
+    sums: dict[str, list[float]] = {}
+    for key, (up, sent) in pairs.items():
+        role, _, name = key.rpartition("/")
+        group = role or TENSORS
+        if name not in params.get(group, ()):
+            continue
+        d = up.double() - sent.double()
+        acc = sums.setdefault(group, [0.0, 0.0])
+        acc[0] += float(d.square().sum())
+        acc[1] += d.numel()
+    return {group: math.sqrt(s / n) for group, (s, n) in sums.items() if n}
+
+
+def with_tensors(res: Result, clipped: Mapping[str, torch.Tensor]) -> Result:
+    """`res` with the tensors of `clipped` (keys as update_pairs names them) replaced."""
+    models = dict(res.models)
+    tensors = dict(res.tensors)
+    for key, t in clipped.items():
+        role, _, name = key.rpartition("/")
+        if role:
+            models[role] = Weights(models[role].spec, {**models[role].state, name: t})
+        else:
+            tensors[name] = t
+    return dataclasses.replace(res, models=models, tensors=tensors)
