@@ -5,9 +5,10 @@ where one client lies within the bounds (same seed, same fleet), and the server'
     python bench/robust.py                                     # fedavg, fedmn, heterofl; every aggregator; 2 seeds
     python bench/robust.py --strategies fedavg --seeds 0 --rounds 3
 
-The liar (client 0 unless --liar) has its true registration and answers every task; what it uploads is FACTOR x
-what the task sent it (default -9.9: inside today's 10 x norm bound), and for FedMN every path of its next and most
-likely route on. Accuracy is the mean final accuracy of the other clients; "paired" is attacked - honest per seed.
+The liar (client 0 unless --liar) has its true registration and answers every task; what it uploads (--attack) is
+-9.9 x what the task sent it (inside the 10 x norm bound), or its honest update reversed and x 8 (inside the 10 x
+median update bound, so it is clipped rather than refused), and for FedMN every path of its next and most likely
+route on. Accuracy is the mean final accuracy of the other clients; "paired" is attacked - honest per seed.
 """
 
 from __future__ import annotations
@@ -39,41 +40,50 @@ FLEETS: dict[str, dict[str, Any]] = {  # strategy -> the run keys of its fleet
     "heterofl": {"zoo": "cnn2,cnn1"},
     "fedmn": {"zoo": "fedmn_2x2_cnn1"},
 }
-ATTACK_FACTOR = -9.9  # inside UPLOAD_NORM_FACTOR: each upload's norm is 9.9 x what it was sent
+Lie = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (sent, honestly trained) -> what the liar uploads
+# name -> (what one tensor becomes, the help line): inside today's checks, each in its own way
+ATTACKS: dict[str, tuple[Lie, str]] = {
+    "scaled": (lambda sent, mine: sent * -9.9, "-9.9 x what it was sent (inside the 10 x norm bound)"),
+    "flipped": (
+        lambda sent, mine: sent - 8 * (mine - sent),
+        "its honest update reversed and x 8 (inside the 10 x median update bound)",
+    ),
+}
 
 
-def scaled_upload(factor: float = ATTACK_FACTOR) -> Callable[[Handler], Handler]:
+def liar(attack: str) -> Callable[[Handler], Handler]:
     """An adversary for run_simulation: the client trains honestly (its metrics and example count stay true), then
-    uploads `factor` x what the task sent of every model (same architecture) and named tensor it returns; FedMN's
-    next and most likely routes turn every path on."""
+    uploads ATTACKS[attack] of every model (same architecture) and named tensor that its task sent; FedMN's next
+    and most likely routes turn every path on."""
+    lie = ATTACKS[attack][0]
 
     def wrap(honest: Handler) -> Handler:
-        def lie(task: Task) -> Result:
+        def lying(task: Task) -> Result:
             res = honest(task)
-            if res.error is not None or task.type == "evaluate" or task.type == "modular_evaluate":
+            if res.error is not None or task.type in ("evaluate", "modular_evaluate"):
                 return res
             sent = {m.spec.with_origin(None).to_json(): m for m in task.models.values()}
             models = {}
             for role, w in res.models.items():
                 ref = sent.get(w.spec.with_origin(None).to_json())
-                models[role] = w if ref is None else Weights(w.spec, scaled(ref.state, w.state, factor))
-            tensors = scaled(task.tensors, res.tensors, factor)
+                models[role] = w if ref is None else Weights(w.spec, lied(ref.state, w.state, lie))
+            tensors = lied(task.tensors, res.tensors, lie)
             for name in (NEXT_ROUTE, ROUTING):
                 if name in tensors:
                     tensors[name] = torch.ones_like(tensors[name])
             return dataclasses.replace(res, models=models, tensors=tensors)
 
-        return lie
+        return lying
 
     return wrap
 
 
-def scaled(sent: dict[str, torch.Tensor], mine: dict[str, torch.Tensor], factor: float) -> dict[str, torch.Tensor]:
-    """`mine` with every floating tensor that `sent` also holds (same shape) replaced by factor x the sent one."""
+def lied(sent: dict[str, torch.Tensor], mine: dict[str, torch.Tensor], lie: Lie) -> dict[str, torch.Tensor]:
+    """`mine` with every floating tensor that `sent` also holds (same shape) replaced by lie(sent, mine)."""
     out = dict(mine)
     for name, t in mine.items():
         if t.is_floating_point() and name in sent and sent[name].shape == t.shape:
-            out[name] = (sent[name].double() * factor).to(t.dtype)
+            out[name] = lie(sent[name].double(), t.double()).to(t.dtype)
     return out
 
 
@@ -97,11 +107,12 @@ def config(args: argparse.Namespace, strategy: str, aggregator: str, seed: int, 
     return config_from(values)
 
 
-def one_run(cfg: RunConfig, liar: str | None) -> dict[str, Any]:
-    """The honest clients' mean final accuracy and the server's seconds of one run (`liar` lies, if given)."""
+def one_run(cfg: RunConfig, liar_id: str, attack: str | None) -> dict[str, Any]:
+    """The mean final accuracy of the clients other than `liar_id` and the server's seconds of one run, where
+    `liar_id` runs `attack` (None: it is honest)."""
     start = time.perf_counter()
-    summary = run_simulation(cfg, progress=False, adversaries={liar: scaled_upload()} if liar else None)
-    honest = {cid: a for cid, a in summary["final_accuracy"]["per_client"].items() if cid != liar}
+    summary = run_simulation(cfg, progress=False, adversaries={liar_id: liar(attack)} if attack else None)
+    honest = {cid: a for cid, a in summary["final_accuracy"]["per_client"].items() if cid != liar_id}
     return {
         "accuracy": statistics.fmean(honest.values()) if honest else float("nan"),
         "server_s": sum(summary["server_seconds"]),
@@ -122,6 +133,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--local-epochs", type=int, default=2)
     p.add_argument("--samples", type=int, default=200, help="samples per client")
     p.add_argument("--liar", default="0")
+    p.add_argument(
+        "--attack",
+        default="scaled",
+        choices=list(ATTACKS),
+        help="; ".join(f"{k}: {h}" for k, (_, h) in ATTACKS.items()),
+    )
     return p.parse_args(argv)
 
 
@@ -131,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"bench/robust.py  {datetime.date.today()}  {hardware()}")
     print(
         f"{args.dataset}, {args.clients} clients all active, {args.rounds} rounds x {args.local_epochs} epochs, "
-        f"{args.samples} samples each; liar {args.liar} uploads {ATTACK_FACTOR} x what it was sent; seeds {args.seeds}"
+        f"{args.samples} samples each; liar {args.liar} uploads {ATTACKS[args.attack][1]}; seeds {args.seeds}"
     )
     header = f"{'strategy':<9} {'aggregator':<13} {'honest':>7} {'attacked':>8} {'paired diff':>12} "
     print(header + f"{'server s':>9} {'x mean':>7}  rejected, clipped: honest | attacked")
@@ -142,9 +159,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                 honest, attacked = [], []
                 for seed in args.seeds:
                     cfg = config(args, strategy, aggregator, seed, Path(tmp) / f"{strategy}-{aggregator}-{seed}")
-                    honest.append(one_run(cfg, None))
+                    honest.append(one_run(cfg, args.liar, None))
                     cfg = dataclasses.replace(cfg, out=cfg.out + "-attacked")
-                    attacked.append(one_run(cfg, args.liar))
+                    attacked.append(one_run(cfg, args.liar, args.attack))
                 diffs = [a["accuracy"] - h["accuracy"] for h, a in zip(honest, attacked)]
                 server_s = statistics.fmean(r["server_s"] for r in honest)
                 base_s = server_s if aggregator == "mean" or base_s is None else base_s

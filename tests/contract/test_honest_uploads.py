@@ -12,12 +12,13 @@ from fedge import constants as C
 from fedge.data import load_dataset
 from fedge.messages import ClientInfo, Result, Task, Weights
 from fedge.partition import stratified_sample
-from fedge.spec import SpecError
+from fedge.payloads import Expected
+from fedge.spec import SpecError, build
 from fedge.weights import load_module
 from fedge.zoo import MODELS, create
 from server.coordinator import Coordinator, LoopConfig
 from server.runlog import RunLog
-from server.strategy import StrategyConfig, create_strategy
+from server.strategy import Strategy, StrategyConfig, create_strategy
 
 pytestmark = pytest.mark.timeout(300)
 SHARD = 96  # samples of two classes: 6 Adam steps an epoch at the default batch size
@@ -63,3 +64,32 @@ def test_an_honestly_trained_upload_of_every_zoo_model_is_accepted(name, widths,
     for sent in (task, Task("train", 0, task.config)):  # the global model it trained from; nothing of its kind
         assert set(coordinator.accepted({"0": reply}, {"0": sent})) == {"0"}, coordinator.rejected
     assert coordinator.rejected == {}
+
+
+class OwnUploads(Strategy):
+    """What pFedClub declares of a kd_train reply: the client's own model, of its registered architecture."""
+
+    def expects(self, task: Task, client: ClientInfo) -> Expected:
+        return Expected(models={"local": client.spec})
+
+
+def test_the_default_runs_cnn4_client_with_its_measured_running_variance_is_accepted_and_a_lying_one_is_not(tmp_path):
+    """Issue 28's client 7: the default run's only cnn4, 383.6 of whose 384.9 norm was one BatchNorm running_var,
+    was refused as over 10 x the 27.41 of a fresh initialisation; a negative running variance is a lie."""
+    spec = create("cnn4", (1, 28, 28), 10).with_origin("7")
+    info = ClientInfo("7", spec, PROFILE, num_train=450, num_test=1)
+    coordinator = Coordinator(
+        OwnUploads(StrategyConfig(1, 16, 1e-3, 0)),
+        None,
+        {"7": info},
+        LoopConfig(1, 1, 0, 1, progress=False),
+        RunLog(tmp_path, {}),
+    )
+    state = build(spec).state_dict()
+    name = "blocks.0.1.running_var"
+    measured = state | {name: torch.full_like(state[name], 383.6 / state[name].numel() ** 0.5)}
+    task = Task("kd_train", 0)
+    for running_var, code in ((measured, None), (state | {name: -state[name]}, "buffers")):
+        reply = Result("7", 0, "kd_train", 450, {"train_loss": 0.1}, {"local": Weights(spec, running_var)})
+        kept = coordinator.accepted({"7": reply}, {"7": task})
+        assert (set(kept), dict(coordinator.rejected)) == (({"7"}, {}) if code is None else (set(), {code: 1}))
