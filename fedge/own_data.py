@@ -20,28 +20,26 @@ Memory: sizes are checked as declared, before anything is decoded — the image 
 pixels (its header), each .npz member's shape and dtype (its .npy header, against the bytes the member holds).
 The reader's estimate (`max_bytes` of the read; `own_data_limit` of a device's memory) counts the raw arrays,
 every float32 tensor it builds from them and the normalised copy; over the limit raises OwnDataError.
+The headers (and a PNG's integrity) are read by fedge/data_files.py.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
-import struct
 import warnings
 import zipfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from numpy.lib import format as npy_format
 
 from fedge import constants as C
 from fedge.data import Dataset, normalise
+from fedge.data_files import ZIP_ERRORS, BadMember, Member, load_member, npz_members, png_problem
 from fedge.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -50,8 +48,6 @@ _PIL_MODES = ("1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "CMYK", "YCbCr",
 _PIL_BYTES_PER_PIXEL = 4  # Pillow keeps every multi-band mode (RGB included) in 4 bytes a pixel
 _F32 = 4
 _MIB = 1 << 20
-# What a zip member, the zlib stream of a PNG, may raise when it is corrupt.
-_ZIP_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile, NotImplementedError, RuntimeError, zlib.error)
 
 
 class OwnDataError(UserError, ValueError):
@@ -287,8 +283,11 @@ def _read_image(path: Path, task: DataTask, spare: int) -> np.ndarray:
             opened = Image.open(path, formats=("PNG", "JPEG"))  # reads the header only
         with opened as img:
             _check_header(path, img.size, img.mode, task, spare)
-            if img.format == "PNG":
-                _check_png(path)  # Pillow leaves the rows of a short image stream black
+            problem = png_problem(path) if img.format == "PNG" else None  # Pillow leaves a short stream's rows black
+            if problem:
+                raise OwnDataError(
+                    f"{path}: the PNG is truncated or corrupt ({problem}); copy or export the image again"
+                )
             img.load()
             img = img.convert("L" if c == 1 else "RGB")
             if img.size != (w, h):
@@ -331,112 +330,13 @@ def _check_header(path: Path, size: tuple[int, int], mode: str, task: DataTask, 
         )
 
 
-_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-_PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # by colour type: gray, RGB, palette, gray + alpha, RGBA
-_ADAM7 = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2))
-
-
-def _check_png(path: Path) -> None:
-    """OwnDataError unless the PNG at `path` is whole: every chunk complete with its CRC, an IEND, and image data
-    that decompress to every row its header declares. Reads the file once, a block at a time."""
-    try:
-        with open(path, "rb") as f:
-            problem = _png_problem(f)
-    except zlib.error as e:
-        problem = f"its image data do not decompress: {_one_line(e)}"
-    if problem:
-        raise OwnDataError(f"{path}: the PNG is truncated or corrupt ({problem}); copy or export the image again")
-
-
-def _png_problem(f: BinaryIO) -> str | None:
-    """What is missing from the PNG stream `f`, or None; decompresses at most the bytes its IHDR declares."""
-    if f.read(8) != _PNG_SIGNATURE:
-        return "no PNG signature"
-    inflate, produced, expected = zlib.decompressobj(), 0, -1
-    while True:
-        head = f.read(8)
-        if len(head) < 8:
-            return "it ends before its IEND chunk"
-        left, kind = struct.unpack(">I4s", head)
-        crc = zlib.crc32(kind)
-        while left:
-            block = f.read(min(left, 1 << 16))
-            if not block:
-                return f"its {repr(kind)[2:-1]} chunk is cut short"
-            crc, left = zlib.crc32(block, crc), left - len(block)
-            if kind == b"IHDR" and len(block) == 13 and expected < 0:
-                expected = _png_stream_bytes(*struct.unpack(">IIBBBBB", block))
-            while kind == b"IDAT" and block and 0 <= produced <= expected:
-                produced += len(inflate.decompress(block, 1 << 16))
-                block = inflate.unconsumed_tail
-        if f.read(4) != struct.pack(">I", crc):
-            return f"its {repr(kind)[2:-1]} chunk is cut short or its CRC is wrong"
-        if kind == b"IEND":
-            break
-    if produced < expected:
-        return f"its image data hold {produced:,} of the {expected:,} bytes its header declares"
-    return None
-
-
-def _png_stream_bytes(width: int, height: int, depth: int, colour: int, *rest: int) -> int:
-    """The bytes a PNG's image data decompress to: a filter byte and the packed pixels of each row, of each Adam7
-    pass when interlaced (`rest`: compression, filter, interlace method)."""
-    bits = depth * _PNG_CHANNELS.get(colour, 4)
-    total = 0
-    for x0, y0, dx, dy in _ADAM7 if rest[2] else ((0, 0, 1, 1),):
-        pw, ph = -(-(width - x0) // dx), -(-(height - y0) // dy)
-        if pw > 0 and ph > 0:
-            total += ph * (1 + -(-pw * bits // 8))
-    return total
-
-
 # ------------------------------------------------------------------------------------------------ .npz
-
-
-@dataclass(frozen=True)
-class _Member:
-    """One array of an .npz as its .npy header declares it (nothing read beyond the header)."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    nbytes: int
-
-
-def _npz_members(zf: zipfile.ZipFile, path: Path) -> dict[str, _Member]:
-    """Each .npy member's declared array, by key (its name without .npy). A member declaring Python objects, or
-    more bytes than the zip says it holds, raises OwnDataError; a bad header raises ValueError."""
-    members = {}
-    for info in zf.infolist():
-        if not info.filename.endswith(".npy"):
-            continue
-        key = info.filename[: -len(".npy")]
-        with zf.open(info) as f:
-            version = npy_format.read_magic(f)
-            if version not in ((1, 0), (2, 0)):
-                raise ValueError(f"{key}: .npy format version {version} (numpy.savez writes 1.0 or 2.0)")
-            read_header = npy_format.read_array_header_1_0 if version == (1, 0) else npy_format.read_array_header_2_0
-            shape, _, dtype = read_header(f)
-            held = info.file_size - f.tell()
-        if dtype.hasobject:
-            raise OwnDataError(
-                f"{path}: cannot read it as an .npz of arrays (corrupt, or holds pickled objects): {key} holds "
-                f"Python objects ({dtype}), which are never unpickled"
-            )
-        nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes > held:
-            raise OwnDataError(
-                f"{path}: {key} declares a {shape} {dtype} array of {nbytes:,} bytes but holds {max(held, 0):,}; "
-                "the file is corrupt or was not written by numpy.savez"
-            )
-        members[key] = _Member(info.filename, tuple(shape), dtype, nbytes)
-    return members
 
 
 def _read_npz(path: Path, task: DataTask, labelled: bool | None, max_bytes: int) -> Arrays:
     try:
         with zipfile.ZipFile(path) as zf:
-            members = _npz_members(zf, path)
+            members = npz_members(zf)
             x_key, y_key = _npz_keys(path, members, labelled)
             wanted = [k for k in (x_key, y_key, "x_test", "y_test") if k in members]
             need = sum(_member_cost(members[k], task, images=k[0] == "x") for k in wanted)
@@ -448,10 +348,12 @@ def _read_npz(path: Path, task: DataTask, labelled: bool | None, max_bytes: int)
                     max_bytes,
                     f"use fewer images, or store them as uint8 at the task's {task.shape_text}",
                 )
-            arrays = {k: _load(zf, members[k]) for k in wanted}
+            arrays = {k: load_member(zf, members[k]) for k in wanted}
     except OwnDataError:
         raise
-    except _ZIP_ERRORS as e:
+    except BadMember as e:
+        raise OwnDataError(f"{path}: {e}") from None
+    except ZIP_ERRORS as e:
         raise OwnDataError(
             f"{path}: cannot read it as an .npz of arrays (corrupt, or holds pickled objects): {_one_line(e)}"
         ) from None
@@ -463,14 +365,7 @@ def _read_npz(path: Path, task: DataTask, labelled: bool | None, max_bytes: int)
     return x, y, x_test, _labels(arrays.pop("y_test"), len(x_test), task, f"{path}: y_test")
 
 
-def _load(zf: zipfile.ZipFile, m: _Member) -> np.ndarray:
-    """Member `m`'s array (its size already checked); a body shorter than its header says raises ValueError."""
-    with zf.open(m.name) as f:
-        # allow_pickle=False: a device's file is data, never code to unpickle.
-        return npy_format.read_array(f, allow_pickle=False)
-
-
-def _npz_keys(path: Path, members: dict[str, _Member], labelled: bool | None) -> tuple[str, str]:
+def _npz_keys(path: Path, members: dict[str, Member], labelled: bool | None) -> tuple[str, str]:
     """The (images, labels) keys of an .npz; a missing or unpaired one raises OwnDataError."""
     keys = sorted(members)
     if "x_train" in members:
@@ -487,7 +382,7 @@ def _npz_keys(path: Path, members: dict[str, _Member], labelled: bool | None) ->
     return x_key, y_key
 
 
-def _member_cost(m: _Member, task: DataTask, images: bool) -> int:
+def _member_cost(m: Member, task: DataTask, images: bool) -> int:
     """Bytes reading member `m` takes at most: its raw array and, for images, every float32 tensor _images builds
     of it (the file's shape, its channels converted, its size changed) and the normalised copy; for labels, their
     decoded names and the int64 copy."""
