@@ -263,5 +263,6 @@ def _parameter_names(spec_json: str) -> frozenset[str]:
 
 def parameter_names(spec: ModelSpec) -> frozenset[str]:
     """The names of the model's learned parameters (what an optimizer trains); the rest of its state dict are
-    buffers (BatchNorm's running statistics and counter, a FedMN routing). Built on "meta", remembered per spec."""
-    return _parameter_names(spec.to_json())
+    buffers (BatchNorm's running statistics and counter, a FedMN routing). Built on "meta", remembered per
+    architecture (the spec without its origin: one entry for a fleet of one model)."""
+    return _parameter_names(spec.with_origin(None).to_json())

@@ -9,8 +9,10 @@ What each aggregator defends against and what it costs on honest fleets is in do
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Collection, Sequence
 
 import torch
 
@@ -35,6 +37,11 @@ class Aggregation:
 
     def __post_init__(self) -> None:
         check_aggregation(self.kind, self.trim_fraction, self.byzantine)
+
+    @property
+    def weighted(self) -> bool:
+        """Whether the clients' shares (example counts, capped) weigh in: the mean and multi-Krum's average."""
+        return self.kind in ("mean", "multi_krum")
 
 
 def capped_shares(weights: Sequence[float], cap: float) -> list[float]:
@@ -75,12 +82,14 @@ def weighted_average(states: Sequence[State], weights: Sequence[float]) -> State
     return out
 
 
-def combine(base: State, parts: Sequence[tuple[State, float]], how: Aggregation) -> State:
+def combine(
+    base: State, parts: Sequence[tuple[State, float]], how: Aggregation, learned: Collection[str] | None = None
+) -> State:
     """The robust aggregate of `parts` (state, share) over `base` (the model the parts were trained from; each
     part tensor covers the top-left slice of base's tensor of its name, a part may lack a tensor): `mean` is
     sliced_average; `median` and `trimmed_mean` work element by element over the parts holding the element
-    (unweighted, as Flower's); `krum` and `multi_krum` pick parts by their updates (part - base, zero where a part
-    holds nothing) and average the picked ones. An element no part holds keeps base's value; integer buffers take
+    (unweighted, as Flower's); `krum` and `multi_krum` pick parts by their updates of the `learned` tensors
+    (krum_selection) and average the picked ones. An element no part holds keeps base's value; integer buffers take
     the largest value present. ValueError for no parts, a non-positive share or a part that does not fit base."""
     if not parts:
         raise ValueError("combine needs at least one part")
@@ -90,7 +99,7 @@ def combine(base: State, parts: Sequence[tuple[State, float]], how: Aggregation)
     if kind in ("krum", "multi_krum") and len(parts) < 2 * how.byzantine + 3:
         kind = "median"  # Krum needs n > 2f + 2 to pick anything but an arbitrary part (Blanchard et al., Lemma 1)
     if kind in ("krum", "multi_krum"):
-        return average(base, [parts[i] for i in krum_selection(base, parts, how)])
+        return average(base, [parts[i] for i in krum_selection(base, parts, how, learned)])
     if kind == "mean":
         return average(base, parts)
     out: State = {}
@@ -129,40 +138,42 @@ def coordinate_statistic(
     if kind == "median":
         keep = (rank == (count - 1) // 2) | (rank == count // 2)
     else:
-        cut = torch.floor(count * trim_fraction).long()
+        cut = torch.floor(count.double() * trim_fraction).long()
         keep = (rank >= cut) & (rank < count - cut)
     kept = torch.where(keep, values, torch.zeros_like(values))
     mean = kept.sum(0) / keep.sum(0).clamp_min(1)
     return torch.where(count > 0, mean, base.double())
 
 
-def krum_selection(base: State, parts: Sequence[tuple[State, float]], how: Aggregation) -> list[int]:
+def krum_selection(
+    base: State, parts: Sequence[tuple[State, float]], how: Aggregation, learned: Collection[str] | None = None
+) -> list[int]:
     """Krum's pick (one index) or multi-Krum's (the n - f best, at least one), by score: the summed squared
-    distances from a part's update to its n - f - 2 nearest others' (at least one; Blanchard et al. 2017, Flower's
-    `aggregate_krum`). Updates are over every floating tensor, zero where a part holds nothing. Ties go to the
-    earlier part."""
+    distances from a part's update (part - base) to its n - f - 2 nearest others' (at least one; Blanchard et al.
+    2017, Flower's `aggregate_krum`), over the `learned` tensors (None: every floating tensor; BatchNorm's running
+    statistics would outweigh the weights). Parts of different sizes (HeteroFL's slices) are compared on the
+    elements both hold, the mean squared difference scaled to the whole model's size, so that narrow parts are not
+    closer for holding less. Ties go to the earlier part."""
     n = len(parts)
     if n == 1:
         return [0]
-    flat = torch.stack([flat_update(base, state) for state, _ in parts])
-    distances = torch.cdist(flat, flat).square()
+    names = [k for k, t in base.items() if t.is_floating_point() and (learned is None or k in learned)]
+    size = sum(base[k].numel() for k in names)
+    updates = [
+        {k: state[k].double() - base[k][region(state[k].shape, base[k].shape)].double() for k in names if k in state}
+        for state, _ in parts
+    ]
+    distances = torch.zeros(n, n, dtype=torch.float64)
+    for i, j in itertools.combinations(range(n), 2):
+        squares, count = 0.0, 0
+        for k in updates[i].keys() & updates[j].keys():
+            a, b = updates[i][k], updates[j][k]
+            shape = [min(x, y) for x, y in zip(a.shape, b.shape)]
+            squares += float((a[region(shape, a.shape)] - b[region(shape, b.shape)]).square().sum())
+            count += math.prod(shape)
+        distances[i, j] = distances[j, i] = squares / count * size if count else math.inf
     closest = max(1, n - how.byzantine - 2)
     scores = [float(torch.sort(distances[i])[0][1 : closest + 1].sum()) for i in range(n)]
     order = sorted(range(n), key=lambda i: (scores[i], i))
     picked = 1 if how.kind == "krum" else max(1, n - how.byzantine)
     return sorted(order[:picked])
-
-
-def flat_update(base: State, state: State) -> torch.Tensor:
-    """(state - base) over every floating tensor of base, flattened in base's order; zero where `state` holds
-    nothing of it."""
-    pieces = []
-    for name, old in base.items():
-        if not old.is_floating_point():
-            continue
-        update = torch.zeros_like(old, dtype=torch.float64)
-        if name in state:
-            where = region(state[name].shape, old.shape)
-            update[where] = state[name].double() - old[where].double()
-        pieces.append(update.flatten())
-    return torch.cat(pieces)

@@ -9,12 +9,12 @@ import functools
 import math
 import statistics
 from collections import Counter
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
 from fedge import constants as C
-from fedge.messages import Result, Task, Weights
+from fedge.messages import Result, Task, Weights, client_order
 from fedge.spec import ModelSpec, build, parameter_names
 from fedge.weights import State
 
@@ -29,32 +29,40 @@ def tensors_norm(tensors: Iterable[torch.Tensor]) -> float:
 
 def upload_norm(weights: Weights) -> float:
     """The L2 norm over the learned parameters of one uploaded model (buffers such as BatchNorm's running
-    statistics are not what training optimises: buffer_rejection checks them)."""
+    statistics are not what training optimises: buffer_norm and buffer_rejection check them)."""
     names = parameter_names(weights.spec)
     return tensors_norm(t for n, t in weights.state.items() if n in names)
 
 
+def buffer_norm(weights: Weights) -> float:
+    """The L2 norm over the floating buffers of one uploaded model (BatchNorm's running statistics)."""
+    names = parameter_names(weights.spec)
+    return tensors_norm(t for n, t in weights.state.items() if n not in names)
+
+
 @functools.lru_cache(maxsize=64)
-def fresh_norm(spec_json: str) -> float:
-    """The parameter norm of a freshly initialised model of this architecture (fixed seed; the global RNG is left
-    as is)."""
+def fresh_norms(spec_json: str) -> tuple[float, float]:
+    """The (parameter, buffer) norms of a freshly initialised model of this architecture (fixed seed; the global RNG
+    is left as is)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         spec = ModelSpec.from_json(spec_json)
-        return upload_norm(Weights(spec, build(spec).state_dict()))
+        fresh = Weights(spec, build(spec).state_dict())
+        return upload_norm(fresh), buffer_norm(fresh)
 
 
-def reference_norm(weights: Weights, task: Task, previous: float | None) -> tuple[float, str]:
-    """What an upload's parameter norm is bounded by, and its name: the model of the same architecture the server
-    sent in the task (FedAvg's global model), else the client's previous accepted upload of that role, else a fresh
-    initialisation of the architecture. Each is the server's own state or was checked before."""
+def reference_norm(weights: Weights, task: Task, previous: float | None, buffers: bool = False) -> tuple[float, str]:
+    """What an upload's parameter norm (with `buffers`, its buffer norm) is bounded by, and its name: that of the
+    model of the same architecture the server sent in the task (FedAvg's global model), else of the client's previous
+    accepted upload of that role (`previous`), else of a fresh initialisation of the architecture. Each is the
+    server's own state or was checked before."""
     arch = weights.spec.with_origin(None)
     sent = [m for m in task.models.values() if m.spec.with_origin(None) == arch]
     if sent:
-        return upload_norm(sent[0]), "the model it was sent"
+        return (buffer_norm if buffers else upload_norm)(sent[0]), "the model it was sent"
     if previous is not None:
         return previous, "its previous accepted upload"
-    return fresh_norm(arch.to_json()), "a fresh initialisation of its architecture"
+    return fresh_norms(arch.to_json())[buffers], "a fresh initialisation of its architecture"
 
 
 def norm_outliers(results: Mapping[str, Result]) -> dict[str, str]:
@@ -127,22 +135,36 @@ def rms(t: torch.Tensor) -> float:
 
 
 class UpdateBounds:
-    """Bounds every update relative to the round (clip_factor x the median of that tensor's updates; fewer than
-    NORM_MIN_UPLOADS in the round: of its last CLIP_HISTORY accepted ones) and refuses a reply whose whole
-    parameter update is an outlier. Keeps the history and the counts of clipped tensors per client (checkpointed
-    by the coordinator)."""
+    """Bounds every update relative to the round: clip_factor x the median of that tensor's updates in the round
+    (at least NORM_MIN_UPLOADS of them that moved), else of its recent history; and refuses a reply whose whole
+    parameter update is an outlier the same way. An update of exactly zero (a tensor the client did not train, such
+    as FedMN's router when it learns no routing) is neither a reference nor history. The history holds the last
+    CLIP_HISTORY values of rounds with enough updates; a round without enough adds at most its reference, so no
+    client alone can grow it. Keeps the counts of clipped tensors per client; both are checkpointed by the
+    coordinator."""
 
     def __init__(self, clip_factor: float) -> None:
         self.clip_factor = clip_factor
-        self.history: dict[str, list[float]] = {}  # key -> the last CLIP_HISTORY accepted update RMS values
+        self.history: dict[str, list[float]] = {}  # key -> recent update RMS values of rounds with enough of them
         self.clipped: Counter[str] = Counter()  # client -> tensors clipped over the run
 
-    def scale(self, key: str, values: list[float]) -> float | None:
-        """The reference of `key` this round: the median of its values with enough of them, else of its history;
-        None when there is neither, or it is 0 (nothing moves: nothing to compare with)."""
-        pool = values if len(values) >= C.NORM_MIN_UPLOADS else self.history.get(key, [])
-        median = statistics.median(pool) if pool else 0.0
-        return median if median > 0 else None
+    def scale(self, key: str, values: Sequence[float]) -> tuple[float | None, bool]:
+        """(the reference of `key` this round, whether it is the round's own): the median of the values that moved
+        when there are enough of them, else the median of the history, else None (nothing to compare with)."""
+        moved = [v for v in values if v > 0]
+        if len(moved) >= C.NORM_MIN_UPLOADS:
+            return statistics.median(moved), True
+        history = self.history.get(key)
+        return (statistics.median(history) if history else None), False
+
+    def remember(self, key: str, values: Sequence[float], ref: float | None, own: bool) -> None:
+        """Add a round's accepted values of `key` to its history: as they are in a round with its own reference,
+        each at most the reference in one without (none when there is no reference)."""
+        if not own:
+            values = [] if ref is None else [min(v, ref) for v in values]
+        moved = [v for v in values if v > 0]
+        if moved:
+            self.history[key] = (self.history.get(key, []) + moved)[-C.CLIP_HISTORY :]
 
     def apply(
         self,
@@ -152,49 +174,47 @@ class UpdateBounds:
         """(client → why it is refused, client → its clipped tensors by key) for the round's update pairs
         (update_pairs, per client; `params`: per client and group, its learned parameters' names). A client whose
         whole parameter update of a group has an RMS over UPDATE_OUTLIER_FACTOR x the group's reference is refused;
-        every other client's tensors are clipped (clip). The accepted values join the history."""
-        groups = {cid: parameter_update_rms(pairs[cid], params[cid]) for cid in pairs}
+        every other client's tensors are clipped (clip). The accepted values join the history, in client order (a
+        round over MQTT, where replies arrive in any order, gives the in-process run's history)."""
+        order = sorted(pairs, key=client_order)
+        groups = {cid: parameter_update_rms(pairs[cid], params[cid]) for cid in order}
         refused: dict[str, str] = {}
+        refs = {}
         for group in sorted({g for per in groups.values() for g in per}):
             values = {cid: per[group] for cid, per in groups.items() if group in per}
-            ref = self.scale(f"#{group}", list(values.values()))
+            refs[group] = ref, own = self.scale(f"#{group}", list(values.values()))
             for cid, value in values.items():
                 if ref is not None and value > C.UPDATE_OUTLIER_FACTOR * ref:
-                    where = "round" if len(values) >= C.NORM_MIN_UPLOADS else "recent"
                     refused.setdefault(
                         cid,
                         f"its update of {group} has RMS {value:.4g}, over {C.UPDATE_OUTLIER_FACTOR:g} x the "
-                        f"{where} median {ref:.4g}",
+                        f"{'round' if own else 'recent'} median {ref:.4g}",
                     )
-        kept = {cid: p for cid, p in pairs.items() if cid not in refused}
-        for group in sorted({g for cid in kept for g in groups[cid]}):
-            self.remember(f"#{group}", [groups[cid][group] for cid in kept if group in groups[cid]])
-        return refused, self.clip(kept)
+        kept = [cid for cid in order if cid not in refused]
+        for group, (ref, own) in refs.items():
+            self.remember(f"#{group}", [groups[cid][group] for cid in kept if group in groups[cid]], ref, own)
+        return refused, self.clip({cid: pairs[cid] for cid in kept})
 
     def clip(self, pairs: Mapping[str, Mapping[str, tuple[torch.Tensor, torch.Tensor]]]) -> dict[str, State]:
         """Client → its clipped tensors by key (only those clipped): each update u = uploaded - sent whose RMS
         exceeds clip_factor x the key's reference is scaled to it, sent + u·bound/RMS(u) in the upload's dtype.
         Records the accepted (clipped) values in the history."""
         out: dict[str, State] = {}
-        values = {
-            cid: {k: rms(up.double() - sent.double()) for k, (up, sent) in per.items()} for cid, per in pairs.items()
-        }
+        order = sorted(pairs, key=client_order)
+        values = {cid: {k: rms(up.double() - sent.double()) for k, (up, sent) in pairs[cid].items()} for cid in order}
         for key in sorted({k for per in pairs.values() for k in per}):
             holders = {cid: per[key] for cid, per in values.items() if key in per}
-            ref = self.scale(key, list(holders.values())) if self.clip_factor else None
+            ref, own = self.scale(key, list(holders.values()))
             for cid, value in holders.items():
-                if ref is not None and value > self.clip_factor * ref:
+                if self.clip_factor and ref is not None and value > self.clip_factor * ref:
                     up, sent = pairs[cid][key]
                     bound = self.clip_factor * ref
                     update = (up.double() - sent.double()) * (bound / value)
                     out.setdefault(cid, {})[key] = (sent.double() + update).to(up.dtype)
                     holders[cid] = bound
                     self.clipped[cid] += 1
-            self.remember(key, list(holders.values()))
+            self.remember(key, list(holders.values()), ref, own)
         return out
-
-    def remember(self, key: str, values: list[float]) -> None:
-        self.history[key] = (self.history.get(key, []) + values)[-C.CLIP_HISTORY :]
 
     def state(self) -> dict[str, object]:
         return {"history": {k: list(v) for k, v in self.history.items()}, "clipped": dict(self.clipped)}

@@ -27,6 +27,8 @@ from fedge.transport import Transport
 from server.bounds import (
     TENSORS,
     UpdateBounds,
+    buffer_norm,
+    fresh_norms,
     norm_outliers,
     reference_norm,
     reply_buffer_rejection,
@@ -159,7 +161,8 @@ class Coordinator:
         self.final: dict[str, float] = {}
         self.last_mean = float("nan")
         self.rejected: Counter[str] = Counter()
-        self.upload_norms: dict[str, float] = {}  # "<client>/<role>" -> norm of its last accepted upload
+        self.upload_norms: dict[str, float] = {}  # "<client>/<role>" -> parameter norm of its last accepted upload
+        self.buffer_norms: dict[str, float] = {}  # "<client>/<role>" -> buffer norm of its last accepted upload
         self.bounds = UpdateBounds(loop.clip_factor)  # updates relative to the round: clipping and its history
         self.discarded: list[int] = []  # rounds whose aggregate was not finite and was thrown away
         self.failed: list[dict[str, int]] = []
@@ -184,7 +187,9 @@ class Coordinator:
                 keep[cid] = res
             else:
                 reasons[cid] = reason
-        norms = {(cid, role): upload_norm(w) for cid, res in keep.items() for role, w in res.models.items()}
+        norms = {
+            (cid, role): (upload_norm(w), buffer_norm(w)) for cid, res in keep.items() for role, w in res.models.items()
+        }
         reasons |= {cid: ("norm_bound", message) for cid, message in self.beyond_bound(keep, tasks, norms).items()}
         for code, found in (
             ("norm_outlier", norm_outliers(keep)),
@@ -199,9 +204,12 @@ class Coordinator:
             self.rejected[code] += 1
             keep.pop(cid, None)
         for cid, res in keep.items():
-            self.upload_norms.update({f"{cid}/{role}": norms[cid, role] for role in res.models})
+            self.upload_norms.update({f"{cid}/{role}": norms[cid, role][0] for role in res.models})
+            self.buffer_norms.update({f"{cid}/{role}": norms[cid, role][1] for role in res.models})
         if clipped:
-            log.info("updates clipped to %g x the round's median: %s", self.bounds.clip_factor, sorted(clipped))
+            log.info(
+                "updates clipped to %g x the round's (or recent) median: %s", self.bounds.clip_factor, sorted(clipped)
+            )
         return {cid: with_tensors(res, clipped[cid]) if cid in clipped else res for cid, res in keep.items()}
 
     def bound_updates(
@@ -220,21 +228,31 @@ class Coordinator:
         return self.bounds.apply(pairs, params)
 
     def beyond_bound(
-        self, results: Mapping[str, Result], tasks: Mapping[str, Task], norms: Mapping[tuple[str, str], float]
+        self,
+        results: Mapping[str, Result],
+        tasks: Mapping[str, Task],
+        norms: Mapping[tuple[str, str], tuple[float, float]],
     ) -> dict[str, str]:
-        """Client → message for each reply with an upload whose norm (`norms`, by client and role) exceeds
-        UPLOAD_NORM_FACTOR times its reference (see reference_norm): a bound that holds for a round of one or
-        two uploads, where the median of norm_outliers does not exist."""
+        """Client → message for each reply with an upload whose parameter norm (`norms`, by client and role:
+        parameters, buffers) exceeds UPLOAD_NORM_FACTOR times its reference (see reference_norm), or whose buffer norm
+        exceeds UPLOAD_NORM_FACTOR² times the reference's (weights 10 x larger scale a layer's output, and so its
+        BatchNorm's running variance, 100 x): bounds that hold for a round of one or two uploads, where the medians of
+        norm_outliers and the update bounds do not exist."""
         out: dict[str, str] = {}
         for cid, res in results.items():
             for role, weights in res.models.items():
-                ref, what = reference_norm(weights, tasks[cid], self.upload_norms.get(f"{cid}/{role}"))
-                norm = norms[cid, role]
-                if norm > C.UPLOAD_NORM_FACTOR * ref:
-                    out.setdefault(
-                        cid,
-                        f"model {role!r} has norm {norm:.4g}, over {C.UPLOAD_NORM_FACTOR:g} x the {ref:.4g} of {what}",
-                    )
+                key = f"{cid}/{role}"
+                for buffers, factor, what in (
+                    (False, C.UPLOAD_NORM_FACTOR, "norm"),
+                    (True, C.UPLOAD_NORM_FACTOR**2, "buffer norm"),
+                ):
+                    previous = (self.buffer_norms if buffers else self.upload_norms).get(key)
+                    ref, of = reference_norm(weights, tasks[cid], previous, buffers)
+                    norm = norms[cid, role][buffers]
+                    if norm > factor * max(ref, fresh_norms(weights.spec.with_origin(None).to_json())[buffers]):
+                        out.setdefault(
+                            cid, f"model {role!r} has {what} {norm:.4g}, over {factor:g} x the {ref:.4g} of {of}"
+                        )
         return out
 
     def exchange(self, tasks: Mapping[str, Task]) -> dict[str, Result]:
@@ -289,6 +307,7 @@ class Coordinator:
             "rejected": dict(self.rejected),
             "failed_rounds": list(self.failed),
             "upload_norms": dict(self.upload_norms),
+            "buffer_norms": dict(self.buffer_norms),
             "update_bounds": self.bounds.state(),
             "discarded_aggregates": list(self.discarded),
             "sim_clock": self.clock.state(),
@@ -306,6 +325,7 @@ class Coordinator:
             self.upload_norms, self.discarded = dict(tree["upload_norms"]), list(tree["discarded_aggregates"])
             self.clock.load_state(tree.get("sim_clock"))  # absent in checkpoints from before the clock: zeros
             self.bounds.load_state(tree.get("update_bounds"))  # absent before update bounds: an empty history
+            self.buffer_norms = dict(tree.get("buffer_norms", {}))  # absent before buffer bounds: fresh references
             self.strategy.load_state(tree["strategy_state"])
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"the checkpoint in {self.runlog.out} lacks or garbles a field: {e}") from None
@@ -331,9 +351,11 @@ class Coordinator:
             server = time.perf_counter() - start
             self.show(f"{len(tasks)} clients training")
             replies = self.exchange(tasks)
+            bounds = self.bounds.state()  # a try that fails aggregates nothing, so its updates join no history
             results = self.accepted(replies, tasks)
             if len(results) >= self.loop.min_replies:
                 return self.close_round(rnd, active, tasks, results, server, missing=bool(set(tasks) - set(replies)))
+            self.bounds.load_state(bounds)
             log.warning(
                 "round %d failed (try %d of %d): %d of %d clients replied, min_replies is %d; nothing aggregated",
                 rnd,

@@ -14,7 +14,7 @@ from fedge.config import ConfigError
 from fedge.messages import ClientInfo, Result, Task, Weights
 from fedge.payloads import Expected
 from fedge.seeding import derive_seed
-from fedge.spec import build
+from fedge.spec import build, parameter_names
 from server.aggregation import capped_shares, combine
 from server.strategy import Strategy, StrategyError, StrategyOptions, option, register_strategy
 
@@ -82,8 +82,9 @@ class FedAvg(Strategy):
             return
         counts = [r.num_examples for r in replies]
         shares = capped_shares(counts, self.options.max_client_share)
-        self.shares = {r.client_id: share for r, share in zip(replies, shares)}
-        if any(abs(share - count / sum(counts)) > 1e-12 for share, count in zip(shares, counts)):
+        if self.config.aggregation.weighted:
+            self.shares = {r.client_id: share for r, share in zip(replies, shares)}
+        if self.shares and any(abs(share - count / sum(counts)) > 1e-12 for share, count in zip(shares, counts)):
             log.info(
                 "round %d: aggregation shares capped at max_client_share=%g: %s",
                 rnd,
@@ -91,12 +92,13 @@ class FedAvg(Strategy):
                 {cid: round(x, 4) for cid, x in self.shares.items()},
             )
         parts = [(r.models["local"].state, share) for r, share in zip(replies, shares)]
-        self.global_model = Weights(
-            self.global_model.spec, combine(self.global_model.state, parts, self.config.aggregation)
-        )
+        spec = self.global_model.spec
+        state = combine(self.global_model.state, parts, self.config.aggregation, parameter_names(spec))
+        self.global_model = Weights(spec, state)
 
     def record(self, rnd: int, client: str) -> dict[str, float]:
-        """The client's share of this round's average (its example count's, capped at max_client_share)."""
+        """The client's share of this round's average (its example count's, capped at max_client_share), where the
+        run's aggregator weighs by shares."""
         return {"aggregation_share": self.shares[client]} if client in self.shares else {}
 
     def evaluation(self, rnd: int, clients: Sequence[str]) -> dict[str, Task]:

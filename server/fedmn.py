@@ -188,14 +188,19 @@ class FedMN(Strategy):
         return Expected(tensors=slots | self.route_slots(ROUTE, NEXT_ROUTE, ROUTING))
 
     def reply_rejection(self, task: Task, client: ClientInfo, result: Result) -> tuple[str, str] | None:
-        """Code "route": a reply for another route than the task's, or a next or most likely route without a path
-        from the input to the output. Code "norm_bound" (the coordinator's bound on uploaded models, which named
+        """Code "route": a reply for another route than the task's, router parameters other than those sent in a
+        task that learns no routing (the warm-up: the router is untouched), or a next or most likely route without a
+        path from the input to the output. Code "norm_bound" (the coordinator's bound on uploaded models, which named
         tensors do not pass through): a block or the router whose parameters' L2 norm exceeds UPLOAD_NORM_FACTOR
         times that of what the task sent of it."""
         if task.type != "modular_train":
             return None
         if not torch.equal(result.tensors[ROUTE], task.tensors[ROUTE]):
             return "route", "the reply's route is not the one its task was sent with"
+        if not task.config.get("learn_routing") and any(
+            not torch.equal(result.tensors[n], task.tensors[n]) for n in self.parts[ROUTER] if n in self.learned
+        ):
+            return "route", "it changed the router in a task that learns no routing (every path on)"
         for name in (NEXT_ROUTE, ROUTING):
             if not has_path(self.layout, result.tensors[name].tolist()):
                 return "route", f"its {name} connects no encoder to the output"
@@ -242,8 +247,8 @@ class FedMN(Strategy):
                 continue
             shares = capped_shares([r.num_examples for r in users], self.options.max_client_share)
             parts = [({n: r.tensors[n] for n in names}, share) for r, share in zip(users, shares)]
-            state |= combine({n: state[n] for n in names}, parts, self.config.aggregation)
-            if part == ROUTER:
+            state |= combine({n: state[n] for n in names}, parts, self.config.aggregation, self.learned)
+            if part == ROUTER and self.config.aggregation.weighted:
                 self.shares = {r.client_id: share for r, share in zip(users, shares)}
         self.global_model = Weights(self.global_model.spec, state)
         for r in replies:
@@ -275,6 +280,7 @@ class FedMN(Strategy):
             out["params_down"] = self.down[client]
         if client in self.up:
             out["params_up"] = self.up[client]
+        if client in self.shares:
             out["aggregation_share"] = self.shares[client]
         return out
 

@@ -32,7 +32,7 @@ from fedge.config import ConfigError
 from fedge.messages import ClientInfo, Result, Task, Weights, client_order
 from fedge.payloads import Expected
 from fedge.seeding import derive_seed
-from fedge.spec import ModelSpec, build, tensor_shapes
+from fedge.spec import ModelSpec, build, parameter_names, tensor_shapes
 from fedge.tasks import is_cell_weight
 from fedge.weights import State
 from server.aggregation import capped_shares, combine
@@ -250,7 +250,7 @@ class FedTrans(Strategy):
             mine = sorted((cid for cid in replies if self.assigned[cid] == k), key=client_order)
             shares = capped_shares([replies[cid].num_examples for cid in mine], self.options.max_client_share)
             parts = [(replies[cid].models["model"].state, share) for cid, share in zip(mine, shares)]
-            out[k] = combine(self.models[k].state, parts, self.config.aggregation)
+            out[k] = combine(self.models[k].state, parts, self.config.aggregation, parameter_names(self.models[k].spec))
         return out
 
     def update_weights(self, rnd: int, replies: Mapping[str, Result]) -> None:

@@ -40,7 +40,7 @@ from fedge.config import ConfigError
 from fedge.messages import ClientInfo, Result, Task, Weights, client_order
 from fedge.payloads import Expected
 from fedge.seeding import derive_seed
-from fedge.spec import ModelSpec, build, tensor_shapes
+from fedge.spec import ModelSpec, build, parameter_names, tensor_shapes
 from server.aggregation import capped_shares, combine
 from server.capacity import CapacityError, client_capacities, compatible
 from server.fedavg import checkpoint_global
@@ -188,10 +188,12 @@ class HeteroFL(Strategy):
         if not replies:
             return
         shares = capped_shares([r.num_examples for r in replies], self.options.max_client_share)
-        self.shares = {r.client_id: share for r, share in zip(replies, shares)}
+        if self.config.aggregation.weighted:
+            self.shares = {r.client_id: share for r, share in zip(replies, shares)}
         parts = [(r.models["model"].state, share) for r, share in zip(replies, shares)]
         spec = self.global_model.spec
-        self.global_model = Weights(spec, combine(self.global_model.state, parts, self.config.aggregation))
+        state = combine(self.global_model.state, parts, self.config.aggregation, parameter_names(spec))
+        self.global_model = Weights(spec, state)
 
     def evaluation(self, rnd: int, clients: Sequence[str]) -> dict[str, Task]:
         """Each client evaluates its own submodel of the global model."""

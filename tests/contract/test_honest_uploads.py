@@ -75,7 +75,8 @@ class OwnUploads(Strategy):
 
 def test_the_default_runs_cnn4_client_with_its_measured_running_variance_is_accepted_and_a_lying_one_is_not(tmp_path):
     """Issue 28's client 7: the default run's only cnn4, 383.6 of whose 384.9 norm was one BatchNorm running_var,
-    was refused as over 10 x the 27.41 of a fresh initialisation; a negative running variance is a lie."""
+    was refused as over 10 x the 27.41 of a fresh initialisation; a negative running variance is a lie, and so is one
+    of 1e11, which ruined a two-client FedAvg run (nothing round-relative exists with two uploads)."""
     spec = create("cnn4", (1, 28, 28), 10).with_origin("7")
     info = ClientInfo("7", spec, PROFILE, num_train=450, num_test=1)
     coordinator = Coordinator(
@@ -89,7 +90,9 @@ def test_the_default_runs_cnn4_client_with_its_measured_running_variance_is_acce
     name = "blocks.0.1.running_var"
     measured = state | {name: torch.full_like(state[name], 383.6 / state[name].numel() ** 0.5)}
     task = Task("kd_train", 0)
-    for running_var, code in ((measured, None), (state | {name: -state[name]}, "buffers")):
+    huge = state | {name: torch.full_like(state[name], 1e11)}  # within the absolute 1e12, not 100 x the reference's
+    for running_var, code in ((measured, None), (state | {name: -state[name]}, "buffers"), (huge, "norm_bound")):
+        coordinator.rejected.clear()
         reply = Result("7", 0, "kd_train", 450, {"train_loss": 0.1}, {"local": Weights(spec, running_var)})
         kept = coordinator.accepted({"7": reply}, {"7": task})
         assert (set(kept), dict(coordinator.rejected)) == (({"7"}, {}) if code is None else (set(), {code: 1}))

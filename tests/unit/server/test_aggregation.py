@@ -61,6 +61,34 @@ def test_krum_picks_the_upload_closest_to_the_others_and_multi_krum_averages_the
     assert multi["w"].tolist() == pytest.approx([1.0, 1.0125])
 
 
+def test_krum_over_slices_does_not_prefer_the_narrow_ones():
+    """HeteroFL: parts of rates 1, 1, 1, 1/2, 1/4 updating the same direction; zero-padding the narrow ones would make
+    them look closest to each other. Compared on what both hold, the full-width agreeing parts win."""
+    base = {"w": torch.zeros(8, 8)}
+    wide = [({"w": torch.full((8, 8), 1.0 + 0.01 * i)}, 1.0) for i in range(3)]
+    narrow = [({"w": torch.full((4, 4), 1.5)}, 1.0), ({"w": torch.full((2, 2), 1.6)}, 1.0)]
+    how = Aggregation("krum", byzantine=1)
+    assert krum_selection(base, wide + narrow, how) == [1]
+    assert krum_selection(base, wide + narrow, Aggregation("multi_krum", byzantine=1)) == [0, 1, 2, 3]
+
+
+def test_krum_compares_learned_tensors_only():
+    base = {"w": torch.zeros(2), "bn.running_var": torch.ones(2)}
+    ps = [
+        ({"w": torch.tensor(w), "bn.running_var": torch.tensor(v)}, 1.0)
+        for w, v in (
+            ([1.0, 1.0], [900.0, 900.0]),
+            ([1.0, 1.1], [1.0, 1.0]),
+            ([1.1, 1.0], [2.0, 2.0]),
+            ([1.0, 0.9], [3.0, 3.0]),
+            ([9.0, -9.0], [1.0, 1.0]),
+        )
+    ]
+    how = Aggregation("krum", byzantine=1)
+    assert krum_selection(base, ps, how, learned={"w"}) == [0]  # its weights sit among the others'
+    assert krum_selection(base, ps, how) != [0]  # its BatchNorm statistics would have ruled it out
+
+
 def test_krum_with_too_few_uploads_takes_the_median():
     out = combine(BASE, parts([1.0, 0.0], [3.0, 0.0], [100.0, 0.0]), Aggregation("krum", byzantine=1))
     assert out["w"].tolist() == [3.0, 0.0]  # 3 <= 2f + 2: Krum's pick would be arbitrary

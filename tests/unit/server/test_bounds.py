@@ -59,16 +59,39 @@ def test_an_outlying_update_is_refused_and_kept_out_of_the_history():
     assert bounds.history["local/w"] == [1.0, 1.0, 1.0] and bounds.history["#local"] == [1.0, 1.0, 1.0]
 
 
-def test_with_fewer_than_three_updates_the_recent_history_is_the_reference():
+def test_with_fewer_than_three_updates_the_recent_history_is_the_reference_and_no_liar_grows_it():
     bounds = UpdateBounds(3.0)
     first = {"a": {"local/w": pair(9.0)}, "b": {"local/w": pair(1.0)}}
-    assert bounds.apply(first, dict.fromkeys("ab", PARAMS)) == ({}, {})  # no history yet: nothing to compare with
+    assert bounds.apply(first, dict.fromkeys("ab", PARAMS)) == ({}, {})  # nothing to compare with yet ...
+    assert bounds.history == {}  # ... and a round of two seeds no history a liar could have set
     bounds.history = {"local/w": [1.0, 1.0, 2.0], "#local": [1.0, 1.0, 2.0]}
     refused, clipped = bounds.apply({"a": {"local/w": pair(5.0)}}, {"a": PARAMS})
     assert refused == {} and rms(clipped["a"]["local/w"]) == pytest.approx(3.0)
-    assert bounds.history["#local"] == [1.0, 1.0, 2.0, 5.0]  # its whole update (unclipped) joined the history
+    assert bounds.history["#local"] == [1.0, 1.0, 2.0, 1.0]  # a round without a quorum adds at most its reference
+    assert bounds.history["local/w"] == [1.0, 1.0, 2.0, 1.0]
     refused, _ = bounds.apply({"a": {"local/w": pair(16.0)}}, {"a": PARAMS})
-    assert "RMS 16, over 10 x the recent median 1.5" in refused["a"]
+    assert "RMS 16, over 10 x the recent median 1" in refused["a"]
+
+
+def test_updates_of_zero_are_neither_a_reference_nor_history():
+    """FedMN's router comes back unchanged from a client that learns no routing: those zeros must not pull the
+    median down and clip the clients that did learn."""
+    bounds = UpdateBounds(3.0)
+    pairs = {cid: {"t": pair(u)} for cid, u in zip("abcdef", (0.0, 0.0, 0.0, 1.0, 1.2, 3.5))}
+    refused, clipped = bounds.apply(pairs, dict.fromkeys("abcdef", {"tensors": frozenset({"t"})}))
+    assert refused == {} and clipped == {}  # 3.5 <= 3 x median(1, 1.2, 3.5) = 3.6
+    assert bounds.history["t"] == pytest.approx([1.0, 1.2, 3.5])
+
+
+def test_the_history_does_not_depend_on_the_order_replies_arrived_in():
+    """Over MQTT replies arrive in any order; the history (and so later rounds' bounds) must be the in-process run's."""
+    values = dict(zip(["10", "2", "1", "3"], (4.0, 3.0, 2.0, 1.0)))
+    histories = []
+    for order in (["10", "2", "1", "3"], ["1", "2", "3", "10"]):
+        bounds = UpdateBounds(3.0)
+        bounds.apply({cid: {"local/w": pair(values[cid])} for cid in order}, dict.fromkeys(order, PARAMS))
+        histories.append(bounds.history)
+    assert histories[0] == histories[1] and histories[0]["local/w"] == [2.0, 3.0, 1.0, 4.0]
 
 
 def test_no_clipping_at_clip_factor_zero_but_outliers_are_still_refused():
