@@ -6,7 +6,7 @@ where one client lies within the bounds (same seed, same fleet), and the server'
     python bench/robust.py --strategies fedavg --seeds 0 --rounds 3
 
 The liar (client 0 unless --liar) has its true registration and answers every task; what it uploads (--attack) is
--9.9 x what the task sent it (inside the 10 x norm bound), or its honest update reversed and x 8 (inside the 30 x
+-9.9 x what the task sent it (inside the 10 x norm bound), or its honest update reversed and x 8 (inside the 10 x
 median update bound, so it is clipped rather than refused), and for FedMN every path of its next and most likely
 route on. Accuracy is the mean final accuracy of the other clients; "paired" is attacked - honest per seed.
 """
@@ -46,7 +46,7 @@ ATTACKS: dict[str, tuple[Lie, str]] = {
     "scaled": (lambda sent, mine: sent * -9.9, "-9.9 x what it was sent (inside the 10 x norm bound)"),
     "flipped": (
         lambda sent, mine: sent - 8 * (mine - sent),
-        "its honest update reversed and x 8 (inside the 30 x median update bound)",
+        "its honest update reversed and x 8 (inside the 10 x median update bound)",
     ),
 }
 

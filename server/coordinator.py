@@ -223,7 +223,7 @@ class Coordinator:
             if found:
                 pairs[cid] = found
                 params[cid] = {role: parameter_names(w.spec) for role, w in res.models.items()} | {
-                    TENSORS: parameter_names(self.clients[cid].spec)
+                    TENSORS: parameter_names(self.clients[cid].spec) - self.strategy.outlier_exempt()
                 }
         return self.bounds.apply(pairs, params)
 

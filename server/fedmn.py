@@ -173,6 +173,12 @@ class FedMN(Strategy):
             tasks[cid] = Task("modular_train", rnd, config, tensors=tensors | {ROUTE: route})
         return tasks
 
+    def outlier_exempt(self) -> frozenset[str]:
+        """The router: its SGD step on a task's summed gradient varies across honest clients by over 10 x the
+        round's median (bench/robust.py); it is clipped, and in a task that learns no routing must come back as
+        sent (reply_rejection)."""
+        return frozenset(self.parts[ROUTER])
+
     def route_slots(self, *names: str) -> dict[str, TensorSlot]:
         return {name: TensorSlot((self.layout.paths,), "bool") for name in names}
 

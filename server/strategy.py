@@ -98,6 +98,11 @@ class Strategy:
     update_of: Mapping[str, str] = {}
     tensor_updates = False
 
+    def outlier_exempt(self) -> frozenset[str]:
+        """Named tensors whose honest updates are too heavy-tailed across clients to refuse a reply by (FedMN's
+        router): left out of the whole-update outlier check, still clipped tensor by tensor. None by default."""
+        return frozenset()
+
     def __init__(
         self, config: StrategyConfig, public: PublicData | None = None, options: StrategyOptions | None = None
     ) -> None:

@@ -10,11 +10,13 @@ import torch
 
 from device_profiles import get_profile
 from fedge.messages import ClientInfo, Result
-from fedge.modular import NEXT_ROUTE, ROUTE, ROUTING, block_of, downloaded, layout_of, router_macs, uploaded
+from fedge.modular import NEXT_ROUTE, ROUTE, ROUTER, ROUTING, block_of, downloaded, layout_of, router_macs, uploaded
 from fedge.payloads import payload_rejection
 from fedge.spec import build
 from fedge.zoo import create
 from server.aggregation import weighted_average
+from server.coordinator import Coordinator, LoopConfig
+from server.runlog import RunLog
 from server.strategy import StrategyConfig, StrategyError, create_strategy
 
 pytestmark = pytest.mark.timeout(60)
@@ -198,3 +200,28 @@ def test_a_fleet_without_one_modular_network_is_refused():
     mixed = fleet() | {"9": ClientInfo("9", create("fedmn_3x3x3_fc", (1, 4, 4), 10), "rpi-4", 10, 5)}
     with pytest.raises(StrategyError, match="one modular network"):
         s.setup(mixed)
+
+
+def test_a_heavy_tailed_router_step_is_clipped_not_refused_and_an_outlying_block_update_is_refused(tmp_path):
+    """Honest router steps vary across clients beyond 10 x the round's median (bench/robust.py): the router is left
+    out of the whole-update outlier check (FedMN.outlier_exempt) and clipped instead; blocks are not left out."""
+    s = strategy()
+    s.routes = {cid: ALL.clone() for cid in "012"}
+    tasks = s.plan(1, ["0", "1", "2"])
+    coordinator = Coordinator(s, None, fleet(), LoopConfig(2, 3, 0, 1, progress=False), RunLog(tmp_path, {}))
+    router = set(s.outlier_exempt())
+    assert router and router == {n for n in s.parts[ROUTER]}
+
+    def moved(cid, scale, names):
+        res = reply(tasks[cid], cid, int(cid), next_route=ALL)
+        sent = tasks[cid].tensors
+        big = {n: sent[n] + scale * (t - sent[n]) for n, t in res.tensors.items() if n in names}
+        return Result(cid, 1, res.type, res.num_examples, res.metrics, tensors=res.tensors | big)
+
+    blocks = {n for n in tasks["0"].tensors if block_of(n) not in (None, ROUTER)}
+    honest = {cid: reply(tasks[cid], cid, int(cid), next_route=ALL) for cid in "12"}
+    routed = {"0": moved("0", 30.0, router)} | honest  # 30 x the others' step, within the 10 x norm bound
+    kept = coordinator.accepted(routed, tasks)
+    assert set(kept) == {"0", "1", "2"} and coordinator.bounds.clipped["0"] >= len(router)
+    outlier = {"0": moved("0", 12.0, blocks)} | honest  # 12 x the median update: an outlier, within the norm bound
+    assert set(coordinator.accepted(outlier, tasks)) == {"1", "2"} and coordinator.rejected == {"update_outlier": 1}
