@@ -235,7 +235,8 @@ class Coordinator:
     ) -> dict[str, str]:
         """Client → message for each reply with an upload whose parameter norm (`norms`, by client and role:
         parameters, buffers) exceeds UPLOAD_NORM_FACTOR times its reference (see reference_norm), or whose buffer norm
-        exceeds UPLOAD_NORM_FACTOR² times the reference's (weights 10 x larger scale a layer's output, and so its
+        exceeds UPLOAD_NORM_FACTOR² times the reference's, or a fresh model's if larger (weights 10 x larger scale a
+        layer's output, and so its
         BatchNorm's running variance, 100 x): bounds that hold for a round of one or two uploads, where the medians of
         norm_outliers and the update bounds do not exist."""
         out: dict[str, str] = {}
@@ -248,8 +249,10 @@ class Coordinator:
                 ):
                     previous = (self.buffer_norms if buffers else self.upload_norms).get(key)
                     ref, of = reference_norm(weights, tasks[cid], previous, buffers)
+                    if buffers:  # a reference whose running variances shrank below a fresh model's is no floor
+                        ref = max(ref, fresh_norms(weights.spec.with_origin(None).to_json())[1])
                     norm = norms[cid, role][buffers]
-                    if norm > factor * max(ref, fresh_norms(weights.spec.with_origin(None).to_json())[buffers]):
+                    if norm > factor * ref:
                         out.setdefault(
                             cid, f"model {role!r} has {what} {norm:.4g}, over {factor:g} x the {ref:.4g} of {of}"
                         )
