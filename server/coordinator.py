@@ -236,9 +236,8 @@ class Coordinator:
         """Client → message for each reply with an upload whose parameter norm (`norms`, by client and role:
         parameters, buffers) exceeds UPLOAD_NORM_FACTOR times its reference (see reference_norm), or whose buffer norm
         exceeds UPLOAD_NORM_FACTOR² times the reference's, or a fresh model's if larger (weights 10 x larger scale a
-        layer's output, and so its
-        BatchNorm's running variance, 100 x): bounds that hold for a round of one or two uploads, where the medians of
-        norm_outliers and the update bounds do not exist."""
+        layer's output, and so its BatchNorm's running variance, 100 x): bounds that hold for a round of one or two
+        uploads, where the medians of norm_outliers and the update bounds do not exist."""
         out: dict[str, str] = {}
         for cid, res in results.items():
             for role, weights in res.models.items():
