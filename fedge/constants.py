@@ -77,7 +77,9 @@ KD_LAMBDA = 0.2
 NT_XENT_TAU = 0.07
 FINETUNE_EPOCHS = 3
 PFEDCLUB_PLUS_ETA = 0.1
-MAX_CANDIDATES = 16  # pFedClub's cap on a client's CMSR candidates (0: all; see server/cmsr.py)
+MAX_CANDIDATES = 16  # pFedClub's cap on a client's CMSR candidates, drawn uniformly (0: all; see server/cmsr.py)
+CMSR_SHUFFLE_LIMIT = 1 << 20  # up to this many CMSR paths, a capped draw shuffles them all; beyond, draws lazily
+CMSR_MAX_DRAWS_PER_CANDIDATE = 64  # capped draws refused this often (pFedClub+'s bound) → list the acceptable ones
 ABLATIONS = ("none", "max", "min", "noc", "nbc")
 KD_TEMPERATURE = 1.0
 # The KL of Eq. (5): "teacher_student" = KL(p_teacher ‖ q_student), "student_teacher" = KL(q_student ‖ p_teacher).

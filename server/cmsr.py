@@ -11,9 +11,11 @@ What the paper leaves open, and what is chosen here (each is also said where it 
   increasing indices, starting at the anchor); a path that dead-ends before the last searched step
   is kept and completed by Step 3 (lines 21-22 test the length per candidate, so lengths may differ);
 - line 20 keeps every path; their number can explode (≈ G_k^{R_m}, §3.2.2: 3 to 56,378 per client
-  on five Zoo I uploads). An optional cap `max_candidates` is deterministic, never random (§3.2.2 names
-  random subsets as the naive solution CMSR replaces): the k paths whose blocks are most similar to the
-  client's own, position by position, by Eq. (1), found best-first without listing the rest;
+  on five Zoo I uploads). An optional cap `max_candidates` keeps k of them drawn uniformly (seeded), so
+  the kept candidates have the composition of Alg. 1's whole set. §3.2.2's "random subsets" are random
+  block combinations *instead of* CMSR; these are a sample *of* CMSR's candidates. (A rule that ranks
+  candidates by Eq. (1) to the client's blocks, as we did before, keeps mostly the client's own blocks:
+  sim(k, k) is the maximum.);
 - ablation `max` (Table 3): the most similar block of the group *other than* B_m,1 itself (B_m,1
   is trivially the most similar to itself, which would make `max` the identity); ties → first in
   (index, client) order. Ablation `min`: the smallest index; ties (B_m,1 and other models' first
@@ -28,9 +30,6 @@ What the paper leaves open, and what is chosen here (each is also said where it 
 from __future__ import annotations
 
 import bisect
-import heapq
-import itertools
-import math
 from collections import defaultdict
 from dataclasses import dataclass
 from fractions import Fraction
@@ -38,6 +37,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from fedge import constants as C
 from server.blocks import Key
 
 Candidate = tuple[Key, ...]
@@ -179,38 +179,23 @@ def search_steps(
 
 
 class _Paths:
-    """The maximal order-satisfying paths through `steps`: counted, and listed best-first by an additive score.
+    """The maximal order-satisfying paths through `steps`: counted, listed in lexicographic order, and unranked.
 
-    Each step is sorted by position, so a block's successors are a suffix of the next step and
-    path counts are suffix sums: O(total blocks in the steps) work, however many paths there are.
-    `weights[r][j]` scores block j of step r; `ends[r]` scores a path that ends after step r (its
-    Step 3 completion). `best[r][j]` is the best score of any path continuing from block j of step r
-    (itself included), so a best-first search with it as the bound pops complete paths in exact
-    descending score order.
+    Each step is sorted by position, so a block's successors are a suffix of the next step and path counts
+    are suffix sums: O(total blocks in the steps) work, however many paths there are. Path number i (in
+    lexicographic step-index order, 0 <= i < total) is found from the counts alone (`path`), which is how a
+    cap draws a uniform sample of Alg. 1's candidates without listing them.
     """
 
-    def __init__(
-        self,
-        steps: Sequence[tuple[Key, ...]],
-        position: Mapping[Key, Position],
-        order: bool,
-        weights: Sequence[Sequence[float]],
-        ends: Sequence[float],
-    ) -> None:
-        self.steps, self.order, self.weights = steps, order, weights
+    def __init__(self, steps: Sequence[tuple[Key, ...]], position: Mapping[Key, Position], order: bool) -> None:
+        self.steps, self.order = steps, order
         self.pos = [[position[k] for k in step] for step in steps]
-        self.suffix: list[list[int]] = [[] for _ in steps]
-        self.best: list[list[float]] = [[] for _ in steps]
-        top: list[float] = []  # top[i] = max(best[r + 1][i:]), for the step after the current one
+        self.suffix: list[list[int]] = [[] for _ in steps]  # suffix[r][j]: paths through blocks j.. of step r
         for r in range(len(steps) - 1, -1, -1):
             suffix = [0] * (len(steps[r]) + 1)
-            best = [0.0] * len(steps[r])
             for j in range(len(steps[r]) - 1, -1, -1):
-                after = self._after(r, self.pos[r][j])
-                suffix[j] = suffix[j + 1] + (after or 1)
-                best[j] = weights[r][j] + (top[self._start(r, self.pos[r][j])] if after else ends[r])
-            self.suffix[r], self.best[r] = suffix, best
-            top = list(itertools.accumulate(reversed(best), max))[::-1] + [-math.inf]
+                suffix[j] = suffix[j + 1] + (self._after(r, self.pos[r][j]) or 1)
+            self.suffix[r] = suffix
 
     def _start(self, r: int, pos: Position) -> int:
         """Index in step r + 1 of the first successor of a block at `pos` in step r."""
@@ -224,32 +209,117 @@ class _Paths:
     def total(self) -> int:
         return self.suffix[0][0]
 
-    def best_first(self, prune: Prune | None = None) -> Iterator[tuple[float, tuple[int, ...], Candidate]]:
-        """(score, step indices, path) of every maximal path, best score first; ties in lexicographic order.
+    def path(self, i: int) -> Candidate:
+        """Path number i of the lexicographic order (0 <= i < total), found from the counts in O(depth x width)."""
+        if not 0 <= i < self.total:
+            raise IndexError(f"path {i} of {self.total}")
+        j, out = 0, [self.steps[0][0]]
+        for r in range(len(self.steps) - 1):
+            if not self._after(r, self.pos[r][j]):
+                break
+            start = self._start(r, self.pos[r][j])
+            nxt = self.suffix[r + 1]
+            j = start
+            while i >= nxt[start] - nxt[j + 1]:  # paths through successors start..j come first
+                j += 1
+            i -= nxt[start] - nxt[j]
+            out.append(self.steps[r + 1][j])
+        return tuple(out)
 
-        `prune(prefix)` True drops the prefix and every path through it (it must be monotone: a pruned
-        prefix never has an acceptable extension). The heap holds at most (paths popped) x (largest step)
-        prefixes, so taking the first k costs O(k x depth x step width) however many paths exist.
-        """
-        heap: list[tuple[float, tuple[int, ...], float]] = [(-self.best[0][0], (0,), self.weights[0][0])]
-        while heap:
-            _, idx, score = heapq.heappop(heap)
-            r = len(idx) - 1
-            path = tuple(self.steps[i][j] for i, j in enumerate(idx))
-            if not self._after(r, self.pos[r][idx[-1]]):
-                yield self.best[r][idx[-1]] - self.weights[r][idx[-1]] + score, idx, path
-                continue
-            for j in range(self._start(r, self.pos[r][idx[-1]]), len(self.steps[r + 1])):
-                if prune is not None and prune(path + (self.steps[r + 1][j],)):
-                    continue
-                gained = score + self.weights[r + 1][j]
-                heapq.heappush(heap, (-(gained - self.weights[r + 1][j] + self.best[r + 1][j]), idx + (j,), gained))
+    def all(self, prune: Prune | None = None) -> Iterator[Candidate]:
+        """Every maximal path in lexicographic order; `prune(prefix)` True drops the prefix and its extensions
+        (it must be monotone: a pruned prefix never has an acceptable extension)."""
+
+        def walk(r: int, j: int, prefix: Candidate) -> Iterator[Candidate]:
+            if not self._after(r, self.pos[r][j]):
+                yield prefix
+                return
+            for k in range(self._start(r, self.pos[r][j]), len(self.steps[r + 1])):
+                longer = prefix + (self.steps[r + 1][k],)
+                if prune is None or not prune(longer):
+                    yield from walk(r + 1, k, longer)
+
+        yield from walk(0, 0, (self.steps[0][0],))
+
+    def pruned(self, path: Candidate, prune: Prune | None) -> bool:
+        """Whether `all(prune)` would leave `path` out: some prefix of two or more blocks is pruned."""
+        return prune is not None and any(prune(path[:n]) for n in range(2, len(path) + 1))
+
+
+def _below(n: int, rng: np.random.Generator) -> int:
+    """A uniform integer in [0, n), for any n >= 1 (path counts can exceed int64: rejection on random bits)."""
+    if n < 2**62:
+        return int(rng.integers(n))
+    bits = n.bit_length()
+    while True:
+        words = rng.integers(0, 2**32, size=-(-bits // 32), dtype=np.uint64)
+        value = sum(int(wd) << (32 * k) for k, wd in enumerate(words)) >> (32 * len(words) - bits)
+        if value < n:
+            return value
+
+
+def _random_order(total: int, rng: np.random.Generator) -> Iterator[int]:
+    """Path numbers 0..total-1 in a uniformly random order, deterministic given `rng`: a shuffle, or, when there
+    are too many to shuffle, uniform draws with repeats skipped."""
+    if total <= C.CMSR_SHUFFLE_LIMIT:
+        yield from (int(i) for i in rng.permutation(total))
+        return
+    seen: set[int] = set()
+    while len(seen) < total:
+        i = _below(total, rng)
+        if i not in seen:
+            seen.add(i)
+            yield i
+
+
+def _uniform_sample(
+    paths: _Paths,
+    k: int,
+    rng: np.random.Generator,
+    finish: Callable[[Candidate], Candidate],
+    prune: Prune | None,
+    accept: Callable[[Candidate], bool] | None,
+) -> tuple[list[Candidate], int]:
+    """k candidates drawn uniformly without replacement from those `prune` and `accept` let through, and how many
+    drawn ones were refused: the first k acceptable ones of a random order of all paths. When a budget of
+    CMSR_MAX_DRAWS_PER_CANDIDATE x k draws runs out first (acceptable candidates are rare: a tight pFedClub+
+    bound), every acceptable candidate is listed (pruning whole prefixes) and k are drawn from them, so the
+    sample is uniform either way."""
+    kept: list[tuple[int, Candidate]] = []
+    rejected = 0
+    budget = C.CMSR_MAX_DRAWS_PER_CANDIDATE * k
+    for drawn, i in enumerate(_random_order(paths.total, rng)):
+        if drawn == budget:
+            listed = [c for c in map(finish, paths.all(prune)) if accept is None or accept(c)]
+            pick = sorted(rng.choice(len(listed), size=min(k, len(listed)), replace=False)) if listed else []
+            return [listed[int(j)] for j in pick], rejected
+        path = paths.path(i)
+        candidate = finish(path)
+        if paths.pruned(path, prune) or (accept is not None and not accept(candidate)):
+            rejected += 1
+            continue
+        kept.append((i, candidate))
+        if len(kept) == k:
+            break
+    return [c for _, c in sorted(kept)], rejected
+
+
+def composition(client: str, candidates: Sequence[Candidate]) -> tuple[float | None, list[int]]:
+    """The share of the candidates' blocks that are the client's own (None without candidates), and the histogram
+    of foreign blocks per candidate (entry f: how many candidates have f blocks of other models)."""
+    foreign = [sum(key[0] != client for key in c) for c in candidates]
+    blocks = sum(len(c) for c in candidates)
+    histogram = [0] * (max(foreign, default=-1) + 1)
+    for f in foreign:
+        histogram[f] += 1
+    return (1 - sum(foreign) / blocks if blocks else None), histogram
 
 
 @dataclass(frozen=True)
 class CmsrResult:
     """One client's CMSR search: the candidates kept (in lexicographic step order), how many CMSR paths exist
-    in all (Alg. 1 line 20), how many were looked at and rejected by `accept`, and the Step 1 anchor."""
+    in all (Alg. 1 line 20), how many were looked at and refused by `prune` or `accept` (of those listed, or of
+    those drawn under a cap), and the Step 1 anchor."""
 
     candidates: list[Candidate]
     total: int
@@ -273,39 +343,34 @@ def cmsr_search(
     Step 1 picks one anchor (lines 3-7) shared by all candidates; Step 2 builds C_m[2..] (lines
     8-18); line 20 takes the maximal paths anchor → C_m[2] → ... with strictly increasing
     positions; Step 3 (lines 21-22) appends the client's own B_m,j+1..R_m to a path of j < R_m
-    blocks. max_candidates None keeps every candidate (Alg. 1); a cap k keeps the k candidates with
-    the highest Σ_r sim(B_m,r, c_r) (Eq. (1), positions the candidate has): those most alike the client's
-    model block by block, found best-first without listing the others (ties: lexicographic order),
-    deterministic (the rng only draws the anchor). `prune(prefix)` (monotone) and `accept(candidate)` are
-    the caller's extra constraints (§3.2.2: "can easily incorporate other types of constraints";
-    pFedClub+ bounds the stitched size with them); a candidate `accept` refuses counts as rejected.
+    blocks. max_candidates None keeps every candidate (Alg. 1); a cap k keeps k candidates drawn
+    uniformly at random, without replacement, from Alg. 1's (`_uniform_sample`), so the kept ones are
+    composed as the whole set is (own blocks, foreign blocks, truncated paths), whatever the ablation;
+    they are drawn from `rng` after the anchor, without listing the others. `similarity` (Eq. (1)) is
+    only read by anchor "max". `prune(prefix)` (monotone) and `accept(candidate)` are the caller's extra
+    constraints (§3.2.2: "can easily incorporate other types of constraints"; pFedClub+ bounds the
+    stitched size with them); a candidate they refuse counts as rejected. Candidates come in
+    lexicographic step order.
 
     Raises ValueError when num_blocks < 1, when one of the client's blocks has no group or `groups` holds
-    client blocks beyond num_blocks, for a malformed key, max_candidates < 1, a cap without a similarity,
-    or anchor "max" without a (finite) similarity.
+    client blocks beyond num_blocks, for a malformed key, max_candidates < 1, or anchor "max" without a
+    (finite) similarity.
     """
     if max_candidates is not None and max_candidates < 1:
         raise ValueError(f"max_candidates must be >= 1 or None, got {max_candidates}")
-    if max_candidates is not None and similarity is None:
-        raise ValueError("a candidate cap ranks candidates by Eq. (1) and needs a similarity function")
     own = _check_pool(client, num_blocks, groups)
     position = block_positions(groups, options.index)
     members = group_members(groups, position)
     anchor = select_anchor(own[0], members[groups[own[0]]], position, rng, options.anchor, similarity)
     steps = search_steps(own, anchor, groups, members, position, options.order_constraint)
-    sim = similarity if max_candidates is not None and similarity is not None else (lambda a, b: 0.0)
-    weights = [[sim(own[r], k) for k in step] for r, step in enumerate(steps)]
-    rest = [sim(k, k) for k in own] if options.completion else [0.0] * len(own)
-    ends = [math.fsum(rest[r + 1 :]) for r in range(len(steps))]
-    paths = _Paths(steps, position, options.order_constraint, weights, ends)
-    kept: list[tuple[tuple[int, ...], Candidate]] = []
-    rejected = 0
-    for _, idx, path in paths.best_first(prune):
-        candidate = path + tuple(own[len(path) :]) if options.completion else path
-        if accept is not None and not accept(candidate):
-            rejected += 1
-            continue
-        kept.append((idx, candidate))
-        if max_candidates is not None and len(kept) == max_candidates:
-            break
-    return CmsrResult([c for _, c in sorted(kept)], paths.total, rejected, anchor)
+    paths = _Paths(steps, position, options.order_constraint)
+
+    def finish(path: Candidate) -> Candidate:  # Step 3, lines 21-22 (not under the nbc ablation)
+        return path + tuple(own[len(path) :]) if options.completion else path
+
+    if max_candidates is not None and max_candidates < paths.total:
+        kept, rejected = _uniform_sample(paths, max_candidates, rng, finish, prune, accept)
+        return CmsrResult(kept, paths.total, rejected, anchor)
+    every = [finish(p) for p in paths.all(prune)]
+    kept = [c for c in every if accept is None or accept(c)]
+    return CmsrResult(kept, paths.total, len(every) - len(kept), anchor)

@@ -16,7 +16,7 @@ from fedge.messages import Weights
 from fedge.seeding import derive_seed
 from fedge.spec import ModelSpec
 from server.assemble import assemble, size_problems, stitched_blocks
-from server.cmsr import Candidate, CmsrOptions, CmsrResult, Prune, cmsr_search
+from server.cmsr import Candidate, CmsrOptions, CmsrResult, Prune, cmsr_search, composition
 from server.finetune import best_match, public_logits
 from server.reassembly import Pool, ReassemblyOptions, ReassemblyStrategy
 from server.strategy import StrategyError, option, register_strategy
@@ -47,12 +47,13 @@ class PFedClubOptions(ReassemblyOptions):
     )
     max_candidates: int = option(
         C.MAX_CANDIDATES,
-        "0: every CMSR candidate (Alg. 1; up to tens of thousands per client); k: the k most similar to the "
-        "client's blocks by Eq. (1), deterministic (a cap for time and memory, not in the paper)",
+        "0: every CMSR candidate (Alg. 1; up to tens of thousands per client); k: k of them drawn uniformly, "
+        "seeded, so the kept ones are composed as the whole set is (a cap for time and memory, not in the paper)",
     )
     exclude_self: bool = option(
         False,
-        "drop the candidate identical to the client's own model (it wins Eq. (4) with cosine 1 when it exists)",
+        "drop the candidate identical to the client's own model (it wins Eq. (4) with cosine 1 when it exists); "
+        "when no other candidate is left the client gets no teacher that round",
     )
 
     def __post_init__(self) -> None:
@@ -112,8 +113,8 @@ class PFedClub(ReassemblyStrategy):
         return out
 
     def search(self, rnd: int, cid: str, pool: Pool) -> CmsrResult:
-        """CMSR for one client: all candidates, or the `max_candidates` most similar to its blocks (Eq. (1));
-        pFedClub+ keeps only complete stitched candidates within (1+η)|w| and the device profile."""
+        """CMSR for one client: all candidates, or `max_candidates` of them drawn uniformly; pFedClub+ keeps only
+        complete stitched candidates within (1+η)|w| and the device profile."""
         own = pool.uploads[cid].spec
         rng = np.random.default_rng(derive_seed(self.config.seed, "cmsr", rnd, cid))
         prune = accept = None
@@ -154,10 +155,13 @@ class PFedClub(ReassemblyStrategy):
         own = pool.uploads[cid]
         with self.stage("candidates"):
             found = self.search(rnd, cid, pool)
+        own_share, foreign = composition(cid, found.candidates)
         info: dict[str, Any] = {
             "candidates_total": found.total,
             "candidates": len(found.candidates),
             "candidates_rejected": found.rejected,
+            "own_block_share": own_share,
+            "foreign_blocks": foreign,
             "anchor": f"{pool.blocks[found.anchor].spec.origin.model}@{found.anchor[0]}:{found.anchor[1]}",
         }
         if not found.candidates:
@@ -186,17 +190,22 @@ class PFedClub(ReassemblyStrategy):
         return teacher, info | {"match_score": score, "teacher_fallback": False, "teacher_is_self": is_self}
 
     def fallback(self, rnd: int, cid: str, own: Weights) -> tuple[Weights | None, dict[str, Any]]:
-        """No candidate (for pFedClub+: none within its bound and the profile): the client's own model is the
-        teacher if it qualifies itself (pFedClub+: η ≥ 0) and fits the profile, else the client trains without a
-        teacher. Never an oversize teacher."""
+        """No candidate (for pFedClub+: none within its bound and the profile; with exclude_self: none but the client's
+        own model): the client's own model is the teacher if it qualifies itself (pFedClub+: η ≥ 0), fits the profile
+        and exclude_self is off, else the client trains without a teacher. Never an oversize teacher."""
         eta = self.options.eta if self.size_bound else 0.0  # pFedClub has no bound: its own model always meets it
-        ok = within_size_bound(own.spec.params, own.spec.params, eta) and fits(own.spec, self.profiles[cid]).ok
+        ok = (
+            not self.options.exclude_self
+            and within_size_bound(own.spec.params, own.spec.params, eta)
+            and fits(own.spec, self.profiles[cid]).ok
+        )
         log.warning(
-            "round %d client %s: no candidate within |w*| <= (1+%g)|w| and profile %s; %s",
+            "round %d client %s: no candidate within |w*| <= (1+%g)|w| and profile %s%s; %s",
             rnd,
             cid,
             eta,
             self.profiles[cid].name,
+            " other than its own model (exclude_self)" if self.options.exclude_self else "",
             "its own model is the teacher" if ok else "no teacher",
         )
         return (own if ok else None), {"teacher_fallback": True, "teacher_is_self": ok}

@@ -3,6 +3,7 @@ matching, and the per-client records (teacher size, ϕ of pFedClub Eq. (6), serv
 
 from __future__ import annotations
 
+import itertools
 import logging
 import statistics
 import time
@@ -101,6 +102,15 @@ class ReassemblyOptions(StrategyOptions):
             raise ConfigError(f"public must be labeled or unlabeled, got {self.public!r}")
         if self.kd_direction not in C.KD_DIRECTIONS:
             raise ConfigError(f"kd_direction must be one of {', '.join(C.KD_DIRECTIONS)}, got {self.kd_direction!r}")
+
+
+def _histogram_sum(histograms: Iterator[list[int] | None]) -> list[int] | None:
+    """Bin-wise sum of histograms of different lengths (None entries skipped; None if all are)."""
+    total: list[int] | None = None
+    for h in histograms:
+        if h is not None:
+            total = [a + b for a, b in itertools.zip_longest(total or [], h, fillvalue=0)]
+    return total
 
 
 def _finite_features(weights: Weights, x: torch.Tensor, device: str) -> bool:
@@ -285,7 +295,8 @@ class ReassemblyStrategy(Strategy):
     def summary(self) -> dict[str, Any]:
         """Per client: ϕ (Eq. (6): mean over the rounds it got a teacher), ϕ without the fallback rounds (own model
         as teacher, ϕ = 0; None if every round was one), how many rounds fell back and how many teachers were the
-        client's own model, mean teacher size, and mean candidates kept and (pFedClub) generated."""
+        client's own model, mean teacher size, mean candidates kept and (pFedClub) generated, and (pFedClub) the kept
+        candidates' mean own-block share and their histogram of foreign blocks per candidate over all rounds."""
 
         def mean(rows: list[dict[str, Any]], key: str) -> float | None:
             values = [r[key] for r in rows if r.get(key) is not None]
@@ -302,6 +313,8 @@ class ReassemblyStrategy(Strategy):
             "teacher_params": {c: mean(rows[c], "teacher_params") for c in cids},
             "candidates_per_client": {c: mean(rows[c], "candidates") for c in cids},
             "candidates_generated_per_client": {c: mean(rows[c], "candidates_total") for c in cids},
+            "own_block_share": {c: mean(rows[c], "own_block_share") for c in cids},
+            "foreign_blocks": {c: _histogram_sum(r.get("foreign_blocks") for r in rows[c]) for c in cids},
         } | self.program_counts()
 
     def program_counts(self) -> dict[str, Any]:

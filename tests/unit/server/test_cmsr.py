@@ -1,4 +1,4 @@
-"""CMSR (pFedClub Alg. 1) on hand-built pools: the Figure 2 walk-through, ablations, the deterministic cap."""
+"""CMSR (pFedClub Alg. 1) on hand-built pools: the Figure 2 walk-through, ablations, the uniform cap."""
 
 from collections import Counter
 from fractions import Fraction
@@ -8,8 +8,10 @@ import pytest
 
 from server.cmsr import (
     CmsrOptions,
+    _Paths,
     block_positions,
     cmsr_search,
+    composition,
     group_members,
     search_steps,
 )
@@ -190,71 +192,131 @@ def block_sim(groups):
     return lambda a, b: 2.0 if a == b else (groups[a] == groups[b]) / (1 + abs(a[1] - b[1])) + int(b[0]) / 100
 
 
-def test_a_cap_keeps_the_candidates_most_similar_to_the_clients_blocks():
+def test_paths_are_numbered_in_listing_order():
     groups = big_pool(clients=4, depth=6)
-    sim = block_sim(groups)
+    for options in (CmsrOptions(), CmsrOptions(order_constraint=False), CmsrOptions(completion=False)):
+        position = block_positions(groups)
+        own = [("0", r) for r in range(6)]
+        for anchor in group_members(groups, position)[groups[own[0]]]:
+            steps = search_steps(
+                own, anchor, groups, group_members(groups, position), position, options.order_constraint
+            )
+            paths = _Paths(steps, position, options.order_constraint)
+            assert [paths.path(i) for i in range(paths.total)] == list(paths.all())
+            with pytest.raises(IndexError):
+                paths.path(paths.total)
+
+
+def capped_and_whole(groups, client, depth, options, k, seeds, **kwargs):
+    """Over many rounds (seeds): the kept candidates under a cap k, and each round's whole candidate set weighted
+    by the share of it a uniform cap keeps (k / total), as (own-block share, foreign-block histogram) pairs."""
+    kept, expected_hist, expected_own, blocks = [], Counter(), 0.0, 0.0
+    for seed in seeds:
+        whole = cmsr_candidates(client, depth, groups, np.random.default_rng(seed), options, **kwargs)
+        capped = cmsr_candidates(
+            client, depth, groups, np.random.default_rng(seed), options, max_candidates=k, **kwargs
+        )
+        assert len(capped) == min(k, len(whole)) and set(capped) <= set(whole)
+        kept += capped
+        weight = len(capped) / len(whole)
+        _, hist = composition(client, whole)
+        expected_hist.update({f: weight * n for f, n in enumerate(hist)})
+        expected_own += weight * sum(sum(key[0] == client for key in c) for c in whole)
+        blocks += weight * sum(len(c) for c in whole)
+    return kept, expected_hist, expected_own / blocks
+
+
+def assert_same_composition(client, kept, expected_hist, expected_own):
+    own, hist = composition(client, kept)
+    for f in set(range(len(hist))) | set(expected_hist):
+        observed = hist[f] if f < len(hist) else 0
+        assert abs(observed - expected_hist[f]) <= 4 * expected_hist[f] ** 0.5 + 1, (f, hist, expected_hist)
+    assert own == pytest.approx(expected_own, abs=0.03)
+
+
+@pytest.mark.parametrize("k", [1, 4, 16])
+def test_a_cap_keeps_the_composition_of_every_candidate(k):
+    # The own-block share and foreign-block histogram of capped candidates match Alg. 1's whole set within
+    # sampling error. The cap this replaced (the k most similar to the client's blocks by Eq. (1)) kept mostly
+    # the client's own blocks: sim(k, k) = 2 is the maximum, so it fails here (own share 0.78, 0.71, 0.58 at k = 1, 4, 16
+    # against 0.345 for the whole set; the uniform draw keeps 0.344, 0.354, 0.350).
+    groups = big_pool(clients=5, depth=6, seed=2)
+    kept, expected_hist, expected_own = capped_and_whole(
+        groups, "0", 6, CmsrOptions(), k, range(300), similarity=block_sim(groups)
+    )
+    assert_same_composition("0", kept, expected_hist, expected_own)
+
+
+@pytest.mark.parametrize("ablation", ["noc", "nbc", "max", "min"])
+def test_ablations_draw_from_their_own_candidate_sets_by_the_same_rule(ablation):
+    options = {
+        "noc": CmsrOptions(order_constraint=False),
+        "nbc": CmsrOptions(completion=False),
+        "max": CmsrOptions(anchor="max"),
+        "min": CmsrOptions(anchor="min"),
+    }[ablation]
+    kept, expected_hist, expected_own = capped_and_whole(
+        GROUPS, "1", 4, options, 2, range(200), similarity=similar_to(w(2, 1))
+    )
+    assert_same_composition("1", kept, expected_hist, expected_own)
+    if ablation == "noc":  # unconstrained mixtures stay: a candidate that breaks the order is kept
+        assert any(not substituted_indices_increase(c, "1", 4) for c in kept)
+    if ablation == "nbc":  # truncated candidates, which define nbc, are kept
+        assert any(len(c) < 4 for c in kept)
+
+
+def test_a_cap_is_seeded_and_listed_in_step_order():
+    groups = big_pool(clients=4, depth=6)
     options = CmsrOptions(anchor="min")
     everything = cmsr_candidates("0", 6, groups, np.random.default_rng(3), options)
-
-    def score(candidate):
-        return sum(sim(("0", r), k) for r, k in enumerate(candidate))
-
-    capped = cmsr_search("0", 6, groups, np.random.default_rng(3), options, similarity=sim, max_candidates=7)
+    capped = cmsr_search("0", 6, groups, np.random.default_rng(3), options, max_candidates=7)
     assert capped.total == len(everything) and len(capped.candidates) == 7
-    best = sorted(everything, key=score, reverse=True)
-    assert sorted(map(score, capped.candidates), reverse=True) == pytest.approx([score(c) for c in best[:7]])
-    assert capped.candidates == [c for c in everything if c in set(capped.candidates)]  # listed in step order
-    again = cmsr_search("0", 6, groups, np.random.default_rng(3), options, similarity=sim, max_candidates=7)
-    assert again == capped  # deterministic: no random subset
-    uncapped = cmsr_search("0", 6, groups, np.random.default_rng(3), options, similarity=sim, max_candidates=10**6)
-    assert uncapped.candidates == everything
-
-
-def test_figure2_cap_prefers_substitutes_similar_to_the_blocks_they_replace():
-    # Of Figure 2's four candidates, the one through w3,3 and w4,5 is the most alike client 1's blocks.
-    liked = {w(3, 3): 1.0, w(4, 5): 1.0}
-    result = cmsr_search(
-        "1",
-        4,
-        GROUPS,
-        np.random.default_rng(SEED_PICKING_W42),
-        similarity=lambda own, sub: liked.get(sub, 0.5),
-        max_candidates=1,
-    )
-    assert paper(result.candidates) == [[(4, 2), (3, 3), (4, 5), (1, 4)]] and result.total == 4
+    assert capped.candidates == [c for c in everything if c in set(capped.candidates)]
+    assert cmsr_search("0", 6, groups, np.random.default_rng(3), options, max_candidates=7) == capped
+    assert cmsr_search("0", 6, groups, np.random.default_rng(4), options, max_candidates=7) != capped
+    assert cmsr_search("0", 6, groups, np.random.default_rng(3), options, max_candidates=10**6).candidates == everything
 
 
 def test_constraints_prune_prefixes_and_reject_candidates():
     never_w23 = cmsr_search("1", 4, GROUPS, np.random.default_rng(SEED_PICKING_W42), prune=lambda p: w(2, 3) in p)
     assert paper(never_w23.candidates) == [[(4, 2), (3, 3), (4, 4), (1, 4)], [(4, 2), (3, 3), (4, 5), (1, 4)]]
-    only_w44 = cmsr_search(
-        "1",
-        4,
-        GROUPS,
-        np.random.default_rng(SEED_PICKING_W42),
-        accept=lambda c: w(4, 4) in c,
-        max_candidates=1,
-        similarity=lambda own, sub: 0.0,
-    )
-    assert paper(only_w44.candidates) == [[(4, 2), (2, 3), (4, 4), (1, 4)]]
-    assert only_w44.rejected == 0 and only_w44.total == 4  # w2,3-w4,4 comes first in step order: nothing refused
+    with_w44 = [[(4, 2), (2, 3), (4, 4), (1, 4)], [(4, 2), (3, 3), (4, 4), (1, 4)]]
+    picked = Counter()
+    for seed in range(200):
+        only_w44 = cmsr_search(
+            "1",
+            4,
+            GROUPS,
+            np.random.default_rng([SEED_PICKING_W42, seed]),
+            accept=lambda c: w(4, 4) in c,
+            max_candidates=1,
+        )
+        if only_w44.anchor == w(4, 2):  # the rounds whose anchor is Figure 2's
+            assert paper(only_w44.candidates)[0] in with_w44 and only_w44.total == 4
+            picked[tuple(paper(only_w44.candidates)[0])] += 1
+    assert len(picked) == 2  # either acceptable candidate can be drawn
     last = cmsr_search("1", 4, GROUPS, np.random.default_rng(SEED_PICKING_W42), accept=lambda c: w(3, 3) in c)
     assert last.rejected == 2 and len(last.candidates) == 2
+
+
+def test_rare_acceptable_candidates_are_still_found_under_a_cap():
+    # one acceptable candidate among thousands: the draws run out of budget, then the acceptable ones are listed
+    groups = big_pool(clients=6, depth=8)
+    everything = cmsr_candidates("0", 8, groups, np.random.default_rng(1))
+    target = everything[len(everything) // 2]
+    result = cmsr_search("0", 8, groups, np.random.default_rng(1), accept=lambda c: c == target, max_candidates=2)
+    assert len(everything) > 64 * 2 and result.candidates == [target]
 
 
 def test_huge_candidate_spaces_are_capped_without_listing_them():
     groups = {(str(c), i): 0 for c in range(60) for i in range(40)}  # one group: ~60^39 paths
     result = cmsr_search(
-        "0",
-        40,
-        groups,
-        np.random.default_rng(1),
-        CmsrOptions(order_constraint=False),
-        similarity=lambda own, sub: float(own == sub),
-        max_candidates=5,
+        "0", 40, groups, np.random.default_rng(1), CmsrOptions(order_constraint=False), max_candidates=5
     )
-    assert len(result.candidates) == 5 and all(len(c) == 40 for c in result.candidates)
+    assert len(set(result.candidates)) == 5 and all(len(c) == 40 for c in result.candidates)
     assert result.total == 2400**39
+    _, hist = composition("0", result.candidates)
+    assert sum(hist[:30]) == 0  # a uniform draw: ~39 of 40 blocks foreign, not the client's own
 
 
 def test_one_client_pool_yields_its_own_model():
@@ -291,7 +353,5 @@ def test_bad_input_is_refused():
         cmsr_candidates("1", 3, GROUPS, rng)
     with pytest.raises(ValueError, match="max_candidates"):
         cmsr_candidates("1", 4, GROUPS, rng, max_candidates=0)
-    with pytest.raises(ValueError, match="similarity"):
-        cmsr_candidates("1", 4, GROUPS, rng, max_candidates=2)
     with pytest.raises(ValueError, match="anchor"):
         CmsrOptions(anchor="best")

@@ -187,6 +187,29 @@ def test_a_teacher_identical_to_the_clients_model_is_counted_and_can_be_excluded
     assert info["teacher_is_self"] is False
 
 
+def test_exclude_self_never_returns_the_clients_own_model_even_when_it_is_the_only_candidate():
+    pool = tiny_pool()
+    pool.groups = {key: i for i, key in enumerate(pool.blocks)}  # every block alone in its group
+    own = (("a", 0), ("a", 1), ("a", 2))
+    assert tiny_strategy("pfedclub").search(0, "a", pool).candidates == [own]
+    s = tiny_strategy("pfedclub", exclude_self=True)
+    assert s.search(0, "a", pool).candidates == []
+    teacher, info = s.teacher_for(0, "a", pool)
+    assert teacher is None and info["teacher_fallback"] is True and info["teacher_is_self"] is False
+
+
+def test_every_row_records_the_kept_candidates_composition_and_the_summary_sums_it():
+    s = make("pfedclub", max_candidates=3)
+    s.aggregate(0, uploads(0, ["0", "1", "3"]))
+    rows = {cid: s.record(0, cid) for cid in ("0", "1", "3")}
+    for row in rows.values():
+        assert 0 <= row["own_block_share"] <= 1
+        assert sum(row["foreign_blocks"]) == row["candidates"] >= 1
+    summary = s.summary()
+    assert summary["foreign_blocks"] == {cid: row["foreign_blocks"] for cid, row in rows.items()}
+    assert summary["own_block_share"] == {cid: row["own_block_share"] for cid, row in rows.items()}
+
+
 def test_summary_reports_phi_with_and_without_fallback_rounds():
     s = make("pfedclub+", eta=0.0)
     s.history["0"] = [
