@@ -86,6 +86,11 @@ KD_TEMPERATURE = 1.0
 KD_DIRECTIONS = ("teacher_student", "student_teacher")
 KD_DIRECTION = "teacher_student"  # Eq. (5)'s order is ambiguous; DML [36] and the authors' code target the teacher
 FINETUNE_BATCH_SIZE = 64  # the authors used 8; 64 keeps CPU fine-tuning tolerable
+FINETUNE_MIN_BATCH_SIZE = 8  # the authors' batch: a small public set reaches the step floor with batches down to it
+# Floor on server fine-tuning's optimiser steps: the paper's 3 epochs over its public set (8 % of CIFAR-10's 60,000
+# = 4,800 samples; MNIST's would be 5,600) at batch 64 = 3 x 75 = 225 steps. Adam moves a weight by <= lr per step,
+# so 21 steps (3 epochs over 400 samples) leave a randomly initialised stitch random.
+FINETUNE_MIN_STEPS = 225
 AUGMENT_CROP_PAD = 2  # NT-Xent views (Eq. 3): shift by up to ±2 px ...
 AUGMENT_NOISE_STD = 0.1  # ... and add Gaussian noise (no paper value: ours)
 CANDIDATE_CHUNK = 32  # pFedClub builds, fine-tunes and matches a client's candidates this many at a time

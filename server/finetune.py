@@ -7,7 +7,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 from torch.nn import functional as F
@@ -26,8 +26,8 @@ class FinetuneConfig:
 
     epochs 3 and Adam lr 1e-3: pFedClub §4.1 / pFedHR §4.1 and the authors' `--sfine`; τ = 0.07: pFedClub
     §4.1; batch 64 (the authors used 8). `labeled` picks Eq. (2) (CE) or Eq. (3) (NT-Xent on two views).
-    `crop_pad` and `noise_std` define the views of `augment` (no paper value: ours). Invalid values raise
-    ValueError.
+    `crop_pad` and `noise_std` define the views of `augment` (no paper value: ours). `min_steps` is a floor on
+    optimiser steps (`schedule`), reached with batches down to `min_batch`. Invalid values raise ValueError.
     """
 
     epochs: int = C.FINETUNE_EPOCHS
@@ -38,12 +38,56 @@ class FinetuneConfig:
     seed: int = 0
     crop_pad: int = C.AUGMENT_CROP_PAD
     noise_std: float = C.AUGMENT_NOISE_STD
+    min_steps: int = 0
+    min_batch: int = C.FINETUNE_MIN_BATCH_SIZE
 
     def __post_init__(self) -> None:
-        if self.epochs < 0 or self.batch_size < 1 or self.crop_pad < 0:
-            raise ValueError(f"epochs >= 0, batch_size >= 1 and crop_pad >= 0 are required, got {self}")
+        if self.epochs < 0 or self.batch_size < 1 or self.crop_pad < 0 or self.min_steps < 0:
+            raise ValueError(f"epochs >= 0, batch_size >= 1, crop_pad >= 0 and min_steps >= 0 are required, got {self}")
+        if not 1 <= self.min_batch <= self.batch_size:
+            raise ValueError(f"1 <= min_batch <= batch_size is required, got {self}")
         if not (self.lr > 0 and self.tau > 0 and self.noise_std >= 0):
             raise ValueError(f"lr > 0, tau > 0 and noise_std >= 0 are required, got {self}")
+
+    def schedule(self, n: int) -> tuple[int, int]:
+        """(batch size, optimiser steps) over n public samples: `epochs` passes at `batch_size` when that makes at
+        least `min_steps` steps; otherwise exactly min_steps steps, at the batch that spreads epochs x n samples
+        over them (not below min_batch, not above batch_size), so a small public set buys steps with smaller
+        batches before it buys them with more samples. Passes continue past `epochs` until the steps are done."""
+        batch = min(self.batch_size, n)
+        steps = self.epochs * -(-n // batch)
+        if steps >= self.min_steps or self.epochs == 0:
+            return batch, steps
+        return min(batch, max(self.min_batch, self.epochs * n // self.min_steps)), self.min_steps
+
+
+@dataclass(frozen=True)
+class Tuned:
+    """A fine-tuned model, the optimiser steps it took and its mean loss over the last pass of them (the last
+    ⌈N / batch⌉ steps; None when it took none)."""
+
+    weights: Weights
+    steps: int
+    loss: float | None
+
+
+def batches(n: int, batch: int, steps: int, gen: torch.Generator, equal: bool = False) -> Iterator[torch.Tensor]:
+    """`steps` batches of sample indices: successive random permutations of range(n) (from `gen`), each cut into
+    batches of `batch` (the last of a pass shorter) or, `equal`, into ⌈n / batch⌉ near-equal ones (no one-sample
+    tail for BatchNorm)."""
+    done = 0
+    while done < steps:
+        perm = torch.randperm(n, generator=gen)
+        for idx in perm.tensor_split(-(-n // batch)) if equal else perm.split(batch):
+            if done == steps:
+                return
+            done += 1
+            yield idx
+
+
+def _last_pass_mean(losses: Sequence[torch.Tensor], per_pass: int) -> float | None:
+    tail = losses[-per_pass:]
+    return float(torch.stack(tail).mean()) if tail else None
 
 
 def nt_xent(z1: torch.Tensor, z2: torch.Tensor, tau: float) -> torch.Tensor:
@@ -179,8 +223,9 @@ def _check_public(spec: ModelSpec, x: torch.Tensor, y: torch.Tensor | None, cfg:
 
 def _train_group(
     modules: list[SpecModel], start: int, x: torch.Tensor, y: torch.Tensor | None, cfg: FinetuneConfig
-) -> None:
-    """Train the stitches of candidates sharing frozen blocks 0..start-1, in lockstep on the same batches.
+) -> tuple[int, list[float | None]]:
+    """Train the stitches of candidates sharing frozen blocks 0..start-1, in lockstep on the same batches; returns
+    the steps taken and each candidate's mean loss over the last pass.
 
     Labeled (Eq. 2): the shared prefix runs once over the whole public set and its outputs are cached for
     all epochs and candidates. Unlabeled (Eq. 3): each batch's two views go through the prefix once for
@@ -191,23 +236,27 @@ def _train_group(
     base = modules[0]
     cache = _prefix_outputs(base, start, x) if cfg.labeled else None
     opts = [torch.optim.Adam([p for p in m.parameters() if p.requires_grad], lr=cfg.lr) for m in modules]
-    for _ in range(cfg.epochs):
-        for idx in torch.randperm(len(x), generator=gen).split(cfg.batch_size):
-            idx = idx.to(x.device)
-            if cache is not None:
-                feats = cache[idx]
-            else:
-                views = torch.cat([augment(x[idx], gen, cfg.crop_pad, cfg.noise_std) for _ in range(2)])
-                with torch.no_grad():
-                    feats = _run(base, 0, start, views)
-            for module, opt in zip(modules, opts):
-                opt.zero_grad(set_to_none=True)
-                out = _run(module, start, len(module.blocks), feats)
-                loss = F.cross_entropy(out, y[idx]) if cache is not None else nt_xent(*out.chunk(2), cfg.tau)
-                if not torch.isfinite(loss):
-                    raise ValueError(f"fine-tuning candidate {module.spec.name!r} diverged: loss is {float(loss)}")
-                loss.backward()
-                opt.step()
+    batch, steps = cfg.schedule(len(x))
+    losses: list[list[torch.Tensor]] = [[] for _ in modules]
+    for idx in batches(len(x), batch, steps, gen):
+        idx = idx.to(x.device)
+        if cache is not None:
+            feats = cache[idx]
+        else:
+            views = torch.cat([augment(x[idx], gen, cfg.crop_pad, cfg.noise_std) for _ in range(2)])
+            with torch.no_grad():
+                feats = _run(base, 0, start, views)
+        for module, opt, seen in zip(modules, opts, losses):
+            opt.zero_grad(set_to_none=True)
+            out = _run(module, start, len(module.blocks), feats)
+            loss = F.cross_entropy(out, y[idx]) if cache is not None else nt_xent(*out.chunk(2), cfg.tau)
+            if not torch.isfinite(loss):
+                raise ValueError(f"fine-tuning candidate {module.spec.name!r} diverged: loss is {float(loss)}")
+            loss.backward()
+            opt.step()
+            seen.append(loss.detach())
+    per_pass = -(-len(x) // batch)
+    return steps, [_last_pass_mean(seen, per_pass) for seen in losses]
 
 
 def finetune_candidates(
@@ -216,18 +265,19 @@ def finetune_candidates(
     y_public: torch.Tensor | None,
     cfg: FinetuneConfig = FinetuneConfig(),
     device: Device = "cpu",
-) -> list[Weights]:
+) -> list[Tuned]:
     """Fine-tune the stitch blocks of many candidates (pFedClub Eq. (2) labeled / Eq. (3) unlabeled).
 
     Each item is (candidate, its trainable stitch block indices); every other block stays frozen and
     bit-identical. Candidates whose blocks before the first stitch have the same origins (and, checked,
     equal weights) are trained together so that prefix is computed once (see _train_group). Candidates
-    without stitches come back unchanged (the same object). Returns new Weights on the CPU, in input
-    order. Raises ValueError on out-of-range indices, public data that do not fit a candidate, missing or
-    out-of-range labels when cfg.labeled, or divergence; WeightsError when a state does not match its spec.
+    without stitches come back unchanged (the same object, 0 steps). Returns new Weights on the CPU with their
+    steps and final loss, in input order. Raises ValueError on out-of-range indices, public data that do not fit
+    a candidate, missing or out-of-range labels when cfg.labeled, or divergence; WeightsError when a state does
+    not match its spec.
     """
     trainable = [_check_trainable(w, t) for w, t in candidates]
-    out: list[Weights | None] = [w if not t else None for (w, _), t in zip(candidates, trainable)]
+    out: list[Tuned | None] = [Tuned(w, 0, None) if not t else None for (w, _), t in zip(candidates, trainable)]
     todo = [i for i, t in enumerate(trainable) if t]
     for i in todo:
         _check_public(candidates[i][0].spec, x_public, y_public, cfg)
@@ -238,17 +288,18 @@ def finetune_candidates(
         t0 = time.perf_counter()
         members = [todo[g] for g in group]
         modules = [_frozen_module(candidates[i][0], trainable[i], device) for i in members]
-        _train_group(modules, trainable[members[0]][0], x, y, cfg)
-        for i, module in zip(members, modules):
+        steps, losses = _train_group(modules, trainable[members[0]][0], x, y, cfg)
+        for i, module, loss in zip(members, modules, losses):
             state = {k: v.detach().to("cpu").clone() for k, v in module.state_dict().items()}
-            out[i] = Weights(candidates[i][0].spec, state)
+            out[i] = Tuned(Weights(candidates[i][0].spec, state), steps, loss)
         log.debug(
-            "fine-tuned %d candidates sharing %d prefix blocks in %.3fs",
+            "fine-tuned %d candidates sharing %d prefix blocks, %d steps, in %.3fs",
             len(members),
             trainable[members[0]][0],
+            steps,
             time.perf_counter() - t0,
         )
-    return [w for w in out if w is not None]
+    return [t for t in out if t is not None]
 
 
 def finetune_stitches(
@@ -265,7 +316,50 @@ def finetune_stitches(
     on the candidate's logits for two augmented views. No stitches → the candidate itself. Bad input
     raises as finetune_candidates does.
     """
-    return finetune_candidates([(candidate, tuple(trainable_blocks))], x_public, y_public, cfg, device)[0]
+    return finetune_candidates([(candidate, tuple(trainable_blocks))], x_public, y_public, cfg, device)[0].weights
+
+
+def train_model(
+    model: Weights,
+    x_public: torch.Tensor,
+    y_public: torch.Tensor | None,
+    cfg: FinetuneConfig = FinetuneConfig(),
+    device: Device = "cpu",
+) -> Tuned:
+    """A copy of a whole model with all parameters fine-tuned on public data, with its steps and final loss (pFedHR
+    §3.1.3: the client copies before Eq. (5), and the candidates' "parameters of the stitched models").
+
+    Adam, train mode, the steps of cfg.schedule: CE on y_public if cfg.labeled (as Eq. (2)), else NT-Xent on the
+    logits of two augmented views (Eq. (3); y_public is never read). Each pass splits a cfg.seed permutation into
+    near-equal batches (no one-sample tail for BatchNorm). Views and dropout come from cfg.seed with the global
+    RNG forked and restored, so the copy is deterministic. `model` is never changed; the copy comes back on the
+    CPU. Bad input or divergence raises as finetune_candidates does.
+    """
+    _check_public(model.spec, x_public, y_public, cfg)
+    x = x_public.to(device)
+    y = y_public.to(device) if cfg.labeled and y_public is not None else None
+    gen = torch.Generator().manual_seed(cfg.seed)
+    batch, steps = cfg.schedule(len(x))
+    losses: list[torch.Tensor] = []
+    with torch.random.fork_rng():  # building the module and dropout draw from the global generator
+        torch.manual_seed(cfg.seed)
+        module = load_module(model.spec, model.state, device).train()
+        opt = torch.optim.Adam(module.parameters(), lr=cfg.lr)
+        for idx in batches(len(x), batch, steps, gen, equal=True):
+            idx = idx.to(x.device)
+            if y is not None:
+                loss = F.cross_entropy(module(x[idx]), y[idx])
+            else:
+                views = torch.cat([augment(x[idx], gen, cfg.crop_pad, cfg.noise_std) for _ in range(2)])
+                loss = nt_xent(*module(views).chunk(2), cfg.tau)
+            if not torch.isfinite(loss):
+                raise ValueError(f"fine-tuning model {model.spec.name!r} diverged: loss is {float(loss)}")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+    state = {k: v.detach().to("cpu").clone() for k, v in module.state_dict().items()}
+    return Tuned(Weights(model.spec, state), steps, _last_pass_mean(losses, -(-len(x) // batch)))
 
 
 def finetune_model(
@@ -275,37 +369,8 @@ def finetune_model(
     cfg: FinetuneConfig = FinetuneConfig(),
     device: Device = "cpu",
 ) -> Weights:
-    """A copy of a whole model with all parameters fine-tuned on public data (pFedHR §3.1.3, before Eq. (5)).
-
-    Adam, train mode, cfg.epochs passes: CE on y_public if cfg.labeled (as Eq. (2)), else NT-Xent on the
-    logits of two augmented views (Eq. (3); y_public is never read). Each pass splits a cfg.seed permutation
-    into equal batches of at most cfg.batch_size (no one-sample tail for BatchNorm). Views and dropout come
-    from cfg.seed with the global RNG forked and restored, so the copy is deterministic. `model` is never
-    changed; the copy comes back on the CPU. Bad input or divergence raises as finetune_candidates does.
-    """
-    _check_public(model.spec, x_public, y_public, cfg)
-    x = x_public.to(device)
-    y = y_public.to(device) if cfg.labeled and y_public is not None else None
-    gen = torch.Generator().manual_seed(cfg.seed)
-    with torch.random.fork_rng():  # building the module and dropout draw from the global generator
-        torch.manual_seed(cfg.seed)
-        module = load_module(model.spec, model.state, device).train()
-        opt = torch.optim.Adam(module.parameters(), lr=cfg.lr)
-        for _ in range(cfg.epochs):
-            perm = torch.randperm(len(x), generator=gen)
-            for idx in perm.tensor_split(-(-len(x) // cfg.batch_size)):
-                idx = idx.to(x.device)
-                if y is not None:
-                    loss = F.cross_entropy(module(x[idx]), y[idx])
-                else:
-                    views = torch.cat([augment(x[idx], gen, cfg.crop_pad, cfg.noise_std) for _ in range(2)])
-                    loss = nt_xent(*module(views).chunk(2), cfg.tau)
-                if not torch.isfinite(loss):
-                    raise ValueError(f"fine-tuning model {model.spec.name!r} diverged: loss is {float(loss)}")
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-    return Weights(model.spec, {k: v.detach().to("cpu").clone() for k, v in module.state_dict().items()})
+    """`train_model`'s fine-tuned copy alone (pFedHR §3.1.3, before Eq. (5))."""
+    return train_model(model, x_public, y_public, cfg, device).weights
 
 
 # --- matching (Eq. 4) -------------------------------------------------------------------------

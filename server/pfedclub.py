@@ -171,6 +171,7 @@ class PFedClub(ReassemblyStrategy):
             own_logits = public_logits([own], self.public.x, self.config.device)[0]
         rng = np.random.default_rng(derive_seed(self.config.seed, "stitch-init", rnd, cid))
         best: tuple[float, Weights, Candidate] | None = None
+        steps, losses = set(), []
         for start in range(0, len(found.candidates), C.CANDIDATE_CHUNK):
             chunk = found.candidates[start : start + C.CANDIDATE_CHUNK]
             with self.stage("candidates"):
@@ -178,16 +179,26 @@ class PFedClub(ReassemblyStrategy):
                     assemble(f"teacher-{cid}-r{rnd}-{start + i}", [pool.blocks[k] for k in ks], *own_io(own), rng)
                     for i, ks in enumerate(chunk)
                 ]
-            tuned = self.finetune(rnd, cid, candidates)
+            runs = self.finetune(rnd, cid, candidates)
+            steps |= {r.steps for r in runs}
+            losses += [r.loss for r in runs]
             with self.stage("matching"):
-                _, scores = best_match(own_logits, public_logits(tuned, self.public.x, self.config.device))
-            for keys, weights, score in zip(chunk, tuned, scores):
+                _, scores = best_match(
+                    own_logits, public_logits([r.weights for r in runs], self.public.x, self.config.device)
+                )
+            for keys, run, score in zip(chunk, runs, scores):
                 if math.isfinite(score) and (best is None or score > best[0]):  # ties: the earlier candidate
-                    best = (score, weights, keys)
+                    best = (score, run.weights, keys)
         assert best is not None  # best_match raises when no score of a chunk is finite
         score, teacher, keys = best
         is_self = keys == own_keys(cid, own.spec)
-        return teacher, info | {"match_score": score, "teacher_fallback": False, "teacher_is_self": is_self}
+        return teacher, info | {
+            "match_score": score,
+            "teacher_fallback": False,
+            "teacher_is_self": is_self,
+            "finetune_steps": max(steps),  # a candidate without a stitch (the client's own model) takes 0
+            "finetune_loss": losses,
+        }
 
     def fallback(self, rnd: int, cid: str, own: Weights) -> tuple[Weights | None, dict[str, Any]]:
         """No candidate (for pFedClub+: none within its bound and the profile; with exclude_self: none but the client's

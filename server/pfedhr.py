@@ -9,17 +9,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedge import constants as C
 from fedge.config import ConfigError
 from fedge.messages import Weights
 from fedge.seeding import derive_seed
 from server.assemble import assemble
-from server.finetune import FinetuneConfig, best_match, finetune_model, public_logits
+from server.finetune import best_match, finetune_model, public_logits, train_model
 from server.pfedhr_candidates import SCANS, block_operations, depth_order, pfedhr_candidates
 from server.reassembly import Pool, ReassemblyOptions, ReassemblyStrategy
 from server.strategy import option, register_strategy
 
 log = logging.getLogger(__name__)
+FINETUNED = ("all", "stitches")
 
 
 @dataclass(frozen=True)
@@ -31,19 +31,28 @@ class PFedHROptions(ReassemblyOptions):
         "Alg. 1 lines 9-14: each group gives its first pair passing R1-R2 (first) or every such pair (every)",
     )
 
+    pfedhr_finetune: str = option(
+        "all",
+        "what fine-tuning trains in each candidate: all its parameters (pFedHR §3.1.3 and the authors' code) or its "
+        "stitches only (as pFedClub's Eq. (2))",
+    )
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.scan not in SCANS:
             raise ConfigError(f"scan must be one of {', '.join(SCANS)}, got {self.scan!r}")
+        if self.pfedhr_finetune not in FINETUNED:
+            raise ConfigError(f"pfedhr_finetune must be one of {', '.join(FINETUNED)}, got {self.pfedhr_finetune!r}")
 
 
 @register_strategy("pfedhr", PFedHROptions)
 class PFedHR(ReassemblyStrategy):
     """Alg. 1 over all uploaded blocks (groups in depth order, `depth_order`) → stitched candidates shared by all
     clients → each client takes the candidate whose logits are most cosine-similar (Eq. (5)) to those of a copy of
-    its model fine-tuned, all parameters, on the public data (§3.1.3). Candidates, as for pFedClub, train only their
-    stitches (pFedClub Eq. (2), or Eq. (3) unlabeled). The copy serves only the matching: the uploaded model, and
-    what the client gets, are untouched. M is what Alg. 1 finds (possibly 0: no teachers); sizes are not controlled.
+    its model fine-tuned, all parameters, on the public data (§3.1.3). Candidates are fine-tuned on the public data
+    too, every parameter of the stitched model (§3.1.3; `pfedhr_finetune=stitches`: the stitches only, as pFedClub).
+    The copy serves only the matching: the uploaded model, and what the client gets, are untouched. M is what
+    Alg. 1 finds (possibly 0: no teachers); sizes are not controlled.
     """
 
     def make_teachers(self, rnd: int, pool: Pool) -> dict[str, tuple[Weights | None, dict[str, Any]]]:
@@ -72,7 +81,14 @@ class PFedHR(ReassemblyStrategy):
         if not candidates:
             log.warning("round %d: pFedHR found no candidate passing R1-R4; clients keep training without one", rnd)
             return {cid: (None, dict(info)) for cid in pool.uploads}
-        tuned = self.finetune(rnd, "shared", candidates)
+        if self.options.pfedhr_finetune == "all":
+            cfg = self.finetune_config("finetune", rnd, "shared")
+            with self.stage("finetune"):
+                runs = [train_model(w, self.public.x, self.public.y, cfg, self.config.device) for w, _ in candidates]
+        else:
+            runs = self.finetune(rnd, "shared", candidates)
+        tuned = [r.weights for r in runs]
+        info |= {"finetune_steps": runs[0].steps, "finetune_loss": [r.loss for r in runs]}
         with self.stage("matching"):
             tuned_logits = public_logits(tuned, self.public.x, self.config.device)
         out: dict[str, tuple[Weights | None, dict[str, Any]]] = {}
@@ -89,15 +105,9 @@ class PFedHR(ReassemblyStrategy):
         return out
 
     def finetuned_logits(self, rnd: int, cid: str, own: Weights) -> torch.Tensor:
-        """Logits on the public data of a copy of `own` fine-tuned, all parameters, for finetune_epochs (§3.1.3:
-        CE if the public data are labeled, NT-Xent on two views if not); `own` stays as uploaded."""
-        cfg = FinetuneConfig(
-            epochs=self.options.finetune_epochs,
-            lr=C.DEFAULT_LR,
-            tau=C.NT_XENT_TAU,
-            labeled=self.public.y is not None,
-            seed=derive_seed(self.config.seed, "finetune-client", rnd, cid) % 2**31,
-        )
+        """Logits on the public data of a copy of `own` fine-tuned, all parameters (§3.1.3: CE if the public data are
+        labeled, NT-Xent on two views if not), as the candidates are; `own` stays as uploaded."""
+        cfg = self.finetune_config("finetune-client", rnd, cid)
         with self.stage("finetune"):
             copy = finetune_model(own, self.public.x, self.public.y, cfg, self.config.device)
         with self.stage("matching"):

@@ -72,6 +72,7 @@ def make_config(out: Path, **overrides: Any) -> RunConfig:
     values.setdefault("active", values["clients"])
     if "finetune_epochs" in {o for o, *_ in STRATEGIES.get(values["strategy"]).options_type.describe()}:
         values.setdefault("finetune_epochs", 1)
+        values.setdefault("finetune_min_steps", 0)
     return config_from(values)
 
 

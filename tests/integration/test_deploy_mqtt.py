@@ -40,7 +40,7 @@ def tiny(tmp_path, name: str, **kw) -> RunConfig:
         register_timeout_s=120.0,
         run_id="t1",
     )
-    small = {"finetune_epochs": 1} if kw.get("strategy", "pfedclub") == "pfedclub" else {}
+    small = {"finetune_epochs": 1, "finetune_min_steps": 0} if kw.get("strategy", "pfedclub") == "pfedclub" else {}
     return config_from(base | small | kw)
 
 

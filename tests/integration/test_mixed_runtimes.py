@@ -25,6 +25,7 @@ def mixed(tmp_path, name: str, **kw) -> RunConfig:
         rounds=2,
         local_epochs=1,
         finetune_epochs=1,
+        finetune_min_steps=0,
         max_candidates=2,
         batch_size=16,
         seed=3,

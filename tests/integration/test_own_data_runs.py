@@ -110,6 +110,7 @@ def test_pfedclub_with_own_client_folders_and_the_operators_unlabelled_public_fo
         transport="inproc",
         public_data=str(tmp_path / "public"),
         finetune_epochs=1,
+        finetune_min_steps=0,
     )
     with caplog.at_level(logging.INFO, logger="launch.server"):
         summary = run_simulation(cfg, progress=False)

@@ -21,6 +21,7 @@ def run(tmp_path, strategy, **kw):
         local_epochs=1,
         batch_size=32,
         finetune_epochs=1,
+        finetune_min_steps=0,
         out=str(tmp_path / strategy),
         seed=1,
     )

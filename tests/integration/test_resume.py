@@ -30,7 +30,7 @@ def config(out, strategy, **kw):
         out=str(out),
         seed=1,
     )
-    small = {"finetune_epochs": 1} if strategy.startswith("pf") else {}  # reassembly options
+    small = {"finetune_epochs": 1, "finetune_min_steps": 0} if strategy.startswith("pf") else {}  # reassembly options
     small |= {"max_candidates": 2} if strategy.startswith("pfedclub") else {}
     return config_from(base | small | kw)
 

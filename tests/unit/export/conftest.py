@@ -26,6 +26,7 @@ def run_dir(tmp_path_factory):
             local_epochs=1,
             batch_size=32,
             finetune_epochs=1,
+            finetune_min_steps=0,
             max_candidates=1,
             seed=0,
             transport="inproc",

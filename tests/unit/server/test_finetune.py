@@ -175,6 +175,36 @@ def test_labeled_finetuning_fits_learnable_public_labels():
     assert ce(cand) > 1.0 and ce(tuned) < 0.3
 
 
+def test_the_step_floor_is_reached_with_smaller_batches_first_then_more_passes():
+    assert FinetuneConfig(epochs=3).schedule(4800) == (64, 225)  # the paper's public set: the floor is its own steps
+    assert FinetuneConfig(epochs=3, min_steps=225).schedule(4800) == (64, 225)
+    assert FinetuneConfig(epochs=3, min_steps=225).schedule(10_000) == (64, 3 * 157)  # more data: more steps
+    assert FinetuneConfig(epochs=3, min_steps=225).schedule(400) == (8, 225)  # 21 steps at 64 -> 225 at the floor
+    assert FinetuneConfig(epochs=3, min_steps=100).schedule(400) == (12, 100)
+    assert FinetuneConfig(epochs=1, min_steps=0).schedule(40) == (40, 1)
+    with pytest.raises(ValueError, match="min_batch"):
+        FinetuneConfig(min_batch=0)
+
+
+def test_a_stitch_at_a_shape_changing_seam_learns_with_the_step_floor_and_stays_random_without():
+    # The seams of cand_spec change shapes (7x8x8 -> 5x8x8, 6x4x4 -> 12). On a learnable task with the paper's
+    # protocol on a 40-sample public set (3 epochs at batch 64 = 3 steps, Adam lr 1e-3) the loss barely moves
+    # (1.18 -> 1.14); at the floor of 225 steps it falls (-> 0.94). The record is the steps and the last pass's loss.
+    cand = weights(cand_spec(), seed=3)
+    x, y = public(40)
+    x = x + 3.0 * F.one_hot(y, 8).float()[:, None, :, None]
+
+    def ce(w: Weights) -> float:
+        return float(F.cross_entropy(public_logits([w], x)[0], y))
+
+    epochs_only, floor = (
+        finetune_candidates([(cand, (1, 3))], x, y, FinetuneConfig(epochs=3, min_steps=m))[0] for m in (0, 225)
+    )
+    assert (epochs_only.steps, floor.steps) == (3, 225)
+    assert ce(epochs_only.weights) > ce(cand) - 0.1
+    assert ce(floor.weights) < ce(epochs_only.weights) - 0.15 and floor.loss < epochs_only.loss - 0.15
+
+
 def test_candidate_without_stitches_comes_back_identical():
     plain = weights(plain_spec(), seed=3)
     x, y = public()
@@ -182,7 +212,8 @@ def test_candidate_without_stitches_comes_back_identical():
     assert finetune_stitches(plain, (), x, y) is plain
     cand = weights(cand_spec(), seed=1)
     out = finetune_candidates([(plain, ()), (cand, (1, 3))], x, y, FinetuneConfig(epochs=1))
-    assert out[0] is plain and out[1].spec == cand.spec
+    assert out[0].weights is plain and out[0].steps == 0 and out[0].loss is None
+    assert out[1].weights.spec == cand.spec and out[1].steps == 1 and out[1].loss > 0
 
 
 def test_bad_inputs_raise_value_error():
@@ -223,7 +254,8 @@ def test_shared_prefix_runs_once_not_once_per_candidate(labeled):
     first = weights(cand_spec(), seed=10)
     cands = [first] + [weights(cand_spec(), seed=10 + i, prefix=first) for i in range(1, 5)]
     cfg = FinetuneConfig(epochs=3, batch_size=16, labeled=labeled)
-    n, tuned = count_prefix_samples(lambda: finetune_candidates([(c, (1, 3)) for c in cands], x, y, cfg))
+    n, runs = count_prefix_samples(lambda: finetune_candidates([(c, (1, 3)) for c in cands], x, y, cfg))
+    tuned = [r.weights for r in runs]
     # labeled: one cached pass over the public set; unlabeled: both views of every batch, once per epoch.
     # Without sharing it would be 5 candidates × 3 epochs × 40 (× 2 views) samples.
     assert n == (40 if labeled else 3 * 2 * 40)
@@ -238,7 +270,8 @@ def test_prefixes_of_different_origin_or_weights_are_not_shared():
     same_origin_other_weights = weights(cand_spec("a"), seed=22)
     cfg = FinetuneConfig(epochs=2, batch_size=16)
     items = [(a, (1, 3)), (other_client, (1, 3)), (same_origin_other_weights, (1, 3))]
-    n, tuned = count_prefix_samples(lambda: finetune_candidates(items, x, y, cfg))
+    n, runs = count_prefix_samples(lambda: finetune_candidates(items, x, y, cfg))
+    tuned = [r.weights for r in runs]
     assert n == 3 * 40
     assert all(equal_states(t, finetune_stitches(c, s, x, y, cfg)) for t, (c, s) in zip(tuned, items))
 

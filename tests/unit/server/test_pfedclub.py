@@ -29,7 +29,7 @@ def spec(cid):
 
 def make(name, **options):
     cap = {"max_candidates": 2} if name.startswith("pfedclub") else {}
-    s = create_strategy(name, CONFIG, PUBLIC, {"finetune_epochs": 1} | cap | options)
+    s = create_strategy(name, CONFIG, PUBLIC, {"finetune_epochs": 1, "finetune_min_steps": 0} | cap | options)
     s.setup({cid: ClientInfo(cid, spec(cid), "rpi-4", 20, 5) for cid in MODELS})
     return s
 
@@ -121,7 +121,7 @@ TINY_SPECS = {"a": tiny("a", [2, 40, 10]), "b": tiny("b", [40, 2, 10])}
 
 
 def tiny_strategy(name, **options):
-    s = create_strategy(name, CONFIG, TINY, {"finetune_epochs": 1, "max_candidates": 0} | options)
+    s = create_strategy(name, CONFIG, TINY, {"finetune_epochs": 1, "finetune_min_steps": 0, "max_candidates": 0} | options)
     s.setup({cid: ClientInfo(cid, sp, "jetson-orin-nano", 20, 5) for cid, sp in TINY_SPECS.items()})
     return s
 

@@ -5,6 +5,7 @@ import torch
 from torch.nn import functional as F
 
 import server.pfedhr
+from fedge.config import ConfigError
 from fedge.messages import ClientInfo, Result, Weights
 from fedge.spec import build
 from fedge.zoo import create
@@ -23,7 +24,7 @@ def spec(cid):
 
 
 def make(**options):
-    s = create_strategy("pfedhr", CONFIG, PUBLIC, {"finetune_epochs": 1} | options)
+    s = create_strategy("pfedhr", CONFIG, PUBLIC, {"finetune_epochs": 1, "finetune_min_steps": 0} | options)
     s.setup({cid: ClientInfo(cid, spec(cid), "rpi-4", 20, 5) for cid in MODELS})
     return s
 
@@ -72,6 +73,27 @@ def test_m_is_what_alg_1_finds_and_records_say_how_many_blocks_were_scanned():
     record = s.record(0, "0")
     assert record["candidates"] == len(search.candidates)
     assert record["candidates_generated"] == len(pool.blocks) == 6 * 4 + len(spec("6").blocks)
+
+
+@pytest.mark.parametrize("finetune", ["all", "stitches"])
+def test_candidates_finetune_every_parameter_as_the_paper_or_only_their_stitches(finetune):
+    # §3.1.3 and the authors' code update the stitched models' parameters; "stitches" is pFedClub's Eq. (2) rule.
+    s, results = make(pfedhr_finetune=finetune), uploads(list(MODELS))
+    s.aggregate(0, results)
+    teacher, record = s.teachers["0"], s.record(0, "0")
+    assert record["finetune_steps"] >= 1 and len(record["finetune_loss"]) == record["candidates"]
+    moved = []
+    for i, block in enumerate(teacher.spec.blocks):
+        if block.origin.model == "stitch":
+            continue
+        upload = results[block.origin.client].models["local"].state
+        keys = [k for k in teacher.state if k.startswith(f"blocks.{i}.") and teacher.state[k].is_floating_point()]
+        moved += [
+            not torch.equal(teacher.state[k], upload[f"blocks.{block.origin.block}.{k.split('.', 2)[2]}"]) for k in keys
+        ]
+    assert moved and (all(moved) if finetune == "all" else not any(moved))
+    with pytest.raises(ConfigError, match="pfedhr_finetune"):
+        make(pfedhr_finetune="blocks")
 
 
 def test_no_candidate_passing_r4_gives_no_teachers_and_says_so():

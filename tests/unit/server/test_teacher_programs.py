@@ -50,7 +50,7 @@ class FakeExporter:
 
 def strategy(name: str, exporter: FakeExporter | None):
     cap = {"max_candidates": 2} if name.startswith("pfedclub") else {}
-    s = create_strategy(name, CONFIG, PUBLIC, {"finetune_epochs": 1} | cap)
+    s = create_strategy(name, CONFIG, PUBLIC, {"finetune_epochs": 1, "finetune_min_steps": 0} | cap)
     s.program_for = exporter
     s.setup({cid: ClientInfo(cid, create("cnn1", (1, 8, 8), 10), p, 20, 5) for cid, p in PROFILES.items()})
     return s
