@@ -200,21 +200,23 @@ def make_spec(
     return ModelSpec(name, tuple(input_shape), num_classes, tuple(built))
 
 
+def build_block(block: BlockSpec) -> nn.Sequential:
+    """The module of one block: its layers in order, built for the shapes they see (on torch's current device)."""
+    layers, shape = [], block.in_shape
+    for ly in block.layers:
+        kind = layer_type(ly.type)
+        layers.append(kind.build(ly.args, shape))
+        shape = tuple(kind.out_shape(ly.args, shape))
+    return nn.Sequential(*layers)
+
+
 class SpecModel(nn.Module):
     """The nn.Module built from a ModelSpec; parameters are named `blocks.<i>.<j>.*`."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.spec = spec
-        blocks = []
-        for b in spec.blocks:
-            layers, shape = [], b.in_shape
-            for ly in b.layers:
-                kind = layer_type(ly.type)
-                layers.append(kind.build(ly.args, shape))
-                shape = tuple(kind.out_shape(ly.args, shape))
-            blocks.append(nn.Sequential(*layers))
-        self.blocks = nn.ModuleList(blocks)
+        self.blocks = nn.ModuleList(build_block(b) for b in spec.blocks)
 
     def run_block(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """Run block i alone on a batch of its inputs."""

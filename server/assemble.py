@@ -12,17 +12,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
+from torch import nn
 
 from device_profiles import DeviceProfile, fits, within_size_bound
 from fedge.layers import LayerSpec, Shape, layer_type
 from fedge.messages import Weights
-from fedge.spec import BlockSpec, ModelSpec, Origin, make_block
+from fedge.spec import BlockSpec, Device, ModelSpec, Origin, build_block, make_block
 from fedge.weights import State, check_state
 from server.blocks import PoolBlock, model_of
+from server.fastblocks import FastBlocks
 
 STITCH_MODEL = "stitch"  # Origin.model of a stitch block; its Origin.client is None and block -1
 Part = PoolBlock | BlockSpec
@@ -158,6 +160,50 @@ def assemble(
     weights = model_of(name, tuple(input_shape), num_classes, parts)
     check_state(weights.spec, weights.state)
     return weights, stitches
+
+
+def assemble_modules(
+    name: str,
+    blocks: Sequence[PoolBlock],
+    input_shape: Shape,
+    num_classes: int,
+    rng: np.random.Generator,
+    frozen: Callable[[PoolBlock], nn.Module],
+    device: Device = "cpu",
+) -> tuple[FastBlocks, tuple[int, ...]]:
+    """The candidate `assemble` would give, as a module to fine-tune and run, and the positions of its stitches.
+
+    Its pool blocks are `frozen(block)` (one module per pool block, shared by every candidate holding it: eval
+    mode, no grad, e.g. BatchNorm folded), never copied; its stitches are fresh modules on `device`, trainable,
+    with the weights `assemble` draws from the same `rng` (in the same order), built without a random init. The
+    module computes what `assemble`'s weights do up to float rounding; `assembled_weights` gives those weights.
+    """
+    spec, stitches = candidate_spec(name, blocks, input_shape, num_classes)
+    parts = iter(blocks)
+    modules = []
+    for i, block in enumerate(spec.blocks):
+        if i not in stitches:
+            modules.append(frozen(next(parts)))
+            continue
+        with torch.device("meta"):
+            stitch = build_block(block)
+        stitch.load_state_dict(init_stitch(block, rng), assign=True)
+        modules.append(stitch.to(device).requires_grad_(True).train())
+    frozen_at = [i for i in range(len(spec.blocks)) if i not in stitches]
+    return FastBlocks(spec, nn.ModuleList(modules), frozen_at, channels_last=True), stitches
+
+
+def assembled_weights(candidate: FastBlocks, blocks: Sequence[PoolBlock]) -> Weights:
+    """The weights of a candidate built by `assemble_modules` from `blocks`: the pool blocks' own tensors (never the
+    frozen modules' folded ones) and its stitches' current ones, on the CPU and checked against its spec."""
+    parts = iter(blocks)
+    states = [
+        (b, next(parts).state if i in candidate.frozen else {k: v.detach().cpu() for k, v in m.state_dict().items()})
+        for i, (b, m) in enumerate(zip(candidate.spec.blocks, candidate.blocks))
+    ]
+    weights = model_of(candidate.spec.name, candidate.spec.input_shape, candidate.spec.num_classes, states)
+    check_state(weights.spec, weights.state)
+    return weights
 
 
 def size_problems(

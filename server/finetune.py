@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
+from torch import nn
 from torch.nn import functional as F
 
 from fedge import constants as C
@@ -173,14 +174,14 @@ def _group_by_prefix(models: Sequence[Weights], lengths: Sequence[int]) -> list[
     return [g for bucket in groups.values() for g in bucket]
 
 
-def _run(module: SpecModel, lo: int, hi: int, x: torch.Tensor) -> torch.Tensor:
+def _run(module: nn.Module, lo: int, hi: int, x: torch.Tensor) -> torch.Tensor:
     for i in range(lo, hi):
         x = module.run_block(i, x)
     return x
 
 
 @torch.no_grad()
-def _prefix_outputs(module: SpecModel, n: int, x: torch.Tensor) -> torch.Tensor:
+def _prefix_outputs(module: nn.Module, n: int, x: torch.Tensor) -> torch.Tensor:
     """Blocks 0..n-1 (frozen, eval mode) on all of x, in evaluation batches."""
     return torch.cat([_run(module, 0, n, xb) for xb in x.split(C.EVAL_BATCH_SIZE)])
 
@@ -222,7 +223,7 @@ def _check_public(spec: ModelSpec, x: torch.Tensor, y: torch.Tensor | None, cfg:
 
 
 def _train_group(
-    modules: list[SpecModel], start: int, x: torch.Tensor, y: torch.Tensor | None, cfg: FinetuneConfig
+    modules: list[nn.Module], start: int, x: torch.Tensor, y: torch.Tensor | None, cfg: FinetuneConfig
 ) -> tuple[int, list[float | None]]:
     """Train the stitches of candidates sharing frozen blocks 0..start-1, in lockstep on the same batches; returns
     the steps taken and each candidate's mean loss over the last pass.
@@ -259,6 +260,52 @@ def _train_group(
     return steps, [_last_pass_mean(seen, per_pass) for seen in losses]
 
 
+def _shared_prefix_groups(modules: Sequence[nn.Module], starts: Sequence[int]) -> list[list[int]]:
+    """Indices of modules whose blocks 0..start-1 are the same module objects (so that prefix runs once)."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, (module, n) in enumerate(zip(modules, starts)):
+        groups.setdefault((n, *(id(b) for b in module.blocks[:n])), []).append(i)
+    return list(groups.values())
+
+
+def _share_prefixes(models: Sequence[Weights], modules: Sequence[SpecModel], starts: Sequence[int]) -> None:
+    """Make modules whose prefixes are equal (same origins, verified bit-equal) use one set of prefix block modules."""
+    for group in _group_by_prefix(models, starts):
+        base = modules[group[0]]
+        for i in group[1:]:
+            for j in range(starts[i]):
+                modules[i].blocks[j] = base.blocks[j]
+
+
+def train_stitch_modules(
+    modules: Sequence[nn.Module],
+    trainable: Sequence[tuple[int, ...]],
+    x: torch.Tensor,
+    y: torch.Tensor | None,
+    cfg: FinetuneConfig,
+) -> list[tuple[int, float | None]]:
+    """Train the trainable (stitch) blocks of candidates given as modules with `run_block`, every other block frozen
+    in eval mode; candidates whose blocks before their first stitch are the same module objects train in lockstep
+    (`_train_group`). Returns each one's (steps, last-pass loss); (0, None) without a trainable block. x and y
+    must be on the modules' device."""
+    out: list[tuple[int, float | None]] = [(0, None)] * len(modules)
+    todo = [i for i, t in enumerate(trainable) if t]
+    for group in _shared_prefix_groups([modules[i] for i in todo], [trainable[i][0] for i in todo]):
+        members = [todo[g] for g in group]
+        t0 = time.perf_counter()
+        steps, losses = _train_group([modules[i] for i in members], trainable[members[0]][0], x, y, cfg)
+        for i, loss in zip(members, losses):
+            out[i] = (steps, loss)
+        log.debug(
+            "fine-tuned %d candidates sharing %d prefix blocks, %d steps, in %.3fs",
+            len(members),
+            trainable[members[0]][0],
+            steps,
+            time.perf_counter() - t0,
+        )
+    return out
+
+
 def finetune_candidates(
     candidates: Sequence[tuple[Weights, tuple[int, ...]]],
     x_public: torch.Tensor,
@@ -277,29 +324,19 @@ def finetune_candidates(
     not match its spec.
     """
     trainable = [_check_trainable(w, t) for w, t in candidates]
-    out: list[Tuned | None] = [Tuned(w, 0, None) if not t else None for (w, _), t in zip(candidates, trainable)]
     todo = [i for i, t in enumerate(trainable) if t]
     for i in todo:
         _check_public(candidates[i][0].spec, x_public, y_public, cfg)
     x = x_public.to(device)
     y = y_public.to(device) if cfg.labeled and y_public is not None else None
-    starts = [trainable[i][0] for i in todo]
-    for group in _group_by_prefix([candidates[i][0] for i in todo], starts):
-        t0 = time.perf_counter()
-        members = [todo[g] for g in group]
-        modules = [_frozen_module(candidates[i][0], trainable[i], device) for i in members]
-        steps, losses = _train_group(modules, trainable[members[0]][0], x, y, cfg)
-        for i, module, loss in zip(members, modules, losses):
-            state = {k: v.detach().to("cpu").clone() for k, v in module.state_dict().items()}
-            out[i] = Tuned(Weights(candidates[i][0].spec, state), steps, loss)
-        log.debug(
-            "fine-tuned %d candidates sharing %d prefix blocks, %d steps, in %.3fs",
-            len(members),
-            trainable[members[0]][0],
-            steps,
-            time.perf_counter() - t0,
-        )
-    return [t for t in out if t is not None]
+    modules = [_frozen_module(candidates[i][0], trainable[i], device) for i in todo]
+    _share_prefixes([candidates[i][0] for i in todo], modules, [trainable[i][0] for i in todo])
+    runs = train_stitch_modules(modules, [trainable[i] for i in todo], x, y, cfg)
+    out = [Tuned(w, 0, None) for w, _ in candidates]
+    for i, module, (steps, loss) in zip(todo, modules, runs):
+        state = {k: v.detach().to("cpu").clone() for k, v in module.state_dict().items()}
+        out[i] = Tuned(Weights(candidates[i][0].spec, state), steps, loss)
+    return out
 
 
 def finetune_stitches(
@@ -394,17 +431,24 @@ def public_logits(models: Sequence[Weights], x_public: torch.Tensor, device: Dev
     """Each model's logits on x_public (eval mode, CPU result); blocks before the first stitch that several
     models share (same origins, equal weights) run once per batch. Bad weights raise WeightsError.
     """
-    lengths = [(stitch_blocks(w.spec) or (len(w.spec.blocks),))[0] for w in models]
-    out: list[torch.Tensor | None] = [None] * len(models)
-    x = x_public.to(device)
-    for group in _group_by_prefix(models, lengths):
-        modules = [_frozen_module(models[i], (), device) for i in group]
-        start = lengths[group[0]]
+    starts = [(stitch_blocks(w.spec) or (len(w.spec.blocks),))[0] for w in models]
+    modules = [_frozen_module(w, (), device) for w in models]
+    _share_prefixes(models, modules, starts)
+    return module_logits(modules, starts, x_public.to(device))
+
+
+@torch.no_grad()
+def module_logits(modules: Sequence[nn.Module], starts: Sequence[int], x: torch.Tensor) -> list[torch.Tensor]:
+    """Each module's logits on x (CPU results), in evaluation batches; modules whose blocks 0..start-1 are the same
+    objects run them once per batch."""
+    out: list[torch.Tensor | None] = [None] * len(modules)
+    for group in _shared_prefix_groups(modules, starts):
+        start = starts[group[0]]
         parts: list[list[torch.Tensor]] = [[] for _ in group]
         for xb in x.split(C.EVAL_BATCH_SIZE):
-            feats = _run(modules[0], 0, start, xb)
-            for part, module in zip(parts, modules):
-                part.append(_run(module, start, len(module.blocks), feats).cpu())
+            feats = _run(modules[group[0]], 0, start, xb)
+            for part, i in zip(parts, group):
+                part.append(_run(modules[i], start, len(modules[i].blocks), feats).cpu())
         for i, part in zip(group, parts):
             out[i] = torch.cat(part)
     return [t for t in out if t is not None]

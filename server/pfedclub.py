@@ -15,9 +15,10 @@ from fedge.config import ConfigError
 from fedge.messages import Weights
 from fedge.seeding import derive_seed
 from fedge.spec import ModelSpec
-from server.assemble import assemble, size_problems, stitched_blocks
+from server.assemble import assemble_modules, assembled_weights, size_problems, stitched_blocks
 from server.cmsr import Candidate, CmsrOptions, CmsrResult, Prune, cmsr_search, composition
-from server.finetune import best_match, public_logits
+from server.fastblocks import FastBlocks
+from server.finetune import best_match, module_logits, public_logits, train_stitch_modules
 from server.reassembly import Pool, ReassemblyOptions, ReassemblyStrategy
 from server.strategy import StrategyError, option, register_strategy
 
@@ -151,7 +152,11 @@ class PFedClub(ReassemblyStrategy):
 
     def teacher_for(self, rnd: int, cid: str, pool: Pool) -> tuple[Weights | None, dict[str, Any]]:
         """CMSR candidates → stitched → fine-tuned → matched (Alg. 1, Eq. 2-4), in chunks of
-        CANDIDATE_CHUNK so memory stays bounded however many candidates there are; or the fallback."""
+        CANDIDATE_CHUNK so memory stays bounded however many candidates there are; or the fallback.
+
+        Candidates are modules over the pool's frozen block modules (built once per block, BatchNorm folded,
+        channels-last: equal up to float rounding), with their own stitches; only the chosen one becomes weights,
+        from the pool blocks' own tensors. The client's logits are those of the pool's feature pass."""
         own = pool.uploads[cid]
         with self.stage("candidates"):
             found = self.search(rnd, cid, pool)
@@ -167,36 +172,52 @@ class PFedClub(ReassemblyStrategy):
         if not found.candidates:
             teacher, fallback = self.fallback(rnd, cid, own)
             return teacher, info | fallback
+        x, y = self.public.x.to(pool.device), self.public.y
+        y = None if y is None else y.to(pool.device)
+        cfg = self.finetune_config("finetune", rnd, cid)
         with self.stage("matching"):
-            own_logits = public_logits([own], self.public.x, self.config.device)[0]
+            own_logits = pool.logits.get(cid)
+            if own_logits is None:  # the feature pass kept no logits (minibatch CKA over a large public set)
+                own_logits = public_logits([own], self.public.x, pool.device)[0]
         rng = np.random.default_rng(derive_seed(self.config.seed, "stitch-init", rnd, cid))
-        best: tuple[float, Weights, Candidate] | None = None
+        best: tuple[float, FastBlocks, Candidate] | None = None
         steps, losses = set(), []
         for start in range(0, len(found.candidates), C.CANDIDATE_CHUNK):
             chunk = found.candidates[start : start + C.CANDIDATE_CHUNK]
             with self.stage("candidates"):
-                candidates = [
-                    assemble(f"teacher-{cid}-r{rnd}-{start + i}", [pool.blocks[k] for k in ks], *own_io(own), rng)
+                built = [
+                    assemble_modules(
+                        f"teacher-{cid}-r{rnd}-{start + i}",
+                        [pool.blocks[k] for k in ks],
+                        *own_io(own),
+                        rng,
+                        pool.frozen,
+                        pool.device,
+                    )
                     for i, ks in enumerate(chunk)
                 ]
-            runs = self.finetune(rnd, cid, candidates)
-            steps |= {r.steps for r in runs}
-            losses += [r.loss for r in runs]
+            modules, stitches = [m for m, _ in built], [t for _, t in built]
+            with self.stage("finetune"):
+                runs = train_stitch_modules(modules, stitches, x, y, cfg)
+            steps |= {n for n, _ in runs}
+            losses += [loss for _, loss in runs]
             with self.stage("matching"):
-                _, scores = best_match(
-                    own_logits, public_logits([r.weights for r in runs], self.public.x, self.config.device)
-                )
-            for keys, run, score in zip(chunk, runs, scores):
+                starts = [t[0] if t else len(m.blocks) for m, t in built]
+                _, scores = best_match(own_logits, module_logits(modules, starts, x))
+            for keys, module, score in zip(chunk, modules, scores):
                 if math.isfinite(score) and (best is None or score > best[0]):  # ties: the earlier candidate
-                    best = (score, run.weights, keys)
+                    best = (score, module, keys)
         assert best is not None  # best_match raises when no score of a chunk is finite
-        score, teacher, keys = best
+        score, module, keys = best
+        with self.stage("candidates"):
+            teacher = assembled_weights(module, [pool.blocks[k] for k in keys])
         is_self = keys == own_keys(cid, own.spec)
         return teacher, info | {
             "match_score": score,
             "teacher_fallback": False,
             "teacher_is_self": is_self,
             "finetune_steps": max(steps),  # a candidate without a stitch (the client's own model) takes 0
+            "finetune_batch": cfg.schedule(len(x))[0],
             "finetune_loss": losses,
         }
 

@@ -14,6 +14,7 @@ from functools import cached_property
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
+from torch import nn
 
 from device_profiles import fits, get_profile
 from fedge import constants as C
@@ -23,11 +24,13 @@ from fedge.messages import ClientInfo, Result, Task, Weights, client_order
 from fedge.payloads import Expected
 from fedge.seeding import derive_seed
 from fedge.teacher_program import TEACHER_PROGRAM_ERROR, TEACHER_PTE_SHA256
+from fedge.weights import load_module
 from server.assemble import STITCH_MODEL
 from server.blocks import Key, PoolBlock, split_blocks
 from server.cka import block_similarity, minibatch_block_similarity
+from server.fastblocks import fold_batchnorm
 from server.features import block_features
-from server.finetune import FinetuneConfig, Tuned, finetune_candidates, select_teacher
+from server.finetune import FinetuneConfig, Tuned, finetune_candidates
 from server.grouping import group_blocks
 from server.strategy import PublicData, Strategy, StrategyError, StrategyOptions, option
 from server.teacher_programs import ProgramExporter, TeacherPrograms
@@ -42,14 +45,36 @@ def block_kind(block: PoolBlock) -> int:
 
 
 class Pool:
-    """One round's uploaded blocks with their functional groups (pFedClub §3.2.1) and Eq. (1) similarities."""
+    """One round's uploaded blocks with their functional groups (pFedClub §3.2.1) and Eq. (1) similarities; each
+    upload's logits on the public data when the feature pass kept them; each block's frozen module for candidates
+    (built once per block on `device`, BatchNorm folded: `frozen`)."""
 
-    def __init__(self, uploads: Mapping[str, Weights], similarity: torch.Tensor, labels: torch.Tensor) -> None:
+    def __init__(
+        self,
+        uploads: Mapping[str, Weights],
+        similarity: torch.Tensor,
+        labels: torch.Tensor,
+        logits: Mapping[str, torch.Tensor] | None = None,
+        device: str = "cpu",
+    ) -> None:
         self.uploads = dict(uploads)
         self.blocks: dict[Key, PoolBlock] = {b.key: b for cid, w in uploads.items() for b in split_blocks(cid, w)}
         self.index = {key: i for i, key in enumerate(self.blocks)}
         self.similarity = similarity
         self.groups = {key: int(labels[i]) for key, i in self.index.items()}
+        self.logits = dict(logits or {})
+        self.device = device
+        self._frozen: dict[Key, nn.Module] = {}
+
+    def frozen(self, block: PoolBlock) -> nn.Module:
+        """The pool block as a frozen module for candidates: eval mode, no grad, BatchNorm folded into the layer before
+        it and convolutions channels-last (`fold_batchnorm`; equal to the block up to float rounding, and never
+        what a teacher's weights are taken from); one per block, built from its upload's module on first use."""
+        if block.key not in self._frozen:
+            module = load_module(self.uploads[block.client].spec, self.uploads[block.client].state, self.device)
+            for i, b in enumerate(module.blocks):
+                self._frozen[(block.client, i)] = fold_batchnorm(b.eval(), channels_last=True)
+        return self._frozen[block.key]
 
     @cached_property
     def kind_groups(self) -> dict[Key, int]:
@@ -202,16 +227,15 @@ class ReassemblyStrategy(Strategy):
         for cid in self.sent - set(uploads):  # its teacher was delivered (or broke it): build a new one next time
             if self.teachers.pop(cid, None) is not None:
                 log.info("round %d: client %s did not reply; its teacher is dropped", rnd, cid)
-        usable = self.finite_uploads(rnd, uploads)
-        if not usable:
-            teachers: dict[str, tuple[Weights | None, dict[str, Any]]] = {}
-        else:
+        pool, left_out = self.pool(rnd, uploads) if uploads else (None, [])
+        teachers: dict[str, tuple[Weights | None, dict[str, Any]]] = {}
+        if pool is not None:
             try:
-                teachers = self.make_teachers(rnd, self.pool(rnd, usable))
+                teachers = self.make_teachers(rnd, pool)
             except (ValueError, RuntimeError) as e:  # e.g. a diverged fine-tuning: the round goes on without teachers
                 log.error("round %d: no new teachers, building them failed: %s", rnd, e)
-                teachers = {cid: (None, {"candidates": 0, "teacher_error": str(e)}) for cid in usable}
-        for cid in set(uploads) - set(usable):
+                teachers = {cid: (None, {"candidates": 0, "teacher_error": str(e)}) for cid in pool.uploads}
+        for cid in left_out:
             teachers[cid] = (
                 None,
                 {"candidates": 0, "teacher_error": "its block outputs on the public data are not finite"},
@@ -224,33 +248,37 @@ class ReassemblyStrategy(Strategy):
             if ran is not None:  # the teacher program the client ran (the one this round's task shipped)
                 self.rows[(rnd, cid)][TEACHER_PTE_SHA256] = ran
 
-    def finite_uploads(self, rnd: int, uploads: Mapping[str, Weights]) -> dict[str, Weights]:
-        """The uploads whose every block gives finite outputs on the public data. Weights that are finite but huge
-        (a device may send them) give Inf or NaN features, which would make Eq. (1) undefined for the whole pool:
-        such an upload is left out of this round's pool (its client gets no teacher), the others go on."""
-        with self.stage("features"):
-            ok = {cid: w for cid, w in uploads.items() if _finite_features(w, self.public.x, self.config.device)}
-        for cid in set(uploads) - set(ok):
-            log.error("round %d: client %s's model gives non-finite outputs on the public data; left out", rnd, cid)
-        return ok
-
-    def pool(self, rnd: int, uploads: Mapping[str, Weights]) -> Pool:
-        """Block features on public data → Eq. (1) similarity of all block pairs → K functional groups."""
+    def pool(self, rnd: int, uploads: Mapping[str, Weights]) -> tuple[Pool | None, list[str]]:
+        """Block features on public data → Eq. (1) similarity of all block pairs → K functional groups; and the
+        uploads left out. Weights that are finite but huge (a device may send them) give Inf or NaN features, which
+        would make Eq. (1) undefined for the whole pool: such an upload is left out of this round's pool (its client
+        gets no teacher), the others go on (None: none is left). One feature pass per upload: it gives the
+        finiteness check, Eq. (1)'s features and the upload's logits (its last block's outputs)."""
         device, x = self.config.device, self.public.x
         with self.stage("features"):
             if len(x) <= C.CKA_FULL_MAX_SAMPLES:
-                feats = [f for w in uploads.values() for f in block_features(w, x, device=device)]
-                similarity = block_similarity(feats, device=device)
+                feats = {cid: block_features(w, x, device=device) for cid, w in uploads.items()}
+                bad = [cid for cid, fs in feats.items() if not all(bool(torch.isfinite(f.outputs).all()) for f in fs)]
+                ok = {cid: w for cid, w in uploads.items() if cid not in bad}
+                similarity = block_similarity([f for cid in ok for f in feats[cid]], device=device) if ok else None
+                logits = {cid: feats[cid][-1].outputs for cid in ok}
             else:  # too many public samples to keep every block's features: unbiased minibatch CKA
+                bad = [cid for cid, w in uploads.items() if not _finite_features(w, x, device)]
+                ok = {cid: w for cid, w in uploads.items() if cid not in bad}
                 parts = -(-len(x) // C.CKA_MINIBATCH_SIZE)  # equal parts: no tiny tail batch
                 batches = (
-                    [f for w in uploads.values() for f in block_features(w, xb, device=device)]
+                    [f for w in ok.values() for f in block_features(w, xb, device=device)]
                     for xb in torch.tensor_split(x, parts)
                 )
-                similarity = minibatch_block_similarity(batches, device=device)
+                similarity = minibatch_block_similarity(batches, device=device) if ok else None
+                logits = {}
+        for cid in bad:
+            log.error("round %d: client %s's model gives non-finite outputs on the public data; left out", rnd, cid)
+        if similarity is None:
+            return None, bad
         with self.stage("grouping"):
             labels = group_blocks(similarity, self.options.clusters, seed=derive_seed(self.config.seed, "group", rnd))
-        return Pool(uploads, similarity, labels)
+        return Pool(ok, similarity, labels, logits, device), bad
 
     def make_teachers(self, rnd: int, pool: Pool) -> dict[str, tuple[Weights | None, dict[str, Any]]]:
         """Each uploader's new teacher (None: no valid teacher this time) and what to record about it."""
@@ -273,12 +301,6 @@ class ReassemblyStrategy(Strategy):
         cfg = self.finetune_config("finetune", rnd, tag)
         with self.stage("finetune"):
             return finetune_candidates(candidates, self.public.x, self.public.y, cfg, self.config.device)
-
-    def match(self, own: Weights, tuned: Sequence[Weights]) -> tuple[Weights, list[float]]:
-        """The candidate whose logits are most cosine-similar to the client's own (Eq. (4))."""
-        with self.stage("matching"):
-            best, scores = select_teacher(own, tuned, self.public.x, self.config.device)
-        return tuned[best], scores
 
     def keep(self, rnd: int, cid: str, own: Weights, teacher: Weights | None, info: dict[str, Any]) -> None:
         """Store the teacher until the client is next selected, and its record (ϕ term of Eq. (6))."""

@@ -20,7 +20,8 @@ from server.strategy import STRATEGIES, PublicData, StrategyConfig, create_strat
 
 pytestmark = pytest.mark.timeout(120)
 CONFIG = StrategyConfig(local_epochs=1, batch_size=8, lr=1e-3, seed=0)
-SMALL = {"finetune_epochs": 1, "finetune_min_steps": 0, "max_candidates": 2}  # where a strategy has these options: tiny and fast
+# where a strategy has these options: tiny and fast
+SMALL = {"finetune_epochs": 1, "finetune_min_steps": 0, "max_candidates": 2}
 PUBLIC = PublicData(torch.randn(24, 1, 8, 8, generator=torch.Generator().manual_seed(0)), torch.arange(24) % 10)
 
 

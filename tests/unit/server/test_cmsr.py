@@ -238,8 +238,8 @@ def assert_same_composition(client, kept, expected_hist, expected_own):
 def test_a_cap_keeps_the_composition_of_every_candidate(k):
     # The own-block share and foreign-block histogram of capped candidates match Alg. 1's whole set within
     # sampling error. The cap this replaced (the k most similar to the client's blocks by Eq. (1)) kept mostly
-    # the client's own blocks: sim(k, k) = 2 is the maximum, so it fails here (own share 0.78, 0.71, 0.58 at k = 1, 4, 16
-    # against 0.345 for the whole set; the uniform draw keeps 0.344, 0.354, 0.350).
+    # the client's own blocks: sim(k, k) = 2 is the maximum, so it fails here (own share 0.78, 0.71, 0.58 at
+    # k = 1, 4, 16 against 0.345 for the whole set; the uniform draw keeps 0.344, 0.354, 0.350).
     groups = big_pool(clients=5, depth=6, seed=2)
     kept, expected_hist, expected_own = capped_and_whole(
         groups, "0", 6, CmsrOptions(), k, range(300), similarity=block_sim(groups)

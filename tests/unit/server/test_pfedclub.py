@@ -2,16 +2,20 @@
 
 import logging
 
+import numpy as np
 import pytest
 import torch
 
 from fedge.config import ConfigError
 from fedge.layers import LayerSpec as L
 from fedge.messages import ClientInfo, Result, Weights
+from fedge.seeding import derive_seed
 from fedge.spec import build, make_spec
 from fedge.tasks import TrainTask
 from fedge.zoo import create
-from server.assemble import candidate_spec
+from server.assemble import assemble, candidate_spec
+from server.finetune import best_match, finetune_candidates, public_logits
+from server.pfedclub import own_io
 from server.reassembly import Pool
 from server.strategy import PublicData, StrategyConfig, StrategyError, create_strategy
 
@@ -121,7 +125,9 @@ TINY_SPECS = {"a": tiny("a", [2, 40, 10]), "b": tiny("b", [40, 2, 10])}
 
 
 def tiny_strategy(name, **options):
-    s = create_strategy(name, CONFIG, TINY, {"finetune_epochs": 1, "finetune_min_steps": 0, "max_candidates": 0} | options)
+    s = create_strategy(
+        name, CONFIG, TINY, {"finetune_epochs": 1, "finetune_min_steps": 0, "max_candidates": 0} | options
+    )
     s.setup({cid: ClientInfo(cid, sp, "jetson-orin-nano", 20, 5) for cid, sp in TINY_SPECS.items()})
     return s
 
@@ -208,6 +214,39 @@ def test_every_row_records_the_kept_candidates_composition_and_the_summary_sums_
     summary = s.summary()
     assert summary["foreign_blocks"] == {cid: row["foreign_blocks"] for cid, row in rows.items()}
     assert summary["own_block_share"] == {cid: row["own_block_share"] for cid, row in rows.items()}
+
+
+def test_the_fast_candidate_path_chooses_what_plain_weights_would_within_float_rounding():
+    # Candidates run over the pool's frozen modules (BatchNorm folded, channels-last, built once per block) and the
+    # client's logits come from the feature pass: the same scores, the same teacher and its weights, within rounding,
+    # as assembling, fine-tuning and matching plain weights (what the server did before).
+    s = make("pfedclub", max_candidates=4, finetune_min_steps=12)
+    gen = torch.Generator().manual_seed(5)
+    stats = {
+        "running_mean": lambda v: torch.randn(v.shape, generator=gen),
+        "running_var": lambda v: 0.5 + torch.rand(v.shape, generator=gen),
+    }
+    models = {}
+    for cid, r in uploads(0, ["0", "1", "3"]).items():  # BatchNorm statistics that folding must get right
+        w = r.models["local"]
+        models[cid] = Weights(w.spec, {k: stats.get(k.rsplit(".", 1)[-1], lambda v: v)(v) for k, v in w.state.items()})
+    pool, _ = s.pool(0, models)
+    x = s.public.x
+    for cid in ("0", "1", "3"):
+        own = pool.uploads[cid]
+        found = s.search(0, cid, pool)
+        rng = np.random.default_rng(derive_seed(CONFIG.seed, "stitch-init", 0, cid))
+        built = [
+            assemble(f"c{i}", [pool.blocks[k] for k in ks], *own_io(own), rng) for i, ks in enumerate(found.candidates)
+        ]
+        tuned = finetune_candidates(built, x, s.public.y, s.finetune_config("finetune", 0, cid))
+        best, scores = best_match(public_logits([own], x)[0], public_logits([t.weights for t in tuned], x))
+        teacher, info = s.teacher_for(0, cid, pool)
+        assert info["match_score"] == pytest.approx(scores[best], abs=1e-5)
+        assert info["finetune_loss"] == pytest.approx([t.loss for t in tuned], abs=1e-4)
+        assert teacher.spec.blocks == tuned[best].weights.spec.blocks
+        for k, v in tuned[best].weights.state.items():
+            assert torch.allclose(teacher.state[k], v, atol=1e-5), k
 
 
 def test_summary_reports_phi_with_and_without_fallback_rounds():

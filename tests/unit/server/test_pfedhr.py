@@ -66,7 +66,7 @@ def test_match_scores_are_against_a_finetuned_copy_and_the_upload_stays_bit_iden
 
 def test_m_is_what_alg_1_finds_and_records_say_how_many_blocks_were_scanned():
     s, results = make(), uploads(list(MODELS))
-    pool = s.pool(0, {cid: r.models["local"] for cid, r in results.items()})
+    pool, _ = s.pool(0, {cid: r.models["local"] for cid, r in results.items()})
     search = pfedhr_candidates(depth_order(pool.groups), block_operations(pool.blocks.values()))
     assert len(search.candidates) > 4  # more than the old fixed M = 4
     s.aggregate(0, results)
