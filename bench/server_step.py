@@ -1,15 +1,19 @@
-"""pFedClub's and pFedHR's server step on the same uploads, side by side, against one client's local training.
+"""pFedClub's and pFedHR's server step on the same uploads, side by side, against one client's local training
+and against the hardware's floor.
 
-    python bench/server_step.py [--dataset mnist-5k] [--active 5] [--local-epochs 10] [--device cpu]
-                                [--strategies pfedclub pfedclub@4 pfedhr] [--set pfedclub:exclude_self=true ...]
+    python bench/server_step.py [--dataset mnist-5k] [--active 5] [--local-epochs 10] [--device cpu] [--threads 1]
+                                [--strategies pfedclub pfedclub@1 pfedclub@4 pfedhr] [--set pfedclub:exclude_self=true]
 
 Zoo I, MNIST-size data: `--active` clients train briefly (so their features mean something) and upload; then
 each strategy runs one aggregation on those same uploads. Prints seconds per stage (features/CKA, grouping,
 candidate generation, stitch fine-tuning, matching) for each strategy, the ratio of each strategy's total to
-the first one's (`NAME@K` is NAME with max_candidates=K), candidates generated and kept per client with
-seconds per kept candidate, and each total as a ratio to the mean wall time of one client's local training
-(`--local-epochs` epochs, the paper's 10 by default), all from this one run. With a cap on pFedClub's
-candidates it also prints what every candidate (Alg. 1 line 20) would cost at the measured seconds each.
+the first one's and to pFedHR's (`NAME@K` is NAME with max_candidates=K: the pFedClub / pFedHR ratio at each
+cap), candidates generated and kept per client with seconds per kept candidate, and each total as a ratio to the
+mean wall time of one client's local training (`--local-epochs` epochs, the paper's 10 by default), all from this
+one run. With a cap on pFedClub's candidates it also prints what every candidate (Alg. 1 line 20) would cost at
+the measured seconds each. The floor (bench/floor.py): the FLOPs each trained candidate's fine-tuning and
+matching must do (pFedHR's client copies included), at this machine's measured dense rate on `--threads`
+threads; `NAME per candidate / floor: R.RRx` says how far each strategy is from it.
 """
 
 from __future__ import annotations
@@ -20,9 +24,12 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.compare import hardware  # noqa: E402
+from bench.floor import finetune_flops, floor_lines, machine_rate, matching_flops  # noqa: E402
 from edge_client.training import TrainConfig, train  # noqa: E402
 from fedge.config import config_from  # noqa: E402
 from fedge.constants import DEFAULT_SEED, DEFAULT_WIDTHS, WIDTHS  # noqa: E402
@@ -33,8 +40,10 @@ from fedge.zoo import assign_models  # noqa: E402
 from launch.client import make_agent  # noqa: E402
 from launch.runs import partition_config  # noqa: E402
 from launch.server import strategy_config  # noqa: E402
+from server.assemble import candidate_spec  # noqa: E402
 from server.features import block_features  # noqa: E402
-from server.reassembly import STAGES  # noqa: E402
+from server.pfedhr_candidates import block_operations, depth_order, pfedhr_candidates  # noqa: E402
+from server.reassembly import STAGES, ReassemblyStrategy  # noqa: E402
 from server.strategy import PublicData, create_strategy  # noqa: E402
 
 
@@ -51,6 +60,45 @@ def parse_sets(items: list[str], strategies: list[str]) -> dict[str, dict[str, s
     return out
 
 
+def samples_seen(strategy: ReassemblyStrategy, n: int) -> int:
+    """Samples one fine-tuning goes through over n public samples: whole passes, then the batches of the last."""
+    batch, steps = strategy.finetune_config("bench").schedule(n)
+    per_pass = -(-n // batch)
+    return steps // per_pass * n + min(steps % per_pass * batch, n)
+
+
+def trained_flops(strategy: ReassemblyStrategy, results: dict[str, Result], n: int) -> list[float]:
+    """FLOPs (floor.finetune_flops + matching_flops) of every model the strategy's step fine-tuned, found again from
+    the same uploads and seeds: pFedClub's kept candidates per client (stitches only); pFedHR's shared candidates
+    (every parameter, or the stitches) and its fine-tuned client copies (every parameter)."""
+    uploads = {cid: r.models["local"] for cid, r in results.items()}
+    pool, _ = strategy.pool(0, uploads)
+    seen = samples_seen(strategy, n)
+
+    def flops(spec, trainable):
+        return finetune_flops(spec, trainable, seen, 1, n) + matching_flops(spec, trainable, n)
+
+    def whole(spec):
+        return tuple(range(len(spec.blocks)))
+
+    if strategy.name.startswith("pfedclub"):
+        out = []
+        for cid, own in pool.uploads.items():
+            for keys in strategy.search(0, cid, pool).candidates:
+                spec, stitches = candidate_spec(
+                    "c", [pool.blocks[k] for k in keys], own.spec.input_shape, own.spec.num_classes
+                )
+                out.append(flops(spec, stitches))
+        return out
+    any_spec = next(iter(pool.uploads.values())).spec
+    found = pfedhr_candidates(depth_order(pool.groups), block_operations(pool.blocks.values()), strategy.options.scan)
+    out = []
+    for keys in found.candidates:
+        spec, stitches = candidate_spec("c", [pool.blocks[k] for k in keys], any_spec.input_shape, any_spec.num_classes)
+        out.append(flops(spec, whole(spec) if strategy.options.pfedhr_finetune == "all" else stitches))
+    return out + [flops(w.spec, whole(w.spec)) for w in pool.uploads.values()]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dataset", default="mnist-5k")
@@ -61,8 +109,10 @@ def main() -> None:
     p.add_argument("--strategies", nargs="+", default=["pfedclub", "pfedhr"])
     p.add_argument("--set", action="append", default=[], metavar="[STRATEGY:]KEY=VALUE", help="a strategy option")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the floor is measured on as many)")
     p.add_argument("--widths", choices=WIDTHS, default=DEFAULT_WIDTHS, help="zoo width preset (fedge/zoo.py)")
     args = p.parse_args()
+    torch.set_num_threads(args.threads)
     names = {column: column.partition("@")[0] for column in args.strategies}
     options = parse_sets(args.set, sorted(set(names.values())))
     cfg = config_from(
@@ -82,7 +132,7 @@ def main() -> None:
     part = make_partition(ds.y, ds.num_classes, partition_config(cfg))
     models = assign_models("I", cfg.clients, cfg.seed)
     agents = [make_agent(cfg, ds, part.clients[i], models[i], "jetson-orin-nano") for i in range(args.active)]
-    print(f"hardware: {hardware()}; device {args.device}")
+    print(f"hardware: {hardware()}; device {args.device}, {args.threads} torch thread(s)")
     print(f"{args.dataset}: public set {len(part.public)}, client models {[a.spec.name for a in agents]}")
 
     train_seconds, results = [], {}
@@ -101,7 +151,7 @@ def main() -> None:
     warm = x_public[stratified_sample(y_public.numpy(), 64, DEFAULT_SEED)]
     for w in results.values():  # warm up torch's kernels, so the first strategy timed does not pay for it
         block_features(w.models["local"], warm, device=args.device)
-    totals, times, rows = {}, {}, {}
+    totals, times, rows, strategies = {}, {}, {}, {}
     for name in args.strategies:
         cap = name.partition("@")[2]
         chosen = options[names[name]] | ({"max_candidates": cap} if cap else {})
@@ -113,8 +163,10 @@ def main() -> None:
         totals[name] = time.perf_counter() - start
         times[name] = dict(strategy.times)
         rows[name] = {cid: strategy.record(0, cid) for cid in results}
+        strategies[name] = strategy
         print(f"{name} options: {strategy.options}")
 
+    rate = machine_rate(args.threads) if args.device == "cpu" else float("nan")
     first = args.strategies[0]
     print(f"\n{'stage':12s}" + "".join(f"{n:>12s}" for n in args.strategies))
     for stage in STAGES:
@@ -122,6 +174,10 @@ def main() -> None:
     print(f"{'total (s)':12s}" + "".join(f"{totals[n]:12.2f}" for n in args.strategies))
     print(f"{'/ ' + first:12s}" + "".join(f"{totals[n] / totals[first]:12.2f}" for n in args.strategies))
     print(f"{'/ client':12s}" + "".join(f"{totals[n] / client:12.2f}" for n in args.strategies))
+    hr = next((n for n in args.strategies if names[n] == "pfedhr"), None)
+    if hr is not None:
+        print(f"{'/ ' + hr:12s}" + "".join(f"{totals[n] / totals[hr]:12.2f}" for n in args.strategies))
+    per_candidate, flops = {}, {}
     for name in args.strategies:
         kept = [r.get("candidates", 0) for r in rows[name].values()]
         per_client = all("candidates_total" in r for r in rows[name].values())  # pFedClub: candidates per client
@@ -132,6 +188,11 @@ def main() -> None:
         each = fit / trained if trained else float("nan")
         print(f"\n{name}: candidates kept per client {kept}, {key} {generated}")
         print(f"  {trained} candidates built, fine-tuned and matched in {fit:.2f} s: {each:.3f} s per candidate")
+        counted = trained_flops(strategies[name], results, len(x_public))
+        flops[name] = sum(counted) / trained if trained else float("nan")
+        per_candidate[name] = (each, flops[name] / rate)
+        steps = sorted({r.get("finetune_steps") for r in rows[name].values()} - {None})
+        print(f"  fine-tuning steps {steps}, {len(counted)} models fine-tuned, {sum(counted) / 1e9:.1f} GFLOP in all")
         if per_client and sum(generated) > trained:
             print(
                 f"  every candidate (Alg. 1 line 20, {sum(generated):,}) at {each:.3f} s each would take "
@@ -141,6 +202,11 @@ def main() -> None:
             count = sum(bool(r.get(key)) for r in rows[name].values())
             if count:
                 print(f"  {key}: {count} of {len(rows[name])} clients")
+    print()
+    if args.device == "cpu":
+        print("\n".join(floor_lines({n: v for n, v in per_candidate.items() if v[1] > 0}, flops, rate, args.threads)))
+    else:  # machine_rate measures the CPU: a floor for another device needs that device's rate
+        print(f"no floor printed: it is measured on the CPU, and this run used {args.device}")
 
 
 if __name__ == "__main__":

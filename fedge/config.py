@@ -66,6 +66,9 @@ class RunConfig:
     norm_std: tuple[float, ...] | None = None
     profiles: tuple[str, ...] = C.DEFAULT_FLEET_PROFILES
     device: str = "auto"
+    # torch intra-op threads of the server process (0: one when this machine also runs the run's client processes,
+    # `fedge run` over MQTT, whose threads would otherwise compete for the same cores; else torch's default)
+    server_threads: int = 0
     transport: str = C.DEFAULT_TRANSPORT
     run_id: str = C.DEFAULT_RUN_ID
     round_deadline_s: float = C.ROUND_DEADLINE_S
@@ -120,6 +123,8 @@ class RunConfig:
             raise ConfigError(
                 f"widths must be one of {', '.join(C.WIDTHS)} (the zoo's width preset), got {self.widths!r}"
             )
+        if self.server_threads < 0:
+            raise ConfigError(f"server_threads must be 0 (automatic) or a positive integer, got {self.server_threads}")
         if not (self.clip_factor == 0 or self.clip_factor >= 1):
             raise ConfigError(f"clip_factor must be 0 (no clipping) or >= 1, got {self.clip_factor}")
         check_aggregation(self.aggregator, self.trim_fraction, self.byzantine)

@@ -62,9 +62,12 @@ def run_federation(cfg: RunConfig, progress: bool = True, processes: int | None 
     preflight(cfg, ids)  # make_strategy checks the strategy's options, before any process starts
     users = generate_users(ids)
     processes = max(1, min(processes or min(os.cpu_count() or 1, 4), cfg.clients))
-    threads = max(1, (os.cpu_count() or 1) // processes)
+    # The server and the client processes share this machine's cores: the server takes one thread unless told
+    # otherwise, the clients split the rest (at least one each), so torch's threads do not oversubscribe the cores.
+    server_threads = cfg.server_threads or 1
+    threads = max(1, ((os.cpu_count() or 1) - server_threads) // processes)
     out = Path(cfg.out) if cfg.out else default_out(cfg)
-    cfg = dataclasses.replace(cfg, out=str(out))
+    cfg = dataclasses.replace(cfg, out=str(out), server_threads=server_threads)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="fedge-") as tmp, EmbeddedBroker(users=users) as broker:
         secrets, config = Path(tmp) / "passwords", Path(tmp) / "config.json"

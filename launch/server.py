@@ -106,11 +106,14 @@ def run_federation_rounds(
     deadline_s: float | None = None,
 ) -> dict[str, Any]:
     """Run the rounds over any transport, write the run folder (metrics, checkpoint, summary, plots), return
-    the summary. With `resume`, continue the run in cfg.out from its checkpoint. `deadline_s`: the transport's
+    the summary. With `resume`, continue the run in cfg.out from its checkpoint. The server's torch threads are
+    cfg.server_threads (0: as they are), and config.json records the number used. `deadline_s`: the transport's
     round deadline, if it has one (the simulated clock charges it for a client that never replied).
     A round that misses its quorum on every try writes the summary so far and raises RoundFailed."""
     out = run_folder(cfg, resume)
-    runlog = RunLog(out, cfg.to_dict() | {"out": str(out)}, resume=resume)
+    if cfg.server_threads:
+        torch.set_num_threads(cfg.server_threads)
+    runlog = RunLog(out, cfg.to_dict() | {"out": str(out), "server_threads": torch.get_num_threads()}, resume=resume)
     loop = LoopConfig(
         cfg.rounds,
         cfg.active,

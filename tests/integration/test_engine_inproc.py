@@ -4,6 +4,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 from edge_client.agent import ClientAgent
 from fedge import constants as C
@@ -74,7 +75,8 @@ def test_local_run_writes_the_contract(reference):
     trained_rows = [r for r in rows if r["trained"]]
     assert len(trained_rows) == 2 * 3 and all(ROW_KEYS <= set(r) for r in trained_rows)
     assert (out / "accuracy.png").stat().st_size > 0
-    assert json.loads((out / "config.json").read_text())["zoo"] == "I"
+    recorded = json.loads((out / "config.json").read_text())
+    assert recorded["zoo"] == "I" and recorded["server_threads"] == torch.get_num_threads() >= 1
     assert summary["final_accuracy"] == on_disk["final_accuracy"]
 
 
