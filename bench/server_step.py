@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -40,8 +41,15 @@ from fedge.zoo import assign_models  # noqa: E402
 from launch.client import make_agent  # noqa: E402
 from launch.runs import partition_config  # noqa: E402
 from launch.server import strategy_config  # noqa: E402
-from server.assemble import candidate_spec  # noqa: E402
+from server.assemble import assemble, assemble_modules, candidate_spec  # noqa: E402
 from server.features import block_features  # noqa: E402
+from server.finetune import (  # noqa: E402
+    best_match,
+    finetune_candidates,
+    module_logits,
+    public_logits,
+    train_stitch_modules,
+)
 from server.pfedhr_candidates import block_operations, depth_order, pfedhr_candidates  # noqa: E402
 from server.reassembly import STAGES, ReassemblyStrategy  # noqa: E402
 from server.strategy import PublicData, create_strategy  # noqa: E402
@@ -110,6 +118,19 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], metavar="[STRATEGY:]KEY=VALUE", help="a strategy option")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the floor is measured on as many)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="pFedClub's server threads over clients (1: the floor's one thread; pFedHR's step is serial)",
+    )
+    p.add_argument(
+        "--compare-paths",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also time K candidates per client through the plain weights path and the server's module path",
+    )
     p.add_argument("--widths", choices=WIDTHS, default=DEFAULT_WIDTHS, help="zoo width preset (fedge/zoo.py)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -157,6 +178,7 @@ def main() -> None:
         chosen = options[names[name]] | ({"max_candidates": cap} if cap else {})
         strategy = create_strategy(names[name], strategy_config(cfg), PublicData(x_public, y_public), chosen)
         strategy.setup({a.client_id: a.info() for a in agents})
+        strategy.workers = args.workers
         strategy.plan(0, list(results))
         start = time.perf_counter()
         strategy.aggregate(0, results)
@@ -207,6 +229,42 @@ def main() -> None:
         print("\n".join(floor_lines({n: v for n, v in per_candidate.items() if v[1] > 0}, flops, rate, args.threads)))
     else:  # machine_rate measures the CPU: a floor for another device needs that device's rate
         print(f"no floor printed: it is measured on the CPU, and this run used {args.device}")
+    club = next((n for n in args.strategies if names[n].startswith("pfedclub")), None)
+    if args.compare_paths and club is not None:
+        compare_paths(strategies[club], results, x_public, y_public, args.compare_paths)
+
+
+def compare_paths(strategy: ReassemblyStrategy, results: dict[str, Result], x, y, count: int) -> None:
+    """The same candidates (up to `count` per client, from the strategy's own search) through the plain path
+    (assemble → finetune_candidates → public_logits: weights built per candidate, BatchNorm as uploaded) and the
+    server's (assemble_modules over the pool's frozen, folded, channels-last blocks → train_stitch_modules →
+    module_logits): seconds of each, and the largest difference of their Eq. (4) scores."""
+    pool, _ = strategy.pool(0, {cid: r.models["local"] for cid, r in results.items()})
+    cfg = strategy.finetune_config("finetune", 0, "paths")
+    seconds, gap, n = [0.0, 0.0], 0.0, 0
+    for cid, own in pool.uploads.items():
+        keys = strategy.search(0, cid, pool).candidates[:count]
+        blocks = [[pool.blocks[k] for k in ks] for ks in keys]
+        io = (own.spec.input_shape, own.spec.num_classes)
+        own_logits = public_logits([own], x)[0]
+        start = time.perf_counter()
+        rng = np.random.default_rng(0)
+        tuned = finetune_candidates([assemble(f"c{i}", b, *io, rng) for i, b in enumerate(blocks)], x, y, cfg)
+        plain = best_match(own_logits, public_logits([t.weights for t in tuned], x))[1]
+        seconds[0] += time.perf_counter() - start
+        start = time.perf_counter()
+        rng = np.random.default_rng(0)
+        built = [assemble_modules(f"c{i}", b, *io, rng, pool.frozen) for i, b in enumerate(blocks)]
+        train_stitch_modules([m for m, _ in built], [t for _, t in built], x, y, cfg)
+        starts = [t[0] if t else len(m.blocks) for m, t in built]
+        fast = best_match(own_logits, module_logits([m for m, _ in built], starts, x))[1]
+        seconds[1] += time.perf_counter() - start
+        gap = max([gap] + [abs(a - b) for a, b in zip(plain, fast)])
+        n += len(keys)
+    print(
+        f"\nsame {n} candidates, plain weights vs the server's frozen folded modules: {seconds[0]:.2f} s vs "
+        f"{seconds[1]:.2f} s ({seconds[0] / seconds[1]:.2f}x); largest Eq. (4) score difference {gap:.1e}"
+    )
 
 
 if __name__ == "__main__":

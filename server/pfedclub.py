@@ -98,20 +98,25 @@ class PFedClub(ReassemblyStrategy):
             raise StrategyError(str(e)) from None
 
     def make_teachers(self, rnd: int, pool: Pool) -> dict[str, tuple[Weights | None, dict[str, Any]]]:
-        """Each uploader's teacher; a client whose candidates fail (e.g. diverge) gets none, the others go on."""
+        """Each uploader's teacher, clients on `parallel`'s workers; a client whose candidates fail (e.g. diverge)
+        gets none, the others go on."""
         groups = {
             "groups": len(set(pool.groups.values())),
             "groups_after_kind_split": len(set(pool.kind_groups.values())),
         }
-        out = {}
-        for cid in pool.uploads:
+
+        def one(cid: str) -> tuple[Weights | None, dict[str, Any]]:
             try:
                 teacher, info = self.teacher_for(rnd, cid, pool)
             except (ValueError, RuntimeError) as e:
                 log.error("round %d client %s: no teacher this round, building it failed: %s", rnd, cid, e)
                 teacher, info = None, {"candidates": 0, "teacher_error": str(e)}
-            out[cid] = (teacher, groups | info)
-        return out
+            return teacher, groups | info
+
+        with self.stage("candidates"):
+            pool.build_frozen()  # before the workers share them
+        cids = list(pool.uploads)
+        return dict(zip(cids, self.parallel(one, cids)))
 
     def search(self, rnd: int, cid: str, pool: Pool) -> CmsrResult:
         """CMSR for one client: all candidates, or `max_candidates` of them drawn uniformly; pFedClub+ keeps only

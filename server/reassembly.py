@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import statistics
+import threading
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 import torch
 from torch import nn
@@ -36,6 +39,8 @@ from server.strategy import PublicData, Strategy, StrategyError, StrategyOptions
 from server.teacher_programs import ProgramExporter, TeacherPrograms
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+R = TypeVar("R")
 STAGES = ("features", "grouping", "candidates", "finetune", "matching")
 
 
@@ -65,6 +70,11 @@ class Pool:
         self.logits = dict(logits or {})
         self.device = device
         self._frozen: dict[Key, nn.Module] = {}
+
+    def build_frozen(self) -> None:
+        """Build every block's frozen module now (`frozen` builds them on first use, which workers must not race)."""
+        for cid in self.uploads:
+            self.frozen(self.blocks[(cid, 0)])
 
     def frozen(self, block: PoolBlock) -> nn.Module:
         """The pool block as a frozen module for candidates: eval mode, no grad, BatchNorm folded into the layer before
@@ -179,18 +189,34 @@ class ReassemblyStrategy(Strategy):
         self.rows: dict[tuple[int, str], dict[str, Any]] = {}
         self.history: dict[str, list[dict[str, Any]]] = defaultdict(list)
         self.times: dict[str, float] = {}
+        self._times_lock = threading.Lock()
+        # one server thread per core the torch threads leave: `fedge run` gives its server one torch thread
+        self.workers = max(1, (os.cpu_count() or 1) // torch.get_num_threads())
         # executorch clients get their teacher as an XNNPACK program exported here (when the launcher gave an exporter)
         self.programs = None if self.program_for is None else TeacherPrograms(self.program_for)
         self.program_errors: dict[tuple[int, str], str] = {}  # why a client's task went without its teacher
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
-        """Accumulate wall time of one server stage for the current round."""
+        """Accumulate wall time of one server stage for the current round (summed over `parallel`'s workers)."""
         start = time.perf_counter()
         try:
             yield
         finally:
-            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
+            with self._times_lock:
+                self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
+
+    def parallel(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+        """fn over items on `workers` threads, results in item order (the first exception raised is re-raised).
+
+        Each item's work must be independent, seeded by itself and never touch torch's global generator (pFedHR's
+        whole-model fine-tuning draws dropout from it, so it stays serial); with one torch intra-op thread per
+        worker the results do not depend on the number of workers (torch releases the GIL inside its kernels,
+        so workers use as many cores)."""
+        if self.workers <= 1 or len(items) <= 1:
+            return [fn(item) for item in items]
+        with ThreadPoolExecutor(min(self.workers, len(items)), thread_name_prefix=f"{self.name}-server") as pool:
+            return list(pool.map(fn, items))
 
     def plan(self, rnd: int, active: Sequence[str]) -> dict[str, Task]:
         """kd_train for every active client, with the teacher kept from its last selection (pFedClub §3.3)."""

@@ -249,6 +249,25 @@ def test_the_fast_candidate_path_chooses_what_plain_weights_would_within_float_r
             assert torch.allclose(teacher.state[k], v, atol=1e-5), k
 
 
+def test_clients_on_parallel_workers_get_the_same_teachers_as_one_after_another():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as `fedge run`'s server: one intra-op thread, workers over clients
+    try:
+        teachers = []
+        for workers in (1, 3):
+            s = make("pfedclub", max_candidates=3, finetune_min_steps=6)
+            s.workers = workers
+            s.aggregate(0, uploads(0, ["0", "1", "3"]))
+            teachers.append((s.teachers, {cid: s.record(0, cid)["finetune_loss"] for cid in ("0", "1", "3")}))
+    finally:
+        torch.set_num_threads(threads)
+    (serial, serial_loss), (parallel, parallel_loss) = teachers
+    assert serial_loss == parallel_loss and set(serial) == set(parallel) == {"0", "1", "3"}
+    for cid, teacher in serial.items():
+        assert teacher.spec == parallel[cid].spec
+        assert all(torch.equal(v, parallel[cid].state[k]) for k, v in teacher.state.items())
+
+
 def test_summary_reports_phi_with_and_without_fallback_rounds():
     s = make("pfedclub+", eta=0.0)
     s.history["0"] = [
