@@ -241,7 +241,7 @@ def compare_paths(strategy: ReassemblyStrategy, results: dict[str, Result], x, y
     module_logits): seconds of each, and the largest difference of their Eq. (4) scores."""
     pool, _ = strategy.pool(0, {cid: r.models["local"] for cid, r in results.items()})
     cfg = strategy.finetune_config("finetune", 0, "paths")
-    seconds, gap, n = [0.0, 0.0], 0.0, 0
+    seconds, gap, n, same = [0.0, 0.0], 0.0, 0, 0
     for cid, own in pool.uploads.items():
         keys = strategy.search(0, cid, pool).candidates[:count]
         blocks = [[pool.blocks[k] for k in ks] for ks in keys]
@@ -261,9 +261,11 @@ def compare_paths(strategy: ReassemblyStrategy, results: dict[str, Result], x, y
         seconds[1] += time.perf_counter() - start
         gap = max([gap] + [abs(a - b) for a, b in zip(plain, fast)])
         n += len(keys)
+        same += max(range(len(plain)), key=plain.__getitem__) == max(range(len(fast)), key=fast.__getitem__)
     print(
         f"\nsame {n} candidates, plain weights vs the server's frozen folded modules: {seconds[0]:.2f} s vs "
-        f"{seconds[1]:.2f} s ({seconds[0] / seconds[1]:.2f}x); largest Eq. (4) score difference {gap:.1e}"
+        f"{seconds[1]:.2f} s ({seconds[0] / seconds[1]:.2f}x); largest Eq. (4) score difference {gap:.1e}; "
+        f"the same candidate chosen for {same} of {len(results)} clients"
     )
 
 

@@ -170,6 +170,7 @@ def assemble_modules(
     rng: np.random.Generator,
     frozen: Callable[[PoolBlock], nn.Module],
     device: Device = "cpu",
+    channels_last: bool = True,
 ) -> tuple[FastBlocks, tuple[int, ...]]:
     """The candidate `assemble` would give, as a module to fine-tune and run, and the positions of its stitches.
 
@@ -177,6 +178,7 @@ def assemble_modules(
     mode, no grad, e.g. BatchNorm folded), never copied; its stitches are fresh modules on `device`, trainable,
     with the weights `assemble` draws from the same `rng` (in the same order), built without a random init. The
     module computes what `assemble`'s weights do up to float rounding; `assembled_weights` gives those weights.
+    `channels_last`: frozen blocks that convolve take channels-last inputs (their weights must be channels-last).
     """
     spec, stitches = candidate_spec(name, blocks, input_shape, num_classes)
     parts = iter(blocks)
@@ -190,7 +192,7 @@ def assemble_modules(
         stitch.load_state_dict(init_stitch(block, rng), assign=True)
         modules.append(stitch.to(device).requires_grad_(True).train())
     frozen_at = [i for i in range(len(spec.blocks)) if i not in stitches]
-    return FastBlocks(spec, nn.ModuleList(modules), frozen_at, channels_last=True), stitches
+    return FastBlocks(spec, nn.ModuleList(modules), frozen_at, channels_last), stitches
 
 
 def assembled_weights(candidate: FastBlocks, blocks: Sequence[PoolBlock]) -> Weights:

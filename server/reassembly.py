@@ -69,6 +69,7 @@ class Pool:
         self.groups = {key: int(labels[i]) for key, i in self.index.items()}
         self.logits = dict(logits or {})
         self.device = device
+        self.fold = True  # frozen modules with BatchNorm folded and channels-last (pFedClub's `fold_frozen`)
         self._frozen: dict[Key, nn.Module] = {}
 
     def build_frozen(self) -> None:
@@ -77,13 +78,15 @@ class Pool:
             self.frozen(self.blocks[(cid, 0)])
 
     def frozen(self, block: PoolBlock) -> nn.Module:
-        """The pool block as a frozen module for candidates: eval mode, no grad, BatchNorm folded into the layer before
-        it and convolutions channels-last (`fold_batchnorm`; equal to the block up to float rounding, and never
-        what a teacher's weights are taken from); one per block, built from its upload's module on first use."""
+        """The pool block as a frozen module for candidates: eval mode, no grad and, with `fold`, BatchNorm folded into
+        the layer before it and convolutions channels-last (`fold_batchnorm`; equal to the block up to float
+        rounding, and never what a teacher's weights are taken from); one per block, built from its upload's module
+        on first use."""
         if block.key not in self._frozen:
             module = load_module(self.uploads[block.client].spec, self.uploads[block.client].state, self.device)
             for i, b in enumerate(module.blocks):
-                self._frozen[(block.client, i)] = fold_batchnorm(b.eval(), channels_last=True)
+                frozen = fold_batchnorm(b.eval(), channels_last=True) if self.fold else b.eval().requires_grad_(False)
+                self._frozen[(block.client, i)] = frozen
         return self._frozen[block.key]
 
     @cached_property
