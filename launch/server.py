@@ -107,13 +107,13 @@ def run_federation_rounds(
 ) -> dict[str, Any]:
     """Run the rounds over any transport, write the run folder (metrics, checkpoint, summary, plots), return
     the summary. With `resume`, continue the run in cfg.out from its checkpoint. The server's torch threads are
-    cfg.server_threads (0: as they are), and config.json records the number used. `deadline_s`: the transport's
+    cfg.server_threads (0: as they are); summary.json records the number used. `deadline_s`: the transport's
     round deadline, if it has one (the simulated clock charges it for a client that never replied).
     A round that misses its quorum on every try writes the summary so far and raises RoundFailed."""
     out = run_folder(cfg, resume)
     if cfg.server_threads:
         torch.set_num_threads(cfg.server_threads)
-    runlog = RunLog(out, cfg.to_dict() | {"out": str(out), "server_threads": torch.get_num_threads()}, resume=resume)
+    runlog = RunLog(out, cfg.to_dict() | {"out": str(out)}, resume=resume)
     loop = LoopConfig(
         cfg.rounds,
         cfg.active,
@@ -129,6 +129,7 @@ def run_federation_rounds(
     coordinator = Coordinator(strategy, transport, clients, loop, runlog)
     start = time.perf_counter()
     extra = {"dataset": cfg.dataset, "zoo": cfg.zoo, "widths": cfg.widths, "out": str(out)}
+    extra["server_threads"] = torch.get_num_threads()  # what cfg.server_threads (config.json) came to
     try:
         summary = coordinator.run(resume)
     except RoundFailed as e:

@@ -48,8 +48,9 @@ def test_a_mixed_torch_and_executorch_fleet_completes_pfedclub_over_mqtt(tmp_pat
     summary = json.loads((tmp_path / "mqtt" / "summary.json").read_text())
     assert not summary["rejected_messages"] and not summary["failed_rounds"]
     assert summary["runtimes"] == RUNTIMES and "runtime" in done.stdout
-    # the server shares the machine with the client processes: one torch thread, recorded
-    assert json.loads((tmp_path / "mqtt" / "config.json").read_text())["server_threads"] == 1
+    # the server shares the machine with the client processes: one torch thread, in config.json and used
+    recorded = json.loads((tmp_path / "mqtt" / "config.json").read_text())
+    assert recorded["server_threads"] == summary["server_threads"] == 1
     got = read_rows(tmp_path / "mqtt")
     assert {(r["round"], r["client"]) for r in got if r["trained"]} == {(r, c) for r in (0, 1) for c in RUNTIMES}
     assert all(r["runtime"] == RUNTIMES[r["client"]] for r in got)
