@@ -287,9 +287,12 @@ def train_stitch_modules(
     """Train the trainable (stitch) blocks of candidates given as modules with `run_block`, every other block frozen
     in eval mode; candidates whose blocks before their first stitch are the same module objects train in lockstep
     (`_train_group`). Returns each one's (steps, last-pass loss); (0, None) without a trainable block. x and y
-    must be on the modules' device."""
+    must be on the modules' device. Public data that do not fit a candidate, or missing or out-of-range labels
+    when cfg.labeled, raise ValueError before any training."""
     out: list[tuple[int, float | None]] = [(0, None)] * len(modules)
     todo = [i for i, t in enumerate(trainable) if t]
+    for i in todo:
+        _check_public(modules[i].spec, x, y, cfg)
     for group in _shared_prefix_groups([modules[i] for i in todo], [trainable[i][0] for i in todo]):
         members = [todo[g] for g in group]
         t0 = time.perf_counter()
@@ -325,8 +328,6 @@ def finetune_candidates(
     """
     trainable = [_check_trainable(w, t) for w, t in candidates]
     todo = [i for i, t in enumerate(trainable) if t]
-    for i in todo:
-        _check_public(candidates[i][0].spec, x_public, y_public, cfg)
     x = x_public.to(device)
     y = y_public.to(device) if cfg.labeled and y_public is not None else None
     modules = [_frozen_module(candidates[i][0], trainable[i], device) for i in todo]

@@ -272,6 +272,16 @@ def test_clients_on_parallel_workers_get_the_same_teachers_as_one_after_another(
         assert all(torch.equal(v, parallel[cid].state[k]) for k, v in teacher.state.items())
 
 
+def test_public_labels_outside_the_clients_classes_are_refused_before_any_stitch_trains():
+    bad = PublicData(TINY.x, TINY.y + 10)  # the tiny models have 10 classes
+    s = create_strategy("pfedclub", CONFIG, bad, {"finetune_epochs": 1, "finetune_min_steps": 0, "max_candidates": 0})
+    s.setup({cid: ClientInfo(cid, sp, "jetson-orin-nano", 20, 5) for cid, sp in TINY_SPECS.items()})
+    pool = tiny_pool()
+    rnd = rounds_with_anchor(s, "a", pool, ("b", 0))[0]  # a candidate with stitches
+    with pytest.raises(ValueError, match=r"public labels must lie in \[0, 10\)"):
+        s.teacher_for(rnd, "a", pool)
+
+
 def test_summary_reports_phi_with_and_without_fallback_rounds():
     s = make("pfedclub+", eta=0.0)
     s.history["0"] = [
