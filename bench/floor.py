@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fedge.constants import DEFAULT_WIDTHS  # noqa: E402
 from fedge.spec import ModelSpec, build  # noqa: E402
 from fedge.zoo import ZOOS, create  # noqa: E402
+from server.fastblocks import fold_batchnorm  # noqa: E402
 
 FLOPS_PER_MAC = 2  # a multiply-accumulate is two FLOPs (torch.utils.flop_counter's convention)
 RATE_REPEATS = 8  # machine_rate: timed repeats of each workload after one warm-up; the best one counts
@@ -114,9 +115,39 @@ def block_macs(spec: ModelSpec, count_padding: bool = False) -> tuple[int, ...]:
     return tuple(b.macs - p for b, p in zip(spec.blocks, padded))
 
 
-def _forward(macs: Sequence[int], lo: int, hi: int) -> int:
-    """Forward FLOPs per sample of blocks lo..hi-1."""
-    return FLOPS_PER_MAC * sum(macs[lo:hi])
+def finetune_block_flops(
+    spec: ModelSpec,
+    stitches: Sequence[int],
+    samples_per_step: float,
+    steps: float,
+    public_samples: float,
+    sharing: int = 1,
+    count_padding: bool = False,
+) -> list[float]:
+    """finetune_flops block by block (the same count, each block's part: to be divided by that block's own rate)."""
+    counts = {"samples_per_step": samples_per_step, "steps": steps, "public_samples": public_samples}
+    blocks = _check(spec, stitches, counts, sharing)
+    if not blocks:
+        return [0.0] * len(spec.blocks)
+    macs, first, seen = block_macs(spec, count_padding), blocks[0], samples_per_step * steps
+    out = []
+    for i, m in enumerate(macs):
+        f = FLOPS_PER_MAC * m
+        passes = 0 if i < first else 1 + (i > first) + (i in blocks)  # forward, backward to input, weight gradient
+        out.append(float(f * public_samples / sharing if i < first else f * passes * seen))
+    return out
+
+
+def matching_block_flops(
+    spec: ModelSpec, stitches: Sequence[int], public_samples: float, sharing: int = 1, count_padding: bool = False
+) -> list[float]:
+    """matching_flops block by block."""
+    blocks = _check(spec, stitches, {"public_samples": public_samples}, sharing)
+    first = blocks[0] if blocks else len(spec.blocks)
+    return [
+        float(FLOPS_PER_MAC * m * public_samples / (sharing if i < first else 1))
+        for i, m in enumerate(block_macs(spec, count_padding))
+    ]
 
 
 def finetune_flops(
@@ -146,14 +177,7 @@ def finetune_flops(
     No stitches: 0.0 (the candidate comes back unchanged). Stitch indices out of range, negative or non-finite
     counts, or sharing < 1 raise ValueError.
     """
-    counts = {"samples_per_step": samples_per_step, "steps": steps, "public_samples": public_samples}
-    blocks = _check(spec, stitches, counts, sharing)
-    if not blocks:
-        return 0.0
-    macs, first, end = block_macs(spec, count_padding), blocks[0], len(spec.blocks)
-    per_sample = _forward(macs, first, end) + _forward(macs, first + 1, end)
-    per_sample += sum(_forward(macs, i, i + 1) for i in blocks)
-    return float(_forward(macs, 0, first) * public_samples / sharing + per_sample * samples_per_step * steps)
+    return sum(finetune_block_flops(spec, stitches, samples_per_step, steps, public_samples, sharing, count_padding))
 
 
 def matching_flops(
@@ -166,9 +190,7 @@ def matching_flops(
     counts; the client model's own logits (once per client, not per candidate) are not included. Bad input
     raises ValueError as finetune_flops does.
     """
-    blocks = _check(spec, stitches, {"public_samples": public_samples}, sharing)
-    macs, first = block_macs(spec, count_padding), blocks[0] if blocks else len(spec.blocks)
-    return float((_forward(macs, 0, first) / sharing + _forward(macs, first, len(spec.blocks))) * public_samples)
+    return sum(matching_block_flops(spec, stitches, public_samples, sharing, count_padding))
 
 
 def candidate_flops(
@@ -258,11 +280,14 @@ class BlockRate:
         return self.flops / self.seconds if self.seconds > 0 else 0.0
 
 
-def block_rates(spec: ModelSpec, batch: int, threads: int = 1, repeats: int = BLOCK_REPEATS) -> list[BlockRate]:
+def block_rates(
+    spec: ModelSpec, batch: int, threads: int = 1, repeats: int = BLOCK_REPEATS, fold: bool = False
+) -> list[BlockRate]:
     """Each block of `spec` (fresh weights, eval mode, frozen) on a random batch of its in_shape: forward and
     backward to its input at `threads` torch threads, best of `repeats` after a warm-up. FLOPs are counted as
     finetune_flops counts them (2 x MACs each way), so a rate far below machine_rate marks a memory-bound block.
-    batch, threads or repeats < 1 raise ValueError."""
+    fold: each block as pFedClub's candidates run it (server/fastblocks.py: BatchNorm folded, channels-last
+    convolutions and inputs). batch, threads or repeats < 1 raise ValueError."""
     if batch < 1 or repeats < 1:
         raise ValueError(f"batch and repeats must be >= 1, got {batch} and {repeats}")
     gen = torch.Generator().manual_seed(0)
@@ -271,9 +296,12 @@ def block_rates(spec: ModelSpec, batch: int, threads: int = 1, repeats: int = BL
     with torch_threads(threads), torch.random.fork_rng():  # building draws fresh weights from the global RNG
         model = build(spec).eval().requires_grad_(False)
         for i, block in enumerate(spec.blocks):
-            x = torch.randn(batch, *block.in_shape, generator=gen, requires_grad=True)
+            x = torch.randn(batch, *block.in_shape, generator=gen)
+            if fold and x.dim() == 4:
+                x = x.contiguous(memory_format=torch.channels_last)
+            x.requires_grad_(True)
             grad = torch.randn(batch, *block.out_shape, generator=gen)
-            module = model.blocks[i]
+            module = fold_batchnorm(model.blocks[i], channels_last=True) if fold else model.blocks[i]
             seconds = _best_seconds(lambda: torch.autograd.grad(module(x), x, grad), repeats)
             out.append(BlockRate(i, block.name, 2.0 * FLOPS_PER_MAC * macs[i] * batch, seconds))
     return out
@@ -283,14 +311,20 @@ def block_rates(spec: ModelSpec, batch: int, threads: int = 1, repeats: int = BL
 
 
 def floor_lines(
-    per_candidate: Mapping[str, tuple[float, float]], flops: Mapping[str, float], rate: float, threads: int = 1
+    per_candidate: Mapping[str, tuple[float, float]],
+    flops: Mapping[str, float],
+    rate: float,
+    threads: int = 1,
+    own_rate: Mapping[str, float] | None = None,
 ) -> list[str]:
     """The floor's inputs in one line, then `NAME per candidate / floor: R.RRx` per strategy.
 
     per_candidate: strategy → (measured seconds per candidate, floor seconds per candidate); flops: strategy →
-    FLOPs per candidate (the floor's numerator); rate: machine_rate's FLOP/s. A strategy whose measured seconds
-    are not finite (no candidate trained) gets `NAME per candidate / floor: n/a`. A floor that is not positive
-    and finite, or a non-positive rate, raises ValueError.
+    FLOPs per candidate (the floor's numerator); rate: machine_rate's FLOP/s. own_rate: strategy → seconds per
+    candidate with each block at its own measured rate (block_rates); each adds `NAME per candidate / blocks' own
+    rates: R.RRx (S.SSS s)`. A strategy whose measured seconds are not finite (no candidate trained) gets
+    `NAME per candidate / floor: n/a`. A floor that is not positive and finite, or a non-positive rate, raises
+    ValueError.
     """
     if not (math.isfinite(rate) and rate > 0):
         raise ValueError(f"machine rate must be positive and finite, got {rate}")
@@ -307,6 +341,10 @@ def floor_lines(
     for name, (seconds, floor) in per_candidate.items():
         ratio = f"{seconds / floor:.2f}x" if math.isfinite(seconds) else "n/a"
         lines.append(f"{name} per candidate / floor: {ratio}")
+    for name, seconds in (own_rate or {}).items():
+        measured = per_candidate[name][0]
+        if math.isfinite(measured) and seconds > 0:
+            lines.append(f"{name} per candidate / blocks' own rates: {measured / seconds:.2f}x ({seconds:.3f} s)")
     return lines
 
 

@@ -22,6 +22,7 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -30,13 +31,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.compare import hardware  # noqa: E402
-from bench.floor import finetune_flops, floor_lines, machine_rate, matching_flops  # noqa: E402
+from bench.floor import (  # noqa: E402
+    block_rates,
+    finetune_block_flops,
+    floor_lines,
+    machine_rate,
+    matching_block_flops,
+)
 from edge_client.training import TrainConfig, train  # noqa: E402
 from fedge.config import config_from  # noqa: E402
 from fedge.constants import DEFAULT_SEED, DEFAULT_WIDTHS, WIDTHS  # noqa: E402
 from fedge.data import load_dataset  # noqa: E402
 from fedge.messages import Result  # noqa: E402
 from fedge.partition import make_partition, stratified_sample  # noqa: E402
+from fedge.spec import ModelSpec  # noqa: E402
 from fedge.zoo import assign_models  # noqa: E402
 from launch.client import make_agent  # noqa: E402
 from launch.runs import partition_config  # noqa: E402
@@ -75,16 +83,20 @@ def samples_seen(strategy: ReassemblyStrategy, n: int) -> int:
     return steps // per_pass * n + min(steps % per_pass * batch, n)
 
 
-def trained_flops(strategy: ReassemblyStrategy, results: dict[str, Result], n: int) -> list[float]:
-    """FLOPs (floor.finetune_flops + matching_flops) of every model the strategy's step fine-tuned, found again from
-    the same uploads and seeds: pFedClub's kept candidates per client (stitches only); pFedHR's shared candidates
-    (every parameter, or the stitches) and its fine-tuned client copies (every parameter)."""
+def trained_flops(
+    strategy: ReassemblyStrategy, results: dict[str, Result], n: int
+) -> list[tuple[ModelSpec, list[float]]]:
+    """Every model the strategy's step fine-tuned, found again from the same uploads and seeds, with the FLOPs of
+    each of its blocks (floor.finetune_block_flops + matching_block_flops): pFedClub's kept candidates per client
+    (stitches only); pFedHR's shared candidates (every parameter, or the stitches) and its fine-tuned client copies
+    (every parameter)."""
     uploads = {cid: r.models["local"] for cid, r in results.items()}
     pool, _ = strategy.pool(0, uploads)
     seen = samples_seen(strategy, n)
 
     def flops(spec, trainable):
-        return finetune_flops(spec, trainable, seen, 1, n) + matching_flops(spec, trainable, n)
+        tune, match = finetune_block_flops(spec, trainable, seen, 1, n), matching_block_flops(spec, trainable, n)
+        return spec, [a + b for a, b in zip(tune, match)]
 
     def whole(spec):
         return tuple(range(len(spec.blocks)))
@@ -105,6 +117,29 @@ def trained_flops(strategy: ReassemblyStrategy, results: dict[str, Result], n: i
         spec, stitches = candidate_spec("c", [pool.blocks[k] for k in keys], any_spec.input_shape, any_spec.num_classes)
         out.append(flops(spec, whole(spec) if strategy.options.pfedhr_finetune == "all" else stitches))
     return out + [flops(w.spec, whole(w.spec)) for w in pool.uploads.values()]
+
+
+def own_rate_seconds(
+    models: list[tuple[ModelSpec, list[float]]],
+    uploads: list[ModelSpec],
+    batch: int,
+    threads: int,
+    dense: float,
+    fold: bool,
+) -> float:
+    """The seconds `models`' FLOPs take with each block at its own measured rate (floor.block_rates: forward +
+    backward to its input at the fine-tuning batch, this machine, `threads` threads; `fold`: as pFedClub's
+    candidates run them) instead of the dense one: the floor for the kernels torch has here, where depthwise
+    convolutions and BatchNorm are memory-bound. A block is known by its origin (model, index); stitches, which
+    no upload holds, count at the dense rate."""
+    rates = {}
+    for spec in {u.name: u for u in uploads}.values():
+        for r in block_rates(spec, batch, threads, fold=fold):
+            origin = spec.blocks[r.index].origin
+            rates[(origin.model, origin.block)] = r.rate or dense
+    return sum(
+        f / rates.get((b.origin.model, b.origin.block), dense) for spec, fs in models for b, f in zip(spec.blocks, fs)
+    )
 
 
 def main() -> None:
@@ -129,7 +164,8 @@ def main() -> None:
         type=int,
         default=0,
         metavar="K",
-        help="also time K candidates per client through the plain weights path and the server's module path",
+        help="also time K candidates per client through the plain weights path, the server's module path and "
+        "that path in lockstep",
     )
     p.add_argument("--widths", choices=WIDTHS, default=DEFAULT_WIDTHS, help="zoo width preset (fedge/zoo.py)")
     args = p.parse_args()
@@ -199,7 +235,7 @@ def main() -> None:
     hr = next((n for n in args.strategies if names[n] == "pfedhr"), None)
     if hr is not None:
         print(f"{'/ ' + hr:12s}" + "".join(f"{totals[n] / totals[hr]:12.2f}" for n in args.strategies))
-    per_candidate, flops = {}, {}
+    per_candidate, flops, own_rate = {}, {}, {}
     for name in args.strategies:
         kept = [r.get("candidates", 0) for r in rows[name].values()]
         per_client = all("candidates_total" in r for r in rows[name].values())  # pFedClub: candidates per client
@@ -211,10 +247,16 @@ def main() -> None:
         print(f"\n{name}: candidates kept per client {kept}, {key} {generated}")
         print(f"  {trained} candidates built, fine-tuned and matched in {fit:.2f} s: {each:.3f} s per candidate")
         counted = trained_flops(strategies[name], results, len(x_public))
-        flops[name] = sum(counted) / trained if trained else float("nan")
+        total = sum(sum(fs) for _, fs in counted)
+        flops[name] = total / trained if trained else float("nan")
         per_candidate[name] = (each, flops[name] / rate)
+        if args.device == "cpu" and trained:
+            batch = strategies[name].finetune_config("bench").schedule(len(x_public))[0]
+            fold = getattr(strategies[name].options, "fold_frozen", False)  # pFedHR trains whole models, unfolded
+            specs = [a.spec for a in agents]
+            own_rate[name] = own_rate_seconds(counted, specs, batch, args.threads, rate, fold) / trained
         steps = sorted({r.get("finetune_steps") for r in rows[name].values()} - {None})
-        print(f"  fine-tuning steps {steps}, {len(counted)} models fine-tuned, {sum(counted) / 1e9:.1f} GFLOP in all")
+        print(f"  fine-tuning steps {steps}, {len(counted)} models fine-tuned, {total / 1e9:.1f} GFLOP in all")
         if per_client and sum(generated) > trained:
             print(
                 f"  every candidate (Alg. 1 line 20, {sum(generated):,}) at {each:.3f} s each would take "
@@ -226,7 +268,8 @@ def main() -> None:
                 print(f"  {key}: {count} of {len(rows[name])} clients")
     print()
     if args.device == "cpu":
-        print("\n".join(floor_lines({n: v for n, v in per_candidate.items() if v[1] > 0}, flops, rate, args.threads)))
+        floors = {n: v for n, v in per_candidate.items() if v[1] > 0}
+        print("\n".join(floor_lines(floors, flops, rate, args.threads, own_rate)))
     else:  # machine_rate measures the CPU: a floor for another device needs that device's rate
         print(f"no floor printed: it is measured on the CPU, and this run used {args.device}")
     club = next((n for n in args.strategies if names[n].startswith("pfedclub")), None)
@@ -236,37 +279,50 @@ def main() -> None:
 
 def compare_paths(strategy: ReassemblyStrategy, results: dict[str, Result], x, y, count: int) -> None:
     """The same candidates (up to `count` per client, from the strategy's own search) through the plain path
-    (assemble → finetune_candidates → public_logits: weights built per candidate, BatchNorm as uploaded) and the
+    (assemble → finetune_candidates → public_logits: weights built per candidate, BatchNorm as uploaded), the
     server's (assemble_modules over the pool's frozen, folded, channels-last blocks → train_stitch_modules →
-    module_logits): seconds of each, and the largest difference of their Eq. (4) scores."""
+    module_logits) and the server's in lockstep (a frozen block several candidates hold runs once on their
+    inputs concatenated): seconds of each, and the largest difference of their Eq. (4) scores from the server's
+    path, with how many clients' choice agrees."""
     pool, _ = strategy.pool(0, {cid: r.models["local"] for cid, r in results.items()})
     cfg = strategy.finetune_config("finetune", 0, "paths")
-    seconds, gap, n, same = [0.0, 0.0], 0.0, 0, 0
+    paths = ("plain weights", "frozen folded modules", "the same in lockstep")
+    seconds, gap, same, n = dict.fromkeys(paths, 0.0), dict.fromkeys(paths, 0.0), dict.fromkeys(paths, 0), 0
+
+    def modules(blocks, io, lockstep: bool) -> list[float]:
+        rng = np.random.default_rng(0)
+        built = [assemble_modules(f"c{i}", b, *io, rng, pool.frozen) for i, b in enumerate(blocks)]
+        train_stitch_modules([m for m, _ in built], [t for _, t in built], x, y, replace(cfg, lockstep=lockstep))
+        starts = [t[0] if t else len(m.blocks) for m, t in built]
+        return best_match(own_logits, module_logits([m for m, _ in built], starts, x, lockstep))[1]
+
     for cid, own in pool.uploads.items():
         keys = strategy.search(0, cid, pool).candidates[:count]
         blocks = [[pool.blocks[k] for k in ks] for ks in keys]
         io = (own.spec.input_shape, own.spec.num_classes)
         own_logits = public_logits([own], x)[0]
-        start = time.perf_counter()
-        rng = np.random.default_rng(0)
-        tuned = finetune_candidates([assemble(f"c{i}", b, *io, rng) for i, b in enumerate(blocks)], x, y, cfg)
-        plain = best_match(own_logits, public_logits([t.weights for t in tuned], x))[1]
-        seconds[0] += time.perf_counter() - start
-        start = time.perf_counter()
-        rng = np.random.default_rng(0)
-        built = [assemble_modules(f"c{i}", b, *io, rng, pool.frozen) for i, b in enumerate(blocks)]
-        train_stitch_modules([m for m, _ in built], [t for _, t in built], x, y, cfg)
-        starts = [t[0] if t else len(m.blocks) for m, t in built]
-        fast = best_match(own_logits, module_logits([m for m, _ in built], starts, x))[1]
-        seconds[1] += time.perf_counter() - start
-        gap = max([gap] + [abs(a - b) for a, b in zip(plain, fast)])
+        scores = {}
+        for path in paths:
+            start = time.perf_counter()
+            if path == paths[0]:
+                rng = np.random.default_rng(0)
+                tuned = finetune_candidates([assemble(f"c{i}", b, *io, rng) for i, b in enumerate(blocks)], x, y, cfg)
+                scores[path] = best_match(own_logits, public_logits([t.weights for t in tuned], x))[1]
+            else:
+                scores[path] = modules(blocks, io, lockstep=path == paths[2])
+            seconds[path] += time.perf_counter() - start
+        base = scores[paths[1]]
+        for path, got in scores.items():
+            gap[path] = max([gap[path]] + [abs(a - b) for a, b in zip(base, got)])
+            same[path] += max(range(len(got)), key=got.__getitem__) == max(range(len(base)), key=base.__getitem__)
         n += len(keys)
-        same += max(range(len(plain)), key=plain.__getitem__) == max(range(len(fast)), key=fast.__getitem__)
-    print(
-        f"\nsame {n} candidates, plain weights vs the server's frozen folded modules: {seconds[0]:.2f} s vs "
-        f"{seconds[1]:.2f} s ({seconds[0] / seconds[1]:.2f}x); largest Eq. (4) score difference {gap:.1e}; "
-        f"the same candidate chosen for {same} of {len(results)} clients"
-    )
+    print(f"\nthe same {n} candidates through three paths (vs the server's default, {paths[1]}):")
+    for path in paths:
+        print(
+            f"  {path:24s} {seconds[path]:8.2f} s ({seconds[paths[1]] / seconds[path]:.2f}x of the server's speed); "
+            f"largest Eq. (4) score difference {gap[path]:.1e}; the same candidate chosen for {same[path]} of "
+            f"{len(results)} clients"
+        )
 
 
 if __name__ == "__main__":

@@ -48,11 +48,17 @@ class FastBlocks(nn.Module):
         i + 1 is channels-last too, so the other blocks see the formats they would in the original; gradients
         cross each switch in the format of the side they go to (a mismatch slows the backward of ReLU and pooling).
         """
-        if i not in self._to_channels_last:
-            return self.blocks[i](x)
-        y = self.blocks[i](_Reformat.apply(x, torch.channels_last) if x.dim() == 4 else x)
-        if y.dim() == 4 and i + 1 not in self._to_channels_last:
-            y = _Reformat.apply(y, torch.contiguous_format)
+        return self.block_output(i, self.blocks[i](self.block_input(i, x)))
+
+    def block_input(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """x as block i takes it: channels-last when the block is and x is 4-d (run_block's first half)."""
+        return _Reformat.apply(x, torch.channels_last) if i in self._to_channels_last and x.dim() == 4 else x
+
+    def block_output(self, i: int, y: torch.Tensor) -> torch.Tensor:
+        """Block i's output as block i + 1 takes it: a channels-last block's 4-d output made contiguous unless the
+        next block is channels-last too (run_block's second half)."""
+        if i in self._to_channels_last and y.dim() == 4 and i + 1 not in self._to_channels_last:
+            return _Reformat.apply(y, torch.contiguous_format)
         return y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from fedge import constants as C
 from fedge.messages import Weights
 from fedge.spec import Device, ModelSpec, SpecModel
 from fedge.weights import load_module
+from server.fastblocks import FastBlocks
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,9 @@ class FinetuneConfig:
     epochs 3 and Adam lr 1e-3: pFedClub §4.1 / pFedHR §4.1 and the authors' `--sfine`; τ = 0.07: pFedClub
     §4.1; batch 64 (the authors used 8). `labeled` picks Eq. (2) (CE) or Eq. (3) (NT-Xent on two views).
     `crop_pad` and `noise_std` define the views of `augment` (no paper value: ours). `min_steps` is a floor on
-    optimiser steps (`schedule`), reached with batches down to `min_batch`. Invalid values raise ValueError.
+    optimiser steps (`schedule`), reached with batches down to `min_batch`. `lockstep`: candidates step together
+    and a frozen block several of them hold at one depth runs once on their inputs concatenated (`run_blocks`).
+    Invalid values raise ValueError.
     """
 
     epochs: int = C.FINETUNE_EPOCHS
@@ -41,6 +44,7 @@ class FinetuneConfig:
     noise_std: float = C.AUGMENT_NOISE_STD
     min_steps: int = 0
     min_batch: int = C.FINETUNE_MIN_BATCH_SIZE
+    lockstep: bool = False
 
     def __post_init__(self) -> None:
         if self.epochs < 0 or self.batch_size < 1 or self.crop_pad < 0 or self.min_steps < 0:
@@ -180,6 +184,48 @@ def _run(module: nn.Module, lo: int, hi: int, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _per_sample(block: nn.Module) -> bool:
+    """Whether a frozen block computes each sample on its own: no parameter to train and no BatchNorm that normalises
+    by the batch's statistics (train mode, or no running statistics)."""
+    return not any(p.requires_grad for p in block.parameters()) and not any(
+        isinstance(m, nn.modules.batchnorm._BatchNorm) and (m.training or m.running_mean is None)
+        for m in block.modules()
+    )
+
+
+def run_blocks(modules: Sequence[nn.Module], start: int, x: torch.Tensor, lockstep: bool) -> list[torch.Tensor]:
+    """Each module's blocks start..end on x (modules with `run_block`).
+
+    lockstep: depth by depth, a frozen block that several candidates (FastBlocks) hold as one module object runs
+    once on their inputs concatenated along the batch, then its output is split back (the GPU path: fewer, larger
+    kernel launches). Each sample meets the same operations, but a kernel may pick another algorithm for another
+    batch size: on CPU (oneDNN) convolutions of the Zoo I CNNs give bit-equal results, MobileNets' depthwise and
+    1x1 convolutions differ in the last bits (tests/unit/server/test_finetune.py).
+    """
+    if not lockstep:
+        return [_run(m, start, len(m.blocks), x) for m in modules]
+    xs = [x] * len(modules)
+    depth = start
+    live = [i for i, m in enumerate(modules) if depth < len(m.blocks)]
+    while live:
+        holders: dict[int, list[int]] = {}
+        for i in live:
+            holders.setdefault(id(modules[i].blocks[depth]), []).append(i)
+        for group in holders.values():
+            block = modules[group[0]].blocks[depth]
+            if len(group) == 1 or not all(isinstance(modules[i], FastBlocks) for i in group) or not _per_sample(block):
+                for i in group:
+                    xs[i] = modules[i].run_block(depth, xs[i])
+                continue
+            ins = [modules[i].block_input(depth, xs[i]) for i in group]
+            outs = block(torch.cat(ins)).split([len(t) for t in ins])
+            for i, y in zip(group, outs):
+                xs[i] = modules[i].block_output(depth, y)
+        depth += 1
+        live = [i for i in live if depth < len(modules[i].blocks)]
+    return xs
+
+
 @torch.no_grad()
 def _prefix_outputs(module: nn.Module, n: int, x: torch.Tensor) -> torch.Tensor:
     """Blocks 0..n-1 (frozen, eval mode) on all of x, in evaluation batches."""
@@ -222,11 +268,21 @@ def _check_public(spec: ModelSpec, x: torch.Tensor, y: torch.Tensor | None, cfg:
             raise ValueError(f"public labels must lie in [0, {spec.num_classes}), got [{int(y.min())}, {int(y.max())}]")
 
 
+def _loss(module: nn.Module, out: torch.Tensor, target: torch.Tensor | None, cfg: FinetuneConfig) -> torch.Tensor:
+    """A candidate's loss on one batch: CE on the labels (Eq. 2) or NT-Xent on its two views' logits (Eq. 3);
+    a non-finite one raises ValueError (the candidate diverged)."""
+    loss = F.cross_entropy(out, target) if target is not None else nt_xent(*out.chunk(2), cfg.tau)
+    if not torch.isfinite(loss):
+        raise ValueError(f"fine-tuning candidate {module.spec.name!r} diverged: loss is {float(loss)}")
+    return loss
+
+
 def _train_group(
     modules: list[nn.Module], start: int, x: torch.Tensor, y: torch.Tensor | None, cfg: FinetuneConfig
 ) -> tuple[int, list[float | None]]:
-    """Train the stitches of candidates sharing frozen blocks 0..start-1, in lockstep on the same batches; returns
-    the steps taken and each candidate's mean loss over the last pass.
+    """Train the stitches of candidates sharing frozen blocks 0..start-1, on the same batches; returns
+    the steps taken and each candidate's mean loss over the last pass. cfg.lockstep: one forward of all of them
+    (`run_blocks`), one backward of their losses, then each one's Adam step; otherwise one after another.
 
     Labeled (Eq. 2): the shared prefix runs once over the whole public set and its outputs are cached for
     all epochs and candidates. Unlabeled (Eq. 3): each batch's two views go through the prefix once for
@@ -247,14 +303,22 @@ def _train_group(
             views = torch.cat([augment(x[idx], gen, cfg.crop_pad, cfg.noise_std) for _ in range(2)])
             with torch.no_grad():
                 feats = _run(base, 0, start, views)
-        for module, opt, seen in zip(modules, opts, losses):
-            opt.zero_grad(set_to_none=True)
-            out = _run(module, start, len(module.blocks), feats)
-            loss = F.cross_entropy(out, y[idx]) if cache is not None else nt_xent(*out.chunk(2), cfg.tau)
-            if not torch.isfinite(loss):
-                raise ValueError(f"fine-tuning candidate {module.spec.name!r} diverged: loss is {float(loss)}")
-            loss.backward()
-            opt.step()
+        target = y[idx] if cache is not None else None
+        if cfg.lockstep:
+            step = [_loss(m, out, target, cfg) for m, out in zip(modules, run_blocks(modules, start, feats, True))]
+            for opt in opts:
+                opt.zero_grad(set_to_none=True)
+            torch.autograd.backward(step)
+            for opt in opts:
+                opt.step()
+        else:
+            step = []
+            for module, opt in zip(modules, opts):
+                opt.zero_grad(set_to_none=True)
+                step.append(_loss(module, _run(module, start, len(module.blocks), feats), target, cfg))
+                step[-1].backward()
+                opt.step()
+        for seen, loss in zip(losses, step):
             seen.append(loss.detach())
     per_pass = -(-len(x) // batch)
     return steps, [_last_pass_mean(seen, per_pass) for seen in losses]
@@ -439,17 +503,19 @@ def public_logits(models: Sequence[Weights], x_public: torch.Tensor, device: Dev
 
 
 @torch.no_grad()
-def module_logits(modules: Sequence[nn.Module], starts: Sequence[int], x: torch.Tensor) -> list[torch.Tensor]:
+def module_logits(
+    modules: Sequence[nn.Module], starts: Sequence[int], x: torch.Tensor, lockstep: bool = False
+) -> list[torch.Tensor]:
     """Each module's logits on x (CPU results), in evaluation batches; modules whose blocks 0..start-1 are the same
-    objects run them once per batch."""
+    objects run them once per batch, and the rest as `run_blocks` does with `lockstep`."""
     out: list[torch.Tensor | None] = [None] * len(modules)
     for group in _shared_prefix_groups(modules, starts):
         start = starts[group[0]]
         parts: list[list[torch.Tensor]] = [[] for _ in group]
         for xb in x.split(C.EVAL_BATCH_SIZE):
             feats = _run(modules[group[0]], 0, start, xb)
-            for part, i in zip(parts, group):
-                part.append(_run(modules[i], start, len(modules[i].blocks), feats).cpu())
+            for part, logits in zip(parts, run_blocks([modules[i] for i in group], start, feats, lockstep)):
+                part.append(logits.cpu())
         for i, part in zip(group, parts):
             out[i] = torch.cat(part)
     return [t for t in out if t is not None]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -56,6 +56,13 @@ class PFedClubOptions(ReassemblyOptions):
         "run candidates' frozen blocks with BatchNorm folded into the convolution before it and channels-last: "
         "1.12x on Zoo I, equal per operation up to float rounding, which 225 Adam steps amplify (Eq. (4) scores "
         "up to 1.6e-2 apart, the same teacher for 5 of 5 clients measured); false: the blocks as uploaded",
+    )
+    lockstep: bool = option(
+        False,
+        "fine-tune and match a client's candidates in lockstep: a frozen block several of them hold runs once on "
+        "their inputs concatenated, one backward for all (for GPUs, where many small kernels cost launches; "
+        "unmeasured there). The same operations per sample; kernels picked for the larger batch round differently "
+        "on CPU for MobileNet blocks, so results can differ in the last bits",
     )
     exclude_self: bool = option(
         False,
@@ -186,7 +193,7 @@ class PFedClub(ReassemblyStrategy):
             return teacher, info | fallback
         x, y = self.public.x.to(pool.device), self.public.y
         y = None if y is None else y.to(pool.device)
-        cfg = self.finetune_config("finetune", rnd, cid)
+        cfg = replace(self.finetune_config("finetune", rnd, cid), lockstep=self.options.lockstep)
         with self.stage("matching"):
             own_logits = pool.logits.get(cid)
             if own_logits is None:  # the feature pass kept no logits (minibatch CKA over a large public set)
@@ -216,7 +223,7 @@ class PFedClub(ReassemblyStrategy):
             losses += [loss for _, loss in runs]
             with self.stage("matching"):
                 starts = [t[0] if t else len(m.blocks) for m, t in built]
-                _, scores = best_match(own_logits, module_logits(modules, starts, x))
+                _, scores = best_match(own_logits, module_logits(modules, starts, x, cfg.lockstep))
             for keys, module, score in zip(chunk, modules, scores):
                 if math.isfinite(score) and (best is None or score > best[0]):  # ties: the earlier candidate
                     best = (score, module, keys)

@@ -49,6 +49,17 @@ def test_the_prefix_before_the_first_stitch_runs_forward_once_over_the_public_se
     assert floor.finetune_flops(tiny(), (1,), 10, 3, 20, sharing=2) == 32 * 20 + 240 * 30
 
 
+def test_the_per_block_counts_are_the_totals_split_by_block():
+    # stitch at 1: a forward once over 20 public samples; b forward, backward-to-input skipped (its input is the
+    # cache), weight gradient; c forward and backward to its input; matching: every block over 20 samples
+    assert floor.finetune_block_flops(tiny(), (1,), 10, 3, 20) == [2 * 32 * 20, 2 * 2 * 48 * 30, 2 * 2 * 12 * 30]
+    assert floor.matching_block_flops(tiny(), (1,), 20, sharing=4) == [2 * 32 * 20 / 4, 2 * 48 * 20, 2 * 12 * 20]
+    for stitches in [(), (0,), (2, 0), (1,)]:
+        assert sum(floor.finetune_block_flops(tiny(), stitches, 10, 3, 20)) == floor.finetune_flops(
+            tiny(), stitches, 10, 3, 20
+        )
+
+
 def test_moving_the_first_stitch_later_lowers_the_flops():
     flops = [floor.finetune_flops(tiny(), (s,), 64, 21, 400) for s in range(3)]
     assert flops[0] > flops[1] > flops[2]
@@ -106,6 +117,13 @@ def test_block_rates_time_every_block():
     assert all(r.seconds > 0 and math.isfinite(r.rate) for r in rates)
 
 
+def test_block_rates_time_folded_channels_last_blocks_as_candidates_run_them():
+    conv = [LayerSpec("conv2d", {"out_channels": 4, "kernel_size": 3, "padding": 1}), LayerSpec("bn2d")]
+    spec = make_spec("conv", (2, 6, 6), 2, [("conv", conv), ("head", [LayerSpec("flatten"), *linear(2)])])
+    plain, folded = (floor.block_rates(spec, batch=4, repeats=1, fold=f) for f in (False, True))
+    assert [r.flops for r in plain] == [r.flops for r in folded] and all(r.seconds > 0 for r in folded)
+
+
 def test_the_report_lines_give_the_floor_inputs_then_one_ratio_per_strategy():
     lines = floor.floor_lines(
         {"pfedclub": (2.41, 1.0), "pfedhr": (0.5, 0.25), "none": (math.nan, 1.0)},
@@ -121,3 +139,8 @@ def test_the_report_lines_give_the_floor_inputs_then_one_ratio_per_strategy():
     assert all(re.fullmatch(r"^\S+ per candidate / floor: \d+\.\d\dx$", line) for line in lines[1:3])
     with pytest.raises(ValueError, match="floor seconds"):
         floor.floor_lines({"pfedclub": (1.0, 0.0)}, {"pfedclub": 1.0}, 95e9)
+    own = floor.floor_lines({"pfedclub": (2.41, 1.0)}, {"pfedclub": 125e9}, 95e9, own_rate={"pfedclub": 2.0})
+    assert own[1:] == [
+        "pfedclub per candidate / floor: 2.41x",
+        "pfedclub per candidate / blocks' own rates: 1.21x (2.000 s)",
+    ]

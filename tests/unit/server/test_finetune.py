@@ -10,16 +10,21 @@ from torch.nn import functional as F
 from fedge.layers import LayerSpec as L
 from fedge.messages import Weights
 from fedge.spec import ModelSpec, Origin, build, make_block
+from fedge.weights import load_module
+from server.fastblocks import fast_blocks
 from server.finetune import (
     FinetuneConfig,
     augment,
     finetune_candidates,
     finetune_stitches,
     match_score,
+    module_logits,
     nt_xent,
     public_logits,
+    run_blocks,
     select_teacher,
     stitch_blocks,
+    train_stitch_modules,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -284,6 +289,67 @@ def test_finetuning_is_deterministic_given_the_seed():
     ]
     assert equal_states(runs[0], runs[1])
     assert not equal_states(runs[0], runs[2])
+
+
+def shared_candidates(n: int, batch_stats: bool = False) -> list:
+    """n candidates (cand_spec, stitches at 1 and 3) as FastBlocks over ONE set of frozen block modules (blocks 0, 2
+    and 4 are the same objects, as pFedClub's pool blocks are), each with its own stitches. batch_stats: block 2's
+    BatchNorm has no running statistics, so eval mode normalises it by the batch's."""
+    frozen = weights(cand_spec(), seed=30)
+    out = []
+    for i in range(n):
+        module = load_module(cand_spec(), weights(cand_spec(), seed=30 + i, prefix=frozen).state)
+        if batch_stats:
+            bn = module.blocks[2][1]
+            bn.running_mean = bn.running_var = None
+        fb = fast_blocks(module, (1, 3))
+        for j in (0, 2, 4):
+            fb.blocks[j] = out[0].blocks[j] if out else fb.blocks[j]
+        out.append(fb.train())
+    return out
+
+
+def calls_of(module: nn.Module) -> list[int]:
+    """The batch sizes `module` is called with, from now on (a forward hook)."""
+    sizes: list[int] = []
+    module.register_forward_hook(lambda m, args, out: sizes.append(len(args[0])))
+    return sizes
+
+
+@pytest.mark.parametrize("labeled", [True, False])
+def test_lockstep_runs_a_shared_frozen_block_once_and_trains_bit_for_bit_as_one_after_another(labeled):
+    # The Zoo I CNNs' kind of block (conv-BN-ReLU-pool, folded, channels-last): oneDNN's kernels give each sample
+    # the same bits at any batch size, so lockstep is exact here; MobileNets' are not (test_pfedclub.py).
+    x, y = public(40)
+    cfg = FinetuneConfig(epochs=2, batch_size=16, labeled=labeled)
+    runs = {}
+    for lockstep in (False, True):
+        cands = shared_candidates(3)
+        sizes = calls_of(cands[0].blocks[2])
+        tuned = train_stitch_modules(
+            cands, [(1, 3)] * 3, x, y, FinetuneConfig(**{**cfg.__dict__, "lockstep": lockstep})
+        )
+        logits = module_logits(cands, [1] * 3, x, lockstep)
+        stitches = [{k: v.clone() for b in (1, 3) for k, v in c.blocks[b].state_dict().items()} for c in cands]
+        runs[lockstep] = (tuned, logits, stitches, sizes)
+    (plain, plain_logits, plain_stitches, one_by_one), (step, step_logits, step_stitches, together) = runs.values()
+    per_batch = 16 if labeled else 32  # two views per sample unlabeled
+    assert one_by_one[:3] == [per_batch] * 3 and together[0] == 3 * per_batch  # once for all three candidates
+    assert len(together) * 3 == len(one_by_one)
+    assert step == plain and all(torch.equal(a, b) for a, b in zip(step_logits, plain_logits))
+    for a, b in zip(step_stitches, plain_stitches):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(plain_stitches[0]["0.proj.weight"], plain_stitches[1]["0.proj.weight"])
+
+
+def test_lockstep_never_concatenates_through_batch_statistics():
+    # A BatchNorm without running statistics normalises by the batch: concatenating candidates would mix them.
+    cands = shared_candidates(2, batch_stats=True)
+    sizes = calls_of(cands[0].blocks[2])
+    with torch.no_grad():
+        together = run_blocks(cands, 2, torch.randn(8, 5, 8, 8), lockstep=True)
+        apart = run_blocks(cands, 2, torch.randn(8, 5, 8, 8), lockstep=False)
+    assert sizes == [8, 8, 8, 8] and len(together) == len(apart) == 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -253,6 +253,24 @@ def test_the_fast_candidate_path_chooses_what_plain_weights_would_within_float_r
             assert torch.allclose(teacher.state[k], v, atol=tol, rtol=0), k
 
 
+@pytest.mark.parametrize("cids", [("0", "1", "2"), ("0", "1", "3")])
+def test_lockstep_chooses_the_same_teachers_bit_for_bit(cids):
+    # Lockstep runs a frozen pool block once for all candidates holding it, one backward for all. On CPU at these
+    # sizes every block's kernels give each sample the same bits at any batch size, mobilenet_v1's included; at
+    # 28x28 some MobileNet depthwise and 1x1 convolutions do not (oneDNN picks another kernel for the larger batch).
+    teachers, records = {}, {}
+    for lockstep in (False, True):
+        s = make("pfedclub", max_candidates=6, finetune_min_steps=12, lockstep=lockstep)
+        s.aggregate(0, uploads(0, list(cids)))
+        teachers[lockstep], records[lockstep] = s.teachers, {cid: s.record(0, cid) for cid in cids}
+    for cid in cids:
+        plain, step = teachers[False][cid], teachers[True][cid]
+        assert plain.spec.blocks == step.spec.blocks
+        assert all(torch.equal(step.state[k], v) for k, v in plain.state.items())
+        a, b = records[False][cid], records[True][cid]
+        assert (a["match_score"], a["finetune_loss"]) == (b["match_score"], b["finetune_loss"])
+
+
 def test_clients_on_parallel_workers_get_the_same_teachers_as_one_after_another():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as `fedge run`'s server: one intra-op thread, workers over clients
