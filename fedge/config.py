@@ -66,8 +66,8 @@ class RunConfig:
     norm_std: tuple[float, ...] | None = None
     profiles: tuple[str, ...] = C.DEFAULT_FLEET_PROFILES
     device: str = "auto"
-    # torch intra-op threads of the server process (0: one when this machine also runs the run's client processes,
-    # `fedge run` over MQTT, whose threads would otherwise compete for the same cores; else torch's default)
+    # torch intra-op threads of the server (0: one under `fedge run`, over either transport, as each client trains;
+    # else torch's default)
     server_threads: int = 0
     transport: str = C.DEFAULT_TRANSPORT
     run_id: str = C.DEFAULT_RUN_ID

@@ -12,6 +12,7 @@ import torch
 from fedge.constants import MAX_HEADER_BYTES
 
 _LEN_BYTES = 8
+ALIGNMENT = 64  # bytes: what torch's CPU allocator aligns fresh tensors to (c10's gAlignment)
 DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -87,7 +88,9 @@ def parse(data: Buffer) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     item size, tensors back to back from the data's start ("invalid offset") and covering it to its end ("file
     not fully covered"), BOOL bytes 0 or 1. Any defect raises BlobError. The tensors share memory with `data` and
     keep all of it alive; a read-only buffer (bytes) is copied once first, since tensors must not write to
-    immutable memory. A tensor not aligned to its item size is copied.
+    immutable memory. A tensor not aligned as torch aligns fresh memory (ALIGNMENT) is copied: CPU kernels (MKL,
+    oneDNN) round differently at other alignments, so a tensor received over MQTT must compute as the sender's own
+    tensor does in an in-process run (tests/integration/test_transports_agree.py).
     """
     view = memoryview(data).cast("B")
     if view.readonly:
@@ -122,10 +125,11 @@ def parse(data: Buffer) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
 
 
 def _tensor(raw: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """The bytes raw[offset:offset + nbytes] as a `dtype` tensor of `shape`: a view when aligned, else a copy."""
+    """The bytes raw[offset:offset + nbytes] as a `dtype` tensor of `shape`: a view when aligned to ALIGNMENT, else
+    a copy."""
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     part = raw[offset : offset + nbytes]
-    if part.data_ptr() % dtype.itemsize:
-        part = part.clone()  # fresh memory is aligned
+    if part.data_ptr() % ALIGNMENT:
+        part = part.clone()  # fresh memory is ALIGNMENT-aligned
     return part.view(dtype).view(shape)

@@ -268,7 +268,8 @@ def cmd_run(args: argparse.Namespace) -> None:
     from launch.simulation import run_simulation
 
     cfg = resolve_options(run_config(args, RUN_FLAGS + ("transport",)))
-    cfg = dataclasses.replace(cfg, out=cfg.out or str(default_out(cfg)))
+    # the server at one torch thread unless told otherwise, over either transport: the same arithmetic, the same models
+    cfg = dataclasses.replace(cfg, out=cfg.out or str(default_out(cfg)), server_threads=cfg.server_threads or 1)
     print("fedge run with config:\n" + cfg.to_json(), file=sys.stderr)
     if cfg.transport == "inproc":
         summary = run_simulation(cfg, progress=args.progress)

@@ -62,10 +62,10 @@ def run_federation(cfg: RunConfig, progress: bool = True, processes: int | None 
     preflight(cfg, ids)  # make_strategy checks the strategy's options, before any process starts
     users = generate_users(ids)
     processes = max(1, min(processes or min(os.cpu_count() or 1, 4), cfg.clients))
-    # The server and the client processes share this machine's cores: the server takes one thread unless told
-    # otherwise, the clients split the rest (at least one each), so torch's threads do not oversubscribe the cores.
+    # The server takes one torch thread unless told otherwise, and each client process one: as the in-process
+    # simulation runs its clients (launch.simulation.one_thread), so the two transports give the same models bit for
+    # bit (a kernel's rounding can depend on its thread count), and the processes never oversubscribe the cores.
     server_threads = cfg.server_threads or 1
-    threads = max(1, ((os.cpu_count() or 1) - server_threads) // processes)
     out = Path(cfg.out) if cfg.out else default_out(cfg)
     cfg = dataclasses.replace(cfg, out=str(out), server_threads=server_threads)
     out.mkdir(parents=True, exist_ok=True)
@@ -78,7 +78,7 @@ def run_federation(cfg: RunConfig, progress: bool = True, processes: int | None 
             log_file = (out / f"clients-{k}.log").open("w")
             procs.append(
                 subprocess.Popen(
-                    client_command(broker.url, config, ids[k::processes], secrets, out / C.CLIENT_STATE_DIR, threads),
+                    client_command(broker.url, config, ids[k::processes], secrets, out / C.CLIENT_STATE_DIR, 1),
                     stdout=log_file,
                     stderr=subprocess.STDOUT,
                 )

@@ -5,8 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping
 
+import torch
+
 from fedge import constants as C
 from fedge.config import RunConfig
+from fedge.messages import Result, Task
 from fedge.transport import Handler, InProcTransport
 from launch.client import client_agents
 from launch.runs import load_partitioned, run_folder
@@ -22,7 +25,8 @@ def run_simulation(
     """Run a whole federation in this process; writes the run folder and returns the summary. Clients keep
     their model snapshots in <out>/clients/<id>; `resume` continues an interrupted run in cfg.out (same cfg).
     `adversaries` turns clients into liars: client id -> a function of its honest handler returning the one it
-    runs instead (bench/robust.py's attacks); an id that is not a client raises ValueError."""
+    runs instead (bench/robust.py's attacks); an id that is not a client raises ValueError. Clients run at one
+    torch thread (`one_thread`), the server at cfg.server_threads."""
     cfg = resolve_options(cfg)  # fail fast on an unknown strategy or option, before loading data
     out = run_folder(cfg, resume)
     ds, partition = load_partitioned(cfg)
@@ -33,7 +37,9 @@ def run_simulation(
     unknown = sorted(set(adversaries or {}) - set(handlers))
     if unknown:
         raise ValueError(f"adversaries {unknown} are not clients of this run ({len(handlers)} clients)")
-    transport = InProcTransport({cid: (adversaries or {}).get(cid, lambda h: h)(h) for cid, h in handlers.items()})
+    transport = InProcTransport(
+        {cid: one_thread((adversaries or {}).get(cid, lambda h: h)(h)) for cid, h in handlers.items()}
+    )
     return run_federation_rounds(
         dataclasses.replace(cfg, out=str(out)),
         strategy,
@@ -42,3 +48,19 @@ def run_simulation(
         progress,
         resume,
     )
+
+
+def one_thread(handler: Handler) -> Handler:
+    """`handler` run at one torch intra-op thread, the process's count restored after: as each client process of
+    `fedge run` over MQTT trains (launch.federation), so both transports do the same arithmetic and give the same
+    models bit for bit (a kernel's float rounding can depend on its thread count)."""
+
+    def run(task: Task) -> Result:
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return handler(task)
+        finally:
+            torch.set_num_threads(before)
+
+    return run

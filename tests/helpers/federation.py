@@ -26,7 +26,9 @@ from typing import Any, Callable, Mapping
 import torch
 
 from edge_client.agent import ClientAgent
+from fedge import constants as C
 from fedge.access import generate_users
+from fedge.checkpoint import load_tree
 from fedge.config import RunConfig, config_from
 from fedge.embedded_broker import EmbeddedBroker
 from fedge.files import atomic_write
@@ -112,6 +114,14 @@ def over_embedded_broker(cfg: RunConfig) -> tuple[dict[str, Any], list[ClientAge
             clients.join(60)
     assert codes == [0]
     return summary, agents
+
+
+def final_snapshots(out: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Each client's newest model snapshot in a run folder, as a state dict (none for strategies whose clients
+    train only the server's models, e.g. HeteroFL, FedTrans)."""
+    clients = Path(out) / C.CLIENT_STATE_DIR
+    folders = sorted(clients.iterdir()) if clients.is_dir() else []
+    return {d.name: load_tree(max(d.glob("round-*.safetensors")))["model"].state for d in folders}
 
 
 def same_tree(a, b) -> bool:

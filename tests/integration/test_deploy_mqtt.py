@@ -17,7 +17,7 @@ from launch.federation import write_secrets
 from launch.server import serve
 
 from helpers.brokers import MOSQUITTO, free_port, require_mosquitto, wait_for_port
-from helpers.federation import run_inproc
+from helpers.federation import final_snapshots, run_inproc, same_tree
 
 pytestmark = pytest.mark.timeout(300)
 IDS = ["0", "1", "2"]
@@ -88,6 +88,10 @@ def test_fedge_run_over_the_embedded_broker_matches_inproc(tmp_path):
     assert {p.name for p in (tmp_path / "mqtt").glob("clients-*.log")} == {"clients-0.log", "clients-1.log"}
     inproc = run_inproc(tiny(tmp_path, "inproc"))
     assert summary["final_accuracy"]["per_client"] == inproc["final_accuracy"]["per_client"]
+    # and the same models, bit for bit: each client process trains at one torch thread, as the in-process run does
+    mqtt_models, inproc_models = final_snapshots(tmp_path / "mqtt"), final_snapshots(tmp_path / "inproc")
+    assert mqtt_models.keys() == inproc_models.keys() == set(IDS)
+    assert all(same_tree(mqtt_models[cid], inproc_models[cid]) for cid in IDS)
     # the simulated clock agrees (a reply's bytes hold the client's wall-clock train_seconds, a few bytes apart)
     assert summary["train_macs_total"] == inproc["train_macs_total"] > 0
     assert summary["network_bytes_total"] == pytest.approx(inproc["network_bytes_total"], rel=1e-4)
