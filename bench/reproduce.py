@@ -172,7 +172,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS), help="one run per seed (0 1 2)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="torch device (auto: cuda if any)")
     p.add_argument(
-        "--threads", type=int, help="torch CPU threads (default torch's); 1 is much faster on a CPU others share"
+        "--threads",
+        type=int,
+        help="the server's torch CPU threads (default torch's; clients always train at one, as fedge run's client "
+        "processes); 1 is much faster on a CPU others share",
     )
     p.add_argument("--data-dir", default="../shared/data", help="folder with <dataset>.npz (mnist.npz, cifar10.npz)")
     p.add_argument("--out", default="runs/reproduce", help="keeps every run's folder, results.md and results.json")

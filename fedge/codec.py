@@ -18,7 +18,7 @@ from fedge.spec import ModelSpec, SpecError, tensor_shapes
 from fedge.weights import WeightsError, all_finite, from_bytes, to_bytes
 
 _LEN_BYTES = 8
-_ALIGN = 8  # the body starts at a multiple of this, so tensors can view it in place
+_ALIGN = 8  # the body starts at a multiple of this (tensorblob.parse views tensors that land 64-byte aligned)
 _HEADER_FIELDS = {"kind", "fields", "models", "tensors"}
 _TASK_FIELDS = {"type", "round", "config", "records"}
 _RESULT_FIELDS = {"client_id", "round", "type", "num_examples", "metrics", "error", "records"}
@@ -188,8 +188,6 @@ def _unpack(data: Buffer, kind: str, expected: set[str]) -> tuple[dict[str, Any]
     """Fields (exactly `expected`, finite), models and named tensors of a task or result payload."""
     f, index, tensors, body = _read_header(data, kind)
     exact_keys(f, expected, f"{kind} fields")
-    if body.readonly:
-        body = memoryview(bytearray(body))  # once for all blobs: tensors view writable memory (tensorblob.parse)
     spans = _spans(index, tensors, body)
     return f, _unpack_models(index, spans, body), _unpack_tensors(spans, body) if tensors is not None else {}
 

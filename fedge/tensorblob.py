@@ -7,6 +7,7 @@ import json
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
 from fedge.constants import MAX_HEADER_BYTES
@@ -81,20 +82,21 @@ def _entry(name: str, info: Any) -> tuple[int, int, str, torch.dtype, tuple[int,
 
 
 def parse(data: Buffer) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-    """(metadata, tensors by name) of a safetensors blob, in header order, without copying tensor bytes.
+    """(metadata, tensors by name) of a safetensors blob, in header order.
 
     The checks are safetensors' own: the header a JSON object within the blob and below MAX_HEADER_BYTES,
     metadata strings to strings, known dtypes, integer shapes, each tensor's bytes exactly its shape times its
     item size, tensors back to back from the data's start ("invalid offset") and covering it to its end ("file
-    not fully covered"), BOOL bytes 0 or 1. Any defect raises BlobError. The tensors share memory with `data` and
-    keep all of it alive; a read-only buffer (bytes) is copied once first, since tensors must not write to
-    immutable memory. A tensor not aligned as torch aligns fresh memory (ALIGNMENT) is copied: CPU kernels (MKL,
-    oneDNN) round differently at other alignments, so a tensor received over MQTT must compute as the sender's own
-    tensor does in an in-process run (tests/integration/test_transports_agree.py).
+    not fully covered"), BOOL bytes 0 or 1. Any defect raises BlobError.
+
+    Every tensor comes back aligned as torch aligns fresh memory (ALIGNMENT): CPU kernels (MKL, oneDNN) round
+    differently at other alignments, and a tensor received over MQTT must compute as the sender's own does in an
+    in-process run (tests/integration/test_transports_agree.py). When `data` is writable and every tensor in it
+    already sits at such an address, the tensors view it (no copy; they keep all of it alive); otherwise, and always
+    for read-only data (bytes: tensors must not write to immutable memory), all of them are copied once into one
+    fresh buffer, each at an ALIGNMENT boundary, and `data` is not held.
     """
     view = memoryview(data).cast("B")
-    if view.readonly:
-        view = memoryview(bytearray(view))
     header = _header(view)
     meta = metadata(view)
     entries = sorted(_entry(name, info) for name, info in header.items() if name != "__metadata__")
@@ -115,21 +117,38 @@ def parse(data: Buffer) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
         raise BlobError(
             f"incomplete metadata, file not fully covered: tensors cover {end} of {len(view) - base} data bytes"
         )
-    raw = torch.frombuffer(view, dtype=torch.uint8) if len(view) else torch.empty(0, dtype=torch.uint8)
-    tensors = {}
-    for start, stop, name, dtype, shape in entries:
-        if dtype == torch.bool and bool((raw[base + start : base + stop] > 1).any()):
+    src = np.frombuffer(view, dtype=np.uint8)
+    for start, stop, name, dtype, _ in entries:
+        if dtype == torch.bool and bool((src[base + start : base + stop] > 1).any()):
             raise BlobError(f"tensor `{name}` of dtype BOOL holds bytes other than 0 and 1")
-        tensors[name] = _tensor(raw, base + start, stop - start, dtype, shape)
+    tensors = _views(view, base, entries) if not view.readonly else None
+    tensors = tensors if tensors is not None else _packed(src, base, entries)
     return meta, {name: tensors[name] for name in header if name != "__metadata__"}
 
 
-def _tensor(raw: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """The bytes raw[offset:offset + nbytes] as a `dtype` tensor of `shape`: a view when aligned to ALIGNMENT, else
-    a copy."""
-    if nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
-    part = raw[offset : offset + nbytes]
-    if part.data_ptr() % ALIGNMENT:
-        part = part.clone()  # fresh memory is ALIGNMENT-aligned
-    return part.view(dtype).view(shape)
+def _views(view: memoryview, base: int, entries: list[Any]) -> dict[str, torch.Tensor] | None:
+    """The tensors as views of writable `view` if every one starts at an ALIGNMENT boundary, else None."""
+    address = torch.frombuffer(view, dtype=torch.uint8).data_ptr() if len(view) else 0
+    if any((address + base + start) % ALIGNMENT for start, stop, *_ in entries if stop > start):
+        return None
+    tensors = {}
+    for start, stop, name, dtype, shape in entries:
+        count = (stop - start) // dtype.itemsize
+        flat = torch.frombuffer(view, dtype=dtype, count=count, offset=base + start) if count else torch.empty(0)
+        tensors[name] = flat.to(dtype).view(shape)
+    return tensors
+
+
+def _packed(src: np.ndarray, base: int, entries: list[Any]) -> dict[str, torch.Tensor]:
+    """The tensors copied into one fresh buffer, each at an ALIGNMENT boundary (fresh torch memory is aligned)."""
+    offsets, size = [], 0
+    for start, stop, *_ in entries:
+        offsets.append(size)
+        size += -(-(stop - start) // ALIGNMENT) * ALIGNMENT
+    packed = torch.empty(size, dtype=torch.uint8)
+    out = packed.numpy()
+    tensors = {}
+    for at, (start, stop, name, dtype, shape) in zip(offsets, entries):
+        out[at : at + stop - start] = src[base + start : base + stop]
+        tensors[name] = packed[at : at + stop - start].view(dtype).view(shape)
+    return tensors

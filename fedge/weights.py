@@ -73,7 +73,8 @@ def to_bytes(spec: ModelSpec, state: State) -> bytes:
 def from_bytes(data: bytes | bytearray | memoryview) -> tuple[ModelSpec, State]:
     """Parse a blob written by to_bytes; any malformation raises WeightsError (or SpecError for the spec).
 
-    The tensors view `data` (see tensorblob.parse): a writable buffer is not copied, read-only bytes once."""
+    The tensors view `data` where it is writable and they sit 64-byte aligned in it, else they are copied once
+    (tensorblob.parse)."""
     try:
         meta = tensorblob.metadata(data)
     except tensorblob.BlobError as e:

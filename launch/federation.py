@@ -64,7 +64,7 @@ def run_federation(cfg: RunConfig, progress: bool = True, processes: int | None 
     processes = max(1, min(processes or min(os.cpu_count() or 1, 4), cfg.clients))
     # The server takes one torch thread unless told otherwise, and each client process one: as the in-process
     # simulation runs its clients (launch.simulation.one_thread), so the two transports give the same models bit for
-    # bit (a kernel's rounding can depend on its thread count), and the processes never oversubscribe the cores.
+    # bit (a kernel's rounding can depend on its thread count).
     server_threads = cfg.server_threads or 1
     out = Path(cfg.out) if cfg.out else default_out(cfg)
     cfg = dataclasses.replace(cfg, out=str(out), server_threads=server_threads)

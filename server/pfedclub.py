@@ -59,8 +59,9 @@ class PFedClubOptions(ReassemblyOptions):
     )
     lockstep: bool = option(
         False,
-        "fine-tune and match a client's candidates in lockstep: a frozen block several of them hold runs once on "
-        "their inputs concatenated, one backward for all (for GPUs, where many small kernels cost launches; "
+        "fine-tune and match a client's candidates in lockstep: a frozen block several of them hold (among those "
+        "sharing the blocks before their first stitch, per chunk of 32) runs once on their inputs concatenated, one "
+        "backward for all, so all their graphs are held at once (for GPUs, where many small kernels cost launches; "
         "unmeasured there). The same operations per sample; kernels picked for the larger batch round differently "
         "on CPU for MobileNet blocks, so results can differ in the last bits",
     )
