@@ -109,10 +109,28 @@ def run_federation_rounds(
     the summary. With `resume`, continue the run in cfg.out from its checkpoint. The server's torch threads are
     cfg.server_threads (0: as they are); summary.json records the number used. `deadline_s`: the transport's
     round deadline, if it has one (the simulated clock charges it for a client that never replied).
-    A round that misses its quorum on every try writes the summary so far and raises RoundFailed."""
-    out = run_folder(cfg, resume)
+    A round that misses its quorum on every try writes the summary so far and raises RoundFailed. The process's
+    torch thread count is restored on return (a caller in the same process, a test, keeps its own)."""
+    before = torch.get_num_threads()
     if cfg.server_threads:
         torch.set_num_threads(cfg.server_threads)
+    try:
+        return _rounds(cfg, strategy, transport, clients, progress, resume, deadline_s)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _rounds(
+    cfg: RunConfig,
+    strategy: Strategy,
+    transport: Transport,
+    clients: Mapping[str, ClientInfo],
+    progress: bool,
+    resume: bool,
+    deadline_s: float | None,
+) -> dict[str, Any]:
+    """run_federation_rounds at the server's torch threads."""
+    out = run_folder(cfg, resume)
     runlog = RunLog(out, cfg.to_dict() | {"out": str(out)}, resume=resume)
     loop = LoopConfig(
         cfg.rounds,
