@@ -69,6 +69,9 @@ class RunConfig:
     # torch intra-op threads of the server (0: one under `fedge run`, over either transport, as each client trains;
     # else torch's default)
     server_threads: int = 0
+    # the in-process simulation's client worker processes, one torch thread each (launch/workers.py; 0: the
+    # machine's cores under `fedge run`, else 1; 1: every client in the server's process, one after another)
+    workers: int = 0
     transport: str = C.DEFAULT_TRANSPORT
     run_id: str = C.DEFAULT_RUN_ID
     round_deadline_s: float = C.ROUND_DEADLINE_S
@@ -123,6 +126,8 @@ class RunConfig:
             raise ConfigError(
                 f"widths must be one of {', '.join(C.WIDTHS)} (the zoo's width preset), got {self.widths!r}"
             )
+        if self.workers < 0:
+            raise ConfigError(f"workers must be 0 (automatic) or a positive integer, got {self.workers}")
         if self.server_threads < 0:
             raise ConfigError(f"server_threads must be 0 (automatic) or a positive integer, got {self.server_threads}")
         if not (self.clip_factor == 0 or self.clip_factor >= 1):

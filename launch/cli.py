@@ -266,10 +266,15 @@ def cmd_run(args: argparse.Namespace) -> None:
     from launch.runs import default_out
     from launch.server import resolve_options
     from launch.simulation import run_simulation
+    from launch.workers import available_cores
 
-    cfg = resolve_options(run_config(args, RUN_FLAGS + ("transport",)))
-    # the server at one torch thread unless told otherwise, over either transport: the same arithmetic, the same models
-    cfg = dataclasses.replace(cfg, out=cfg.out or str(default_out(cfg)), server_threads=cfg.server_threads or 1)
+    cfg = resolve_options(run_config(args, RUN_FLAGS + ("transport", "workers")))
+    # the server at one torch thread unless told otherwise, over either transport: the same arithmetic, the same models;
+    # the in-process simulation's clients on a worker process per core (bit for bit the same models as one by one)
+    workers = cfg.workers or available_cores()
+    cfg = dataclasses.replace(
+        cfg, out=cfg.out or str(default_out(cfg)), server_threads=cfg.server_threads or 1, workers=workers
+    )
     print("fedge run with config:\n" + cfg.to_json(), file=sys.stderr)
     if cfg.transport == "inproc":
         summary = run_simulation(cfg, progress=args.progress)
@@ -474,6 +479,12 @@ def add_run_parser(sub: Any) -> None:
         help="mqtt (default): embedded broker, clients as OS processes; inproc: one process, no broker",
     )
     p.add_argument("--processes", type=int, help="client processes for --transport mqtt (default: min(cores, 4))")
+    p.add_argument(
+        "--workers",
+        type=int,
+        help="client worker processes for --transport inproc, one torch thread each (default: the machine's cores; "
+        "1: every client in the server's process, one after another); the same models bit for bit whatever the count",
+    )
     p.set_defaults(func=cmd_run)
 
 

@@ -22,7 +22,7 @@ from fedge.data import Dataset
 from fedge.messages import Weights
 from fedge.mqtt import Broker, connector
 from fedge.own_data import own_data_limit, read_own_data
-from fedge.partition import ClientShard
+from fedge.partition import ClientShard, Partition
 from fedge.seeding import derive_seed
 from fedge.topics import check_id
 from fedge.zoo import assign_models, create
@@ -99,19 +99,25 @@ def teacher_logits_from_weights(teacher: Weights, x: torch.Tensor) -> torch.Tens
 
 
 def client_agents(
-    cfg: RunConfig, ids: list[str], model: str | None = None, profile: str | None = None, state_dir: Path | None = None
+    cfg: RunConfig,
+    ids: list[str],
+    model: str | None = None,
+    profile: str | None = None,
+    state_dir: Path | None = None,
+    partitioned: tuple[Dataset, Partition] | None = None,
 ) -> list[ClientAgent]:
     """The clients `ids` of the run's fleet: each id is a shard number of the run's partition; model and
     profile default to the ones the run assigns to that shard. With cfg.data_dir each client reads its own data
     there (`{id}` replaced by its id; fedge.own_data) instead of its shard, within its profile's own-data limit
-    (OwnDataError before anything is decoded when the files declare more)."""
+    (OwnDataError before anything is decoded when the files declare more). `partitioned`: the run's dataset and
+    split (load_partitioned) when the caller holds them already."""
     models = assign_models(cfg.zoo, cfg.clients, cfg.seed)
     for cid in ids:
         check_id(cid, "client id")
         if not cid.isdigit() or int(cid) >= cfg.clients:
             raise ConfigError(f"client id {cid!r} must be a shard number 0..{cfg.clients - 1} of the run's partition")
     if cfg.data_dir is None:
-        ds, partition = load_partitioned(cfg)
+        ds, partition = partitioned or load_partitioned(cfg)
         shards = {cid: partition.clients[int(cid)] for cid in ids}
     else:
         task = data_task(cfg)

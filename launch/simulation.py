@@ -14,6 +14,7 @@ from fedge.transport import Handler, InProcTransport
 from launch.client import client_agents
 from launch.runs import load_partitioned, run_folder
 from launch.server import make_strategy, resolve_options, run_federation_rounds
+from launch.workers import WorkerPool
 
 
 def run_simulation(
@@ -24,15 +25,24 @@ def run_simulation(
 ) -> dict[str, Any]:
     """Run a whole federation in this process; writes the run folder and returns the summary. Clients keep
     their model snapshots in <out>/clients/<id>; `resume` continues an interrupted run in cfg.out (same cfg).
-    `adversaries` turns clients into liars: client id -> a function of its honest handler returning the one it
-    runs instead (bench/robust.py's attacks); an id that is not a client raises ValueError. Clients run at one
-    torch thread (`one_thread`), the server at cfg.server_threads."""
+    With cfg.workers > 1 the clients run on that many worker processes (launch.workers.WorkerPool), bit for bit
+    as in this process; else here, one after another. `adversaries` turns clients into liars: client id -> a
+    function of its honest handler returning the one it runs instead (bench/robust.py's attacks; they run in this
+    process, so with workers <= 1 only); an id that is not a client raises ValueError. Clients run at one torch
+    thread (`one_thread`, or each worker's one), the server at cfg.server_threads."""
     cfg = resolve_options(cfg)  # fail fast on an unknown strategy or option, before loading data
     out = run_folder(cfg, resume)
     ds, partition = load_partitioned(cfg)
     strategy = make_strategy(cfg, ds, partition)
     ids = [str(s.client_id) for s in partition.clients]
-    agents = client_agents(cfg, ids, state_dir=out / C.CLIENT_STATE_DIR)  # shards, or own data (cfg.data_dir)
+    state_dir = out / C.CLIENT_STATE_DIR
+    cfg = dataclasses.replace(cfg, out=str(out))
+    if cfg.workers > 1:
+        if adversaries:
+            raise ValueError("adversaries run in this process: set workers=1 for a run with adversaries")
+        with WorkerPool(cfg, ids, state_dir, cfg.workers) as pool:
+            return run_federation_rounds(cfg, strategy, pool, pool.infos, progress, resume)
+    agents = client_agents(cfg, ids, state_dir=state_dir, partitioned=(ds, partition))  # or own data (data_dir)
     handlers = {a.client_id: a.handle for a in agents}
     unknown = sorted(set(adversaries or {}) - set(handlers))
     if unknown:
@@ -40,14 +50,7 @@ def run_simulation(
     transport = InProcTransport(
         {cid: one_thread((adversaries or {}).get(cid, lambda h: h)(h)) for cid, h in handlers.items()}
     )
-    return run_federation_rounds(
-        dataclasses.replace(cfg, out=str(out)),
-        strategy,
-        transport,
-        {a.client_id: a.info() for a in agents},
-        progress,
-        resume,
-    )
+    return run_federation_rounds(cfg, strategy, transport, {a.client_id: a.info() for a in agents}, progress, resume)
 
 
 def one_thread(handler: Handler) -> Handler:

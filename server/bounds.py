@@ -23,8 +23,9 @@ TENSORS = "tensors"  # the update group of a reply's named tensors (a model role
 
 
 def tensors_norm(tensors: Iterable[torch.Tensor]) -> float:
-    """The L2 norm over every floating-point tensor of `tensors` together (others are skipped)."""
-    return math.sqrt(sum(float(t.double().square().sum()) for t in tensors if t.is_floating_point()))
+    """The L2 norm over every floating-point tensor of `tensors` together (others are skipped), the same whatever
+    their order (math.fsum is exactly rounded): a model decoded from bytes may list its tensors in another order."""
+    return math.sqrt(math.fsum(float(t.double().square().sum()) for t in tensors if t.is_floating_point()))
 
 
 def upload_norm(weights: Weights) -> float:
@@ -230,18 +231,18 @@ def parameter_update_rms(
     pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]], params: Mapping[str, frozenset[str]]
 ) -> dict[str, float]:
     """Per group (a model role, or TENSORS for named tensors), the RMS of the whole update of its learned
-    parameters (`params`: per group, their names)."""
-    sums: dict[str, list[float]] = {}
+    parameters (`params`: per group, their names), the same whatever the order of `pairs` (exactly rounded sums)."""
+    squares: dict[str, list[float]] = {}
+    counts: Counter[str] = Counter()
     for key, (up, sent) in pairs.items():
         role, _, name = key.rpartition("/")
         group = role or TENSORS
         if name not in params.get(group, ()):
             continue
         d = up.double() - sent.double()
-        acc = sums.setdefault(group, [0.0, 0.0])
-        acc[0] += float(d.square().sum())
-        acc[1] += d.numel()
-    return {group: math.sqrt(s / n) for group, (s, n) in sums.items() if n}
+        squares.setdefault(group, []).append(float(d.square().sum()))
+        counts[group] += d.numel()
+    return {group: math.sqrt(math.fsum(s) / counts[group]) for group, s in squares.items() if counts[group]}
 
 
 def with_tensors(res: Result, clipped: Mapping[str, torch.Tensor]) -> Result:

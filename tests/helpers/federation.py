@@ -170,6 +170,15 @@ def outcome(out: Path) -> list[tuple]:
 WALL_CLOCK_FIELDS = ("seconds", "time_", "bytes_up", "rss_bytes")
 
 
+def checkpoint_without_wall_clock(out: Path) -> dict[str, Any]:
+    """A run folder's checkpoint without the server's wall-clock seconds and the simulated clock's seconds and bytes
+    (they count the replies' bytes, which hold wall-clock metrics): what another run of its config, in any mode of
+    the simulation, must reproduce bit for bit (same_tree)."""
+    tree = load_tree(Path(out) / "checkpoint.safetensors")
+    clock = {"train_macs": tree["sim_clock"]["train_macs"]}
+    return {k: v for k, v in tree.items() if k != "server_seconds"} | {"sim_clock": clock}
+
+
 def rows_without_wall_clock(out: Path) -> list[dict[str, Any]]:
     """A run folder's metrics.jsonl rows without the WALL_CLOCK_FIELDS: what a resumed run must reproduce exactly."""
     return [{k: v for k, v in r.items() if not any(t in k for t in WALL_CLOCK_FIELDS)} for r in read_rows(out)]

@@ -1,7 +1,7 @@
-"""The in-process simulation and a run over MQTT train the same models bit for bit, for every registered strategy:
-each client's final snapshot, the server's strategy state and every round's numbers are equal (issue 30: they were
-not, because the in-process run trained its clients at torch's default thread count and `fedge run`'s client
-processes at one)."""
+"""The in-process simulation, its clients on worker processes, and a run over MQTT train the same models bit for bit,
+for every registered strategy: each client's final snapshot, the server's strategy state and every round's numbers
+are equal (issue 30: they were not, because the in-process run trained its clients at torch's default thread count
+and `fedge run`'s client processes at one)."""
 
 import subprocess
 import sys
@@ -16,7 +16,16 @@ from launch.simulation import one_thread, run_simulation
 from server.runlog import CHECKPOINT_FILE
 from server.strategy import STRATEGIES
 
-from helpers.federation import final_snapshots, make_config, outcome, over_embedded_broker, run_inproc, same_tree
+from helpers.federation import (
+    checkpoint_without_wall_clock,
+    final_snapshots,
+    make_config,
+    outcome,
+    over_embedded_broker,
+    rows_without_wall_clock,
+    run_inproc,
+    same_tree,
+)
 
 pytestmark = pytest.mark.timeout(300)
 ZOOS = {"fedavg": "cnn1", "heterofl": "cnn1", "fedtrans": "cnn1", "dcpfl": "fedgh", "fedgh": "fedgh"}
@@ -38,15 +47,24 @@ def fleet(out: Path, strategy: str, **overrides):
 
 
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES.entries))
-def test_over_mqtt_each_client_ends_with_the_in_process_runs_model(strategy, tmp_path, threads_restored):
+def test_on_workers_and_over_mqtt_each_client_ends_with_the_in_process_runs_model(strategy, tmp_path, threads_restored):
     run_simulation(fleet(tmp_path / "inproc", strategy), progress=False)
+    # 3 clients on 2 workers: the one with a single client takes the other's second, which moves to it every round
+    summary = run_simulation(fleet(tmp_path / "workers", strategy, workers=2), progress=False)
+    assert summary["transport"] == {"kind": "inproc", "workers": 2, "workers_replaced": 0}
+    assert rows_without_wall_clock(tmp_path / "workers") == rows_without_wall_clock(tmp_path / "inproc")
+    assert same_tree(
+        checkpoint_without_wall_clock(tmp_path / "workers"), checkpoint_without_wall_clock(tmp_path / "inproc")
+    )
+    workers = final_snapshots(tmp_path / "workers")
     torch.set_num_threads(1)  # the clients in threads of this process train as `fedge run`'s client processes do
     _, agents = over_embedded_broker(fleet(tmp_path / "mqtt", strategy))
     inproc = final_snapshots(tmp_path / "inproc")
     mqtt = {a.client_id: a.snapshots[max(a.snapshots)] for a in agents if max(a.snapshots) != INITIAL_ROUND}
-    assert inproc.keys() == mqtt.keys()
+    assert inproc.keys() == mqtt.keys() == workers.keys()
     for cid in inproc:
-        assert same_tree(inproc[cid], mqtt[cid]), f"client {cid}'s final model differs"
+        assert same_tree(inproc[cid], mqtt[cid]), f"client {cid}'s final model differs over MQTT"
+        assert same_tree(inproc[cid], workers[cid]), f"client {cid}'s final model differs on workers"
     states = [load_tree(tmp_path / run / CHECKPOINT_FILE)["strategy_state"] for run in ("inproc", "mqtt")]
     assert same_tree(*states)
     assert inproc or states[0]  # a model was compared: the clients' own, or the server's
