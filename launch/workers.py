@@ -159,7 +159,7 @@ class WorkerPool:
             raise
         self.infos = {info.client_id: info for info in sorted(infos, key=lambda i: ids.index(i.client_id))}
         self.home: dict[str, int | None] = {cid: i for i, home in enumerate(homes) for cid in home}
-        self.replacements = 0
+        self.replacements = self.moves = 0
         self.dead: set[int] = set()  # workers found dead during the current exchange
 
     def _start(self, ids: list[str], index: int) -> _Worker:
@@ -252,11 +252,17 @@ class WorkerPool:
             return
         if previous is not None and previous != i:
             self.workers[previous].forget.append(cid)
+            self.moves += 1
         self.home[cid] = i
         busy[self.workers[i].conn] = i
 
     def report(self) -> dict[str, Any]:
         return {
-            "transport": {"kind": "inproc", "workers": len(self.workers), "workers_replaced": self.replacements},
+            "transport": {
+                "kind": "inproc",
+                "workers": len(self.workers),
+                "clients_moved": self.moves,  # tasks an idle worker took from another's waiting clients
+                "workers_replaced": self.replacements,
+            },
             "rejected_messages": {},
         }

@@ -6,10 +6,18 @@ import pytest
 from fedge.checkpoint import CheckpointError, load_tree, tree_digest
 from fedge.config import config_from
 from launch.simulation import run_simulation
-from server.coordinator import check_resumable, run_identity
+from server.coordinator import Coordinator, check_resumable, run_identity
 from server.runlog import CHECKPOINT_FILE
 
-from helpers.federation import Crash, crash_at, read_rows, rows_without_wall_clock
+from helpers.federation import (
+    Crash,
+    checkpoint_without_wall_clock,
+    crash_at,
+    final_snapshots,
+    read_rows,
+    rows_without_wall_clock,
+    same_tree,
+)
 
 pytestmark = pytest.mark.timeout(600)
 # The reply's bytes hold the client's wall-clock metrics (helpers.federation.WALL_CLOCK_FIELDS), so simulated
@@ -77,6 +85,33 @@ def test_a_crashed_run_resumes_bit_identically(tmp_path, monkeypatch, strategy):
     assert a["sim_clock"]["train_macs"] == b["sim_clock"]["train_macs"] == resumed["train_macs_total"]
     assert b["sim_clock"]["seconds"] == resumed["sim_seconds_total"]
     assert resumed["sim_seconds_total"] == pytest.approx(straight["sim_seconds_total"], abs=SIM_SLACK_S)
+
+
+@pytest.mark.parametrize("strategy", ["fedavg", "pfedclub"])
+def test_a_run_on_workers_crashed_in_aggregation_resumes_bit_identically(tmp_path, monkeypatch, strategy):
+    # Every client of round 2 trained (on its worker, which snapshotted it) before the server died: the resumed
+    # run's new workers re-run round 2 from the snapshots before it.
+    straight = run_simulation(config(tmp_path / "straight", strategy), progress=False)
+    aggregate = Coordinator.aggregate
+
+    def crashing(coordinator, rnd, results):
+        if rnd == 2:
+            raise Crash
+        aggregate(coordinator, rnd, results)
+
+    monkeypatch.setattr(Coordinator, "aggregate", crashing)
+    with pytest.raises(Crash):
+        run_simulation(config(tmp_path / "crashed", strategy, workers=2), progress=False)
+    monkeypatch.undo()
+    assert load_tree(tmp_path / "crashed" / CHECKPOINT_FILE)["next_round"] == 2
+
+    resumed = run_simulation(config(tmp_path / "crashed", strategy, workers=2), progress=False, resume=True)
+
+    assert resumed["final_accuracy"] == straight["final_accuracy"]
+    assert rows_without_wall_clock(tmp_path / "crashed") == rows_without_wall_clock(tmp_path / "straight")
+    crashed, clean = (checkpoint_without_wall_clock(tmp_path / run) for run in ("crashed", "straight"))
+    assert same_tree(crashed, clean)
+    assert same_tree(final_snapshots(tmp_path / "crashed"), final_snapshots(tmp_path / "straight"))
 
 
 def test_resume_refuses_another_configuration_and_a_missing_checkpoint(tmp_path):

@@ -51,7 +51,7 @@ def test_on_workers_and_over_mqtt_each_client_ends_with_the_in_process_runs_mode
     run_simulation(fleet(tmp_path / "inproc", strategy), progress=False)
     # 3 clients on 2 workers: the one with a single client takes the other's second, which moves to it every round
     summary = run_simulation(fleet(tmp_path / "workers", strategy, workers=2), progress=False)
-    assert summary["transport"] == {"kind": "inproc", "workers": 2, "workers_replaced": 0}
+    assert summary["transport"]["workers"] == 2 and summary["transport"]["workers_replaced"] == 0
     assert rows_without_wall_clock(tmp_path / "workers") == rows_without_wall_clock(tmp_path / "inproc")
     assert same_tree(
         checkpoint_without_wall_clock(tmp_path / "workers"), checkpoint_without_wall_clock(tmp_path / "inproc")
