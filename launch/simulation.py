@@ -14,7 +14,7 @@ from fedge.transport import Handler, InProcTransport
 from launch.client import client_agents
 from launch.runs import load_partitioned, run_folder
 from launch.server import make_strategy, resolve_options, run_federation_rounds
-from launch.workers import WorkerPool
+from launch.workers import WorkerPool, warm_up
 
 
 def run_simulation(
@@ -43,6 +43,7 @@ def run_simulation(
         with WorkerPool(cfg, ids, state_dir, cfg.workers) as pool:
             return run_federation_rounds(cfg, strategy, pool, pool.infos, progress, resume)
     agents = client_agents(cfg, ids, state_dir=state_dir, partitioned=(ds, partition))  # or own data (data_dir)
+    warm_up()
     handlers = {a.client_id: a.handle for a in agents}
     unknown = sorted(set(adversaries or {}) - set(handlers))
     if unknown:

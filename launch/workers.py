@@ -41,6 +41,12 @@ def available_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def warm_up() -> None:
+    """What every process that trains clients pays once, paid at its start rather than in its first client's task:
+    torch's first optimizer imports torch._dynamo (1.6 s on this project's CI machine)."""
+    torch.optim.Adam([torch.zeros(1, requires_grad=True)])
+
+
 class ClientHost:
     """The clients one worker runs: agents built from the run's config and kept, rebuilt from their snapshot files
     (state_dir) when told they are `fresh` (another worker ran them since). The run's dataset and split are loaded
@@ -82,6 +88,7 @@ def serve_worker(conn: Connection, cfg_json: str, ids: list[str], state_dir: str
     try:
         host = ClientHost(config_from(json.loads(cfg_json)), Path(state_dir))
         infos = host.build(ids)
+        warm_up()
     except Exception as e:  # reported to the parent, which raises it there
         user = isinstance(e, UserError)
         conn.send_bytes(json.dumps({"error": str(e) if user else traceback.format_exc(), "user": user}).encode())

@@ -1,0 +1,138 @@
+"""The in-process simulation's speed: serial against worker processes, beside the floor, on one machine.
+
+    python bench/simulation.py [--data ../shared/data/mnist.npz] [--rounds 3] [--workers N] [--settings ...]
+
+Settings (issue 30): FedAvg on cnn1, 100 clients on MNIST, 10 and 100 per round; pFedClub on Zoo I, 20 clients, 10 per
+round (its server step excluded, and kept small: 2 candidates per client, 500 public samples, one fine-tuning epoch;
+bench/server_step.py measures it). Each runs serially (workers=1: every client in
+this process, one after another) and on `--workers` processes (launch/workers.py), same seed, and the two runs are
+checked to give the same metrics rows (the bench refuses to print a speed for a run that differs).
+
+Per run: the client path's seconds (the rounds' wall time less the server's own step, `server_seconds`: training and
+evaluation exchanges, metrics and checkpoint writing), rounds per minute on it, client training samples per second,
+and the setup (data, agents, worker processes) apart. The floor of the worker run is the sum of every client task's
+seconds (training and evaluation) as the serial run measured them, each alone at one thread, divided by the workers:
+what a pool with no overhead and perfect balance would take; `ratio` is the run's client path over it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tests"))  # helpers.federation: rows without wall clock
+
+from bench.compare import hardware  # noqa: E402
+from edge_client.agent import ClientAgent  # noqa: E402
+from fedge.config import RunConfig, config_from  # noqa: E402
+from launch.simulation import run_simulation  # noqa: E402
+from launch.workers import available_cores  # noqa: E402
+
+from helpers.federation import read_rows, rows_without_wall_clock  # noqa: E402
+
+SETTINGS: dict[str, dict[str, Any]] = {
+    "fedavg-10": {"strategy": "fedavg", "zoo": "cnn1", "clients": 100, "active": 10},
+    "fedavg-100": {"strategy": "fedavg", "zoo": "cnn1", "clients": 100, "active": 100},
+    "pfedclub": {
+        "strategy": "pfedclub",
+        "zoo": "I",
+        "clients": 20,
+        "active": 10,
+        "finetune_epochs": 1,  # the server step is not measured here: kept small (bench/server_step.py measures it)
+        "finetune_min_steps": 0,
+        "max_candidates": 2,
+        "max_public_samples": 500,
+    },
+}
+
+
+def timed_tasks(seconds: list[float]) -> Any:
+    """ClientAgent.handle that appends each task's wall seconds to `seconds` (the serial run: each task alone)."""
+    handle = ClientAgent.handle
+
+    def timed(agent: ClientAgent, task: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return handle(agent, task)
+        finally:
+            seconds.append(time.perf_counter() - start)
+
+    return timed
+
+
+def one_run(cfg: RunConfig) -> dict[str, float]:
+    """Run `cfg`; its setup, client path and server seconds, rounds per minute and samples per second."""
+    start = time.perf_counter()
+    summary = run_simulation(cfg, progress=False)
+    total = time.perf_counter() - start
+    server = sum(summary["server_seconds"])
+    path = summary["wall_seconds"] - server
+    samples = sum(r["num_examples"] for r in read_rows(Path(cfg.out)) if r["trained"]) * cfg.local_epochs
+    return {
+        "setup_s": total - summary["wall_seconds"],
+        "path_s": path,
+        "server_s": server,
+        "rounds_per_min": 60 * cfg.rounds / path,
+        "samples_per_s": samples / path,
+    }
+
+
+def bench(name: str, cfg: RunConfig, workers: int, out: Path) -> list[dict[str, Any]]:
+    """The serial run (each task timed) and the worker run of one setting, checked equal; their table rows."""
+    task_seconds: list[float] = []
+    original = ClientAgent.handle
+    ClientAgent.handle = timed_tasks(task_seconds)  # this process's agents only: the serial run
+    try:
+        serial = one_run(dataclasses.replace(cfg, workers=1, out=str(out / f"{name}-serial")))
+    finally:
+        ClientAgent.handle = original
+    pooled = one_run(dataclasses.replace(cfg, workers=workers, out=str(out / f"{name}-workers")))
+    if rows_without_wall_clock(out / f"{name}-serial") != rows_without_wall_clock(out / f"{name}-workers"):
+        raise SystemExit(f"{name}: the worker run's metrics differ from the serial run's; no speed is reported")
+    tasks = sum(task_seconds)
+    return [
+        {"setting": name, "mode": "serial", **serial, "floor_s": tasks, "ratio": serial["path_s"] / tasks},
+        {
+            "setting": name,
+            "mode": f"{workers} workers",
+            **pooled,
+            "floor_s": tasks / workers,
+            "ratio": pooled["path_s"] / (tasks / workers),
+        },
+    ]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared/data/mnist.npz"))
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--local-epochs", type=int, default=1)
+    p.add_argument("--workers", type=int, default=available_cores())
+    p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {', '.join(SETTINGS)}")
+    args = p.parse_args()
+    print(f"hardware: {hardware()}; {args.workers} workers, {args.rounds} rounds, {args.local_epochs} local epoch(s)")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.settings.split(","):
+            base = {"dataset": "mnist", "data": args.data, "rounds": args.rounds, "local_epochs": args.local_epochs}
+            cfg = config_from(base | {"server_threads": 1, "export_onnx": False, "seed": 0} | SETTINGS[name])
+            rows += bench(name, cfg, args.workers, Path(tmp))
+            print(f"{name}: done", file=sys.stderr)
+    columns = ["setting", "mode", "setup_s", "path_s", "server_s", "rounds_per_min", "samples_per_s"]
+    columns += ["floor_s", "ratio"]
+    print(" | ".join(columns))
+    for r in rows:
+        print(" | ".join(f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in columns))
+    for name in dict.fromkeys(r["setting"] for r in rows):
+        serial, pooled = (r for r in rows if r["setting"] == name)
+        print(f"{name}: workers / serial client path {pooled['path_s'] / serial['path_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
