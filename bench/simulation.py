@@ -4,9 +4,9 @@
 
 Settings (issue 30): FedAvg on cnn1, 100 clients on MNIST, 10 and 100 per round; pFedClub on Zoo I, 20 clients, 10 per
 round (its server step excluded, and kept small: 2 candidates per client, 500 public samples, one fine-tuning epoch;
-bench/server_step.py measures it). Each runs serially (workers=1: every client in
-this process, one after another) and on `--workers` processes (launch/workers.py), same seed, and the two runs are
-checked to give the same metrics rows (the bench refuses to print a speed for a run that differs).
+bench/server_step.py measures it). Each runs serially (workers=1: every client in this process, one after another),
+on `--workers` processes and on as many actors of a local Ray instance (launch/workers.py), same seed; every run is
+checked to give the serial run's metrics rows (the bench refuses to print a speed for a run that differs).
 
 Per run: the client path's seconds (the rounds' wall time less the server's own step, `server_seconds`: training and
 evaluation exchanges, metrics and checkpoint writing), rounds per minute on it, client training samples per second,
@@ -83,8 +83,9 @@ def one_run(cfg: RunConfig) -> dict[str, float]:
     }
 
 
-def bench(name: str, cfg: RunConfig, workers: int, out: Path) -> list[dict[str, Any]]:
-    """The serial run (each task timed) and the worker run of one setting, checked equal; their table rows."""
+def bench(name: str, cfg: RunConfig, workers: int, engines: list[str], out: Path) -> list[dict[str, Any]]:
+    """The serial run (each task timed) and the worker runs (one per engine) of one setting, each checked equal to
+    the serial one; their table rows."""
     task_seconds: list[float] = []
     original = ClientAgent.handle
     ClientAgent.handle = timed_tasks(task_seconds)  # this process's agents only: the serial run
@@ -92,20 +93,17 @@ def bench(name: str, cfg: RunConfig, workers: int, out: Path) -> list[dict[str, 
         serial = one_run(dataclasses.replace(cfg, workers=1, out=str(out / f"{name}-serial")))
     finally:
         ClientAgent.handle = original
-    pooled = one_run(dataclasses.replace(cfg, workers=workers, out=str(out / f"{name}-workers")))
-    if rows_without_wall_clock(out / f"{name}-serial") != rows_without_wall_clock(out / f"{name}-workers"):
-        raise SystemExit(f"{name}: the worker run's metrics differ from the serial run's; no speed is reported")
     tasks = sum(task_seconds)
-    return [
-        {"setting": name, "mode": "serial", **serial, "floor_s": tasks, "ratio": serial["path_s"] / tasks},
-        {
-            "setting": name,
-            "mode": f"{workers} workers",
-            **pooled,
-            "floor_s": tasks / workers,
-            "ratio": pooled["path_s"] / (tasks / workers),
-        },
-    ]
+    rows = [{"setting": name, "mode": "serial", **serial, "floor_s": tasks, "ratio": serial["path_s"] / tasks}]
+    for engine in engines:
+        run = out / f"{name}-{engine}"
+        pooled = one_run(dataclasses.replace(cfg, workers=workers, engine=engine, out=str(run)))
+        if rows_without_wall_clock(out / f"{name}-serial") != rows_without_wall_clock(run):
+            raise SystemExit(f"{name}: the {engine} run's metrics differ from the serial run's; no speed is reported")
+        floor = tasks / workers
+        mode = f"{workers} {'processes' if engine == 'processes' else 'Ray actors (local)'}"
+        rows.append({"setting": name, "mode": mode, **pooled, "floor_s": floor, "ratio": pooled["path_s"] / floor})
+    return rows
 
 
 def main() -> None:
@@ -115,6 +113,7 @@ def main() -> None:
     p.add_argument("--local-epochs", type=int, default=1)
     p.add_argument("--workers", type=int, default=available_cores())
     p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {', '.join(SETTINGS)}")
+    p.add_argument("--engines", default="processes,ray", help="comma-separated: processes, ray (a local instance)")
     args = p.parse_args()
     print(f"hardware: {hardware()}; {args.workers} workers, {args.rounds} rounds, {args.local_epochs} local epoch(s)")
     rows = []
@@ -122,7 +121,7 @@ def main() -> None:
         for name in args.settings.split(","):
             base = {"dataset": "mnist", "data": args.data, "rounds": args.rounds, "local_epochs": args.local_epochs}
             cfg = config_from(base | {"server_threads": 1, "export_onnx": False, "seed": 0} | SETTINGS[name])
-            rows += bench(name, cfg, args.workers, Path(tmp))
+            rows += bench(name, cfg, args.workers, args.engines.split(","), Path(tmp))
             print(f"{name}: done", file=sys.stderr)
     columns = ["setting", "mode", "setup_s", "path_s", "server_s", "rounds_per_min", "samples_per_s"]
     columns += ["floor_s", "ratio"]
@@ -130,8 +129,9 @@ def main() -> None:
     for r in rows:
         print(" | ".join(f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in columns))
     for name in dict.fromkeys(r["setting"] for r in rows):
-        serial, pooled = (r for r in rows if r["setting"] == name)
-        print(f"{name}: workers / serial client path {pooled['path_s'] / serial['path_s']:.2f}x")
+        serial, *pooled = (r for r in rows if r["setting"] == name)
+        for r in pooled:
+            print(f"{name}: {r['mode']} / serial client path {r['path_s'] / serial['path_s']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -72,6 +72,10 @@ class RunConfig:
     # the in-process simulation's client worker processes, one torch thread each (launch/workers.py; 0: the
     # machine's cores under `fedge run`, else 1; 1: every client in the server's process, one after another)
     workers: int = 0
+    # where those workers run: "processes" of this machine, or "ray": actors of a Ray cluster (the `ray` extra) at
+    # ray_address (unset: a local instance; workers 0 there: one per CPU of the cluster)
+    engine: str = "processes"
+    ray_address: str | None = None
     transport: str = C.DEFAULT_TRANSPORT
     run_id: str = C.DEFAULT_RUN_ID
     round_deadline_s: float = C.ROUND_DEADLINE_S
@@ -126,6 +130,8 @@ class RunConfig:
             raise ConfigError(
                 f"widths must be one of {', '.join(C.WIDTHS)} (the zoo's width preset), got {self.widths!r}"
             )
+        if self.engine not in ("processes", "ray"):
+            raise ConfigError(f"engine must be processes or ray, got {self.engine!r}")
         if self.workers < 0:
             raise ConfigError(f"workers must be 0 (automatic) or a positive integer, got {self.workers}")
         if self.server_threads < 0:

@@ -21,6 +21,7 @@ EXTRAS = {
     "onnxruntime": "export",
     "executorch": "export",
     "torchvision": "vision",
+    "ray": "ray",
 }
 
 

@@ -268,10 +268,10 @@ def cmd_run(args: argparse.Namespace) -> None:
     from launch.simulation import run_simulation
     from launch.workers import available_cores
 
-    cfg = resolve_options(run_config(args, RUN_FLAGS + ("transport", "workers")))
+    cfg = resolve_options(run_config(args, RUN_FLAGS + ("transport", "workers", "engine", "ray_address")))
     # the server at one torch thread unless told otherwise, over either transport: the same arithmetic, the same models;
     # the in-process simulation's clients on a worker process per core (bit for bit the same models as one by one)
-    workers = cfg.workers or available_cores()
+    workers = cfg.workers or (0 if cfg.engine == "ray" else available_cores())  # ray: one per CPU of the cluster
     cfg = dataclasses.replace(
         cfg, out=cfg.out or str(default_out(cfg)), server_threads=cfg.server_threads or 1, workers=workers
     )
@@ -483,7 +483,17 @@ def add_run_parser(sub: Any) -> None:
         "--workers",
         type=int,
         help="client worker processes for --transport inproc, one torch thread each (default: the machine's cores; "
-        "1: every client in the server's process, one after another); the same models bit for bit whatever the count",
+        "1: every client in the server's process, one after another; with --engine ray: one per CPU of the cluster); "
+        "the same models bit for bit whatever the count",
+    )
+    p.add_argument(
+        "--engine",
+        choices=["processes", "ray"],
+        help="where --transport inproc runs its client workers: processes of this machine (default), or actors of a "
+        "Ray cluster (the ray extra; the run folder and data on storage every node sees)",
+    )
+    p.add_argument(
+        "--ray-address", help="the Ray cluster for --engine ray, e.g. ray://head:10001 (default: a local one)"
     )
     p.set_defaults(func=cmd_run)
 

@@ -25,10 +25,11 @@ def run_simulation(
 ) -> dict[str, Any]:
     """Run a whole federation in this process; writes the run folder and returns the summary. Clients keep
     their model snapshots in <out>/clients/<id>; `resume` continues an interrupted run in cfg.out (same cfg).
-    With cfg.workers > 1 the clients run on that many worker processes (launch.workers.WorkerPool), bit for bit
-    as in this process; else here, one after another. `adversaries` turns clients into liars: client id -> a
-    function of its honest handler returning the one it runs instead (bench/robust.py's attacks; they run in this
-    process, so with workers <= 1 only); an id that is not a client raises ValueError. Clients run at one torch
+    With cfg.workers > 1 (or cfg.engine "ray") the clients run on that many worker processes or Ray actors
+    (launch.workers.WorkerPool), bit for bit as in this process; else here, one after another. `adversaries` turns
+    clients into liars: client id -> a function of its honest handler returning the one it runs instead
+    (bench/robust.py's attacks; they run in this process, so with workers <= 1 only); an id that is not a client
+    raises ValueError. Clients run at one torch
     thread (`one_thread`, or each worker's one), the server at cfg.server_threads."""
     cfg = resolve_options(cfg)  # fail fast on an unknown strategy or option, before loading data
     out = run_folder(cfg, resume)
@@ -37,7 +38,7 @@ def run_simulation(
     ids = [str(s.client_id) for s in partition.clients]
     state_dir = out / C.CLIENT_STATE_DIR
     cfg = dataclasses.replace(cfg, out=str(out))
-    if cfg.workers > 1:
+    if cfg.workers > 1 or cfg.engine == "ray":
         if adversaries:
             raise ValueError("adversaries run in this process: set workers=1 for a run with adversaries")
         with WorkerPool(cfg, ids, state_dir, cfg.workers) as pool:

@@ -28,6 +28,7 @@ from edge_client.agent import ClientAgent
 from fedge.codec import decode_info, decode_result, decode_task, encode_info, encode_result, encode_task
 from fedge.config import ConfigError, RunConfig, config_from
 from fedge.errors import UserError
+from fedge.extras import require
 from fedge.messages import ClientInfo, Result, Task
 from launch.client import client_agents
 from launch.runs import load_partitioned
@@ -65,6 +66,11 @@ class ClientHost:
             self.agents[agent.client_id] = agent
         return [self.agents[cid].info() for cid in ids]
 
+    def forget(self, ids: list[str]) -> None:
+        """Drop the agents of clients that moved to another worker."""
+        for cid in ids:
+            self.agents.pop(cid, None)
+
     def run(self, cid: str, payload: bytes, fresh: bool) -> bytes:
         """Client `cid`'s reply to the encoded task, encoded; a task the client fails (or a reply that cannot be
         encoded) is a failed Result whose `error` says why, as the MQTT edge client answers."""
@@ -78,64 +84,97 @@ class ClientHost:
             return encode_result(Result(cid, task.round, task.type, 0, error=f"{type(e).__name__}: {e}"))
 
 
-def serve_worker(conn: Connection, cfg_json: str, ids: list[str], state_dir: str) -> None:
-    """A worker process: build the home clients `ids`, send their infos, then answer tasks until told to stop.
-
-    Messages, each a send_bytes: to the worker a JSON header {"client", "fresh", "forget"} and the encoded task,
-    or {"stop": true}; from it {"ready": n} and n encoded infos (or {"error", "user"}), then one encoded result
-    per task."""
-    torch.set_num_threads(1)  # as each client process of `fedge run` over MQTT trains: the same arithmetic
+def start_host(cfg_json: str, ids: list[str], state_dir: str) -> tuple[ClientHost | None, dict[str, Any], list[bytes]]:
+    """A worker's start, in its own process (or Ray actor): one torch thread, as each client process of `fedge run`
+    over MQTT trains (the same arithmetic), its home clients `ids` built. The host, a header ({"ready": n}, or
+    {"error", "user"} for the parent to raise) and the n encoded infos."""
+    torch.set_num_threads(1)
     try:
         host = ClientHost(config_from(json.loads(cfg_json)), Path(state_dir))
-        infos = host.build(ids)
+        infos = [encode_info(info) for info in host.build(ids)]
         warm_up()
     except Exception as e:  # reported to the parent, which raises it there
         user = isinstance(e, UserError)
-        conn.send_bytes(json.dumps({"error": str(e) if user else traceback.format_exc(), "user": user}).encode())
-        return
-    conn.send_bytes(json.dumps({"ready": len(infos)}).encode())
-    for info in infos:
-        conn.send_bytes(encode_info(info))
-    while True:
+        return None, {"error": str(e) if user else traceback.format_exc(), "user": user}, []
+    return host, {"ready": len(infos)}, infos
+
+
+def read_infos(header: dict[str, Any], infos: list[bytes]) -> list[ClientInfo]:
+    """The infos a worker started with; ConfigError (a user's mistake, e.g. a model that does not fit its profile)
+    or RuntimeError when it could not start."""
+    if "error" in header:
+        raise (ConfigError if header["user"] else RuntimeError)(header["error"])
+    return [decode_info(info) for info in infos]
+
+
+def serve_worker(conn: Connection, cfg_json: str, ids: list[str], state_dir: str) -> None:
+    """A worker process: start_host, then answer tasks until told to stop.
+
+    Messages, each a send_bytes: to the worker a JSON header {"client", "fresh", "forget"} and the encoded task,
+    or {"stop": true}; from it the start header and its encoded infos, then one encoded result per task."""
+    host, header, infos = start_host(cfg_json, ids, state_dir)
+    for message in [json.dumps(header).encode(), *infos]:
+        conn.send_bytes(message)
+    while host is not None:
         try:
             header = json.loads(conn.recv_bytes())
             if header.get("stop"):
                 return
-            for cid in header["forget"]:
-                host.agents.pop(cid, None)
+            host.forget(header["forget"])
             conn.send_bytes(host.run(header["client"], conn.recv_bytes(), header["fresh"]))
         except (EOFError, BrokenPipeError):  # the parent is gone
             return
 
 
-class _Worker:
+class WorkerLost(Exception):
+    """A worker died: the task it was running has no reply."""
+
+
+class ProcessWorker:
     """The parent's handle on one worker process: its pipe, the client it is running, the clients it dropped."""
 
-    def __init__(self, ctx: Any, cfg: RunConfig, ids: list[str], state_dir: Path, name: str) -> None:
+    def __init__(self, cfg: RunConfig, ids: list[str], state_dir: Path, name: str) -> None:
+        ctx = multiprocessing.get_context("spawn")  # never fork a process whose torch may hold threads
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(
             target=serve_worker, args=(child, cfg.to_json(), ids, str(state_dir)), name=name, daemon=True
         )
         self.process.start()
         child.close()
+        self.name = name
         self.running: str | None = None
         self.forget: list[str] = []
+        self.waitable: Any = self.conn
+
+    @staticmethod
+    def wait(waitables: list[Any]) -> list[Any]:
+        """The waitables of the workers that have replied (or died), once one has."""
+        return wait(waitables)
 
     def ready(self) -> list[ClientInfo]:
-        """The infos of its home clients, once built; ConfigError (a user's mistake) or RuntimeError otherwise."""
+        """The infos of its home clients, once built (see read_infos)."""
         try:
             header = json.loads(self.conn.recv_bytes())
+            return read_infos(header, [self.conn.recv_bytes() for _ in range(header.get("ready", 0))])
         except EOFError:
-            name, code = self.process.name, self.process.exitcode
-            raise RuntimeError(f"worker {name} exited ({code}) before it was ready") from None
-        if "error" in header:
-            raise (ConfigError if header["user"] else RuntimeError)(header["error"])
-        return [decode_info(self.conn.recv_bytes()) for _ in range(header["ready"])]
+            raise RuntimeError(f"worker {self.name} exited ({self.process.exitcode}) before it was ready") from None
+
+    def alive(self) -> bool:
+        return self.process.is_alive()
 
     def send(self, cid: str, task: Task, fresh: bool) -> None:
-        self.conn.send_bytes(json.dumps({"client": cid, "fresh": fresh, "forget": self.forget}).encode())
-        self.conn.send_bytes(encode_task(task))
+        try:
+            self.conn.send_bytes(json.dumps({"client": cid, "fresh": fresh, "forget": self.forget}).encode())
+            self.conn.send_bytes(encode_task(task))
+        except OSError:
+            raise WorkerLost from None
         self.running, self.forget = cid, []
+
+    def receive(self) -> Result:
+        try:
+            return decode_result(self.conn.recv_bytes())
+        except (EOFError, OSError):
+            raise WorkerLost from None
 
     def stop(self) -> None:
         try:
@@ -149,13 +188,76 @@ class _Worker:
         self.conn.close()
 
 
+class RayHost:
+    """A worker as a Ray actor (`--engine ray`): start_host at creation, then one task per `run` call."""
+
+    def __init__(self, cfg_json: str, ids: list[str], state_dir: str) -> None:
+        self.host, self.header, self.infos = start_host(cfg_json, ids, state_dir)
+
+    def started(self) -> tuple[dict[str, Any], list[bytes]]:
+        return self.header, self.infos
+
+    def run(self, cid: str, payload: bytes, fresh: bool, forget: list[str]) -> bytes:
+        assert self.host is not None  # the pool never sends a task to a worker that did not start
+        self.host.forget(forget)
+        return self.host.run(cid, payload, fresh)
+
+
+class RayWorker:
+    """The driver's handle on one RayHost actor (one CPU); the same protocol as ProcessWorker."""
+
+    def __init__(self, cfg: RunConfig, ids: list[str], state_dir: Path, name: str) -> None:
+        import ray
+
+        self.ray = ray
+        self.actor = ray.remote(num_cpus=1)(RayHost).options(name=None).remote(cfg.to_json(), ids, str(state_dir))
+        self.name = name
+        self.running: str | None = None
+        self.forget: list[str] = []
+        self.waitable: Any = None
+        self.lost = False
+
+    @staticmethod
+    def wait(waitables: list[Any]) -> list[Any]:
+        import ray
+
+        return ray.wait(waitables, num_returns=1)[0]
+
+    def ready(self) -> list[ClientInfo]:
+        try:
+            return read_infos(*self.ray.get(self.actor.started.remote()))
+        except self.ray.exceptions.RayActorError as e:
+            raise RuntimeError(f"Ray worker {self.name} died before it was ready: {e}") from None
+
+    def alive(self) -> bool:
+        return not self.lost
+
+    def send(self, cid: str, task: Task, fresh: bool) -> None:
+        self.waitable = self.actor.run.remote(cid, encode_task(task), fresh, self.forget)
+        self.running, self.forget = cid, []
+
+    def receive(self) -> Result:
+        try:
+            return decode_result(self.ray.get(self.waitable))
+        except self.ray.exceptions.RayActorError:
+            self.lost = True
+            raise WorkerLost from None
+
+    def stop(self) -> None:
+        self.ray.kill(self.actor)
+
+
 class WorkerPool:
-    """A Transport that runs the clients `ids` of a run on `workers` processes (see the module's docstring); use it
-    as a context manager, or call close(). `infos` are the clients' registration infos, by id."""
+    """A Transport that runs the clients `ids` of a run on `workers` workers (see the module's docstring): processes
+    of this machine, or with cfg.engine "ray" actors of a Ray cluster (cfg.ray_address; a local instance if unset).
+    Use it as a context manager, or call close(). `infos` are the clients' registration infos, by id."""
 
     def __init__(self, cfg: RunConfig, ids: list[str], state_dir: Path, workers: int) -> None:
         self.cfg, self.state_dir = cfg, Path(state_dir)
-        self.ctx = multiprocessing.get_context("spawn")  # never fork a process whose torch may hold threads
+        self.kind: Any = ProcessWorker
+        self.ray_started = False
+        if cfg.engine == "ray":
+            self.kind, workers = RayWorker, workers or self._ray_cpus()
         count = max(1, min(workers, len(ids)))
         homes = [ids[i::count] for i in range(count)]
         self.workers = [self._start(home, i) for i, home in enumerate(homes)]
@@ -169,8 +271,19 @@ class WorkerPool:
         self.replacements = self.moves = 0
         self.dead: set[int] = set()  # workers found dead during the current exchange
 
-    def _start(self, ids: list[str], index: int) -> _Worker:
-        return _Worker(self.ctx, self.cfg, ids, self.state_dir, f"fedge-worker-{index}")
+    def _ray_cpus(self) -> int:
+        """Connect to the Ray cluster at cfg.ray_address (or start a local instance, or use the one this process
+        has already); its CPUs, one worker each."""
+        require("ray", what="the ray engine (engine=ray)")
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=self.cfg.ray_address, include_dashboard=False, log_to_driver=False)
+            self.ray_started = True
+        return int(ray.cluster_resources().get("CPU", 1))
+
+    def _start(self, ids: list[str], index: int) -> Any:
+        return self.kind(self.cfg, ids, self.state_dir, f"fedge-worker-{index}")
 
     def __enter__(self) -> WorkerPool:
         return self
@@ -182,13 +295,18 @@ class WorkerPool:
         for w in self.workers:
             w.stop()
         self.workers = []
+        if self.ray_started:
+            import ray
+
+            ray.shutdown()
+            self.ray_started = False
 
     def _replace_dead(self) -> None:
         """A new, empty worker for each one that died; the dead one's clients have no home (they are rebuilt)."""
         self.dead = set()
         for i, w in enumerate(self.workers):
-            if not w.process.is_alive():
-                log.error("worker %s died (exit code %s); starting another", w.process.name, w.process.exitcode)
+            if not w.alive():
+                log.error("worker %s died; starting another", w.name)
                 w.stop()
                 self.home.update({cid: None for cid, home in self.home.items() if home == i})
                 self.workers[i] = self._start([], i)
@@ -207,24 +325,24 @@ class WorkerPool:
             home = self.home[cid]
             queues[min(range(len(queues)), key=lambda i: len(queues[i])) if home is None else home].append(cid)
         results: dict[str, Result] = {}
-        busy: dict[Connection, int] = {}
+        busy: dict[Any, int] = {}  # a busy worker's waitable -> its index
         for i in range(len(self.workers)):
             self._next(i, queues, tasks, busy)
         while busy:
-            for conn in wait(list(busy)):
-                i = busy.pop(conn)
-                cid, self.workers[i].running = self.workers[i].running, None
+            for waitable in self.kind.wait(list(busy)):
+                i = busy.pop(waitable)
+                worker = self.workers[i]
+                cid, worker.running = worker.running, None
                 try:
-                    results[cid] = decode_result(conn.recv_bytes())
-                except (EOFError, OSError):
-                    name = self.workers[i].process.name
-                    log.error("worker %s died running client %s, which does not reply", name, cid)
+                    results[cid] = worker.receive()
+                except WorkerLost:
+                    log.error("worker %s died running client %s, which does not reply", worker.name, cid)
                     self._lost(i, queues, tasks, busy)
                     continue
                 self._next(i, queues, tasks, busy)
         return {cid: results[cid] for cid in tasks if cid in results}
 
-    def _lost(self, i: int, queues: list[deque[str]], tasks: Mapping[str, Task], busy: dict[Connection, int]) -> None:
+    def _lost(self, i: int, queues: list[deque[str]], tasks: Mapping[str, Task], busy: dict[Any, int]) -> None:
         """Worker i died: its clients lose their home and its waiting tasks go to the live workers, the idle ones
         started on them (the next exchange starts a new worker in its place)."""
         self.home.update({c: None for c, home in self.home.items() if home == i})
@@ -237,7 +355,7 @@ class WorkerPool:
             if j not in busy.values():
                 self._next(j, queues, tasks, busy)
 
-    def _next(self, i: int, queues: list[deque[str]], tasks: Mapping[str, Task], busy: dict[Connection, int]) -> None:
+    def _next(self, i: int, queues: list[deque[str]], tasks: Mapping[str, Task], busy: dict[Any, int]) -> None:
         """Send worker i its next task: one of its own clients', else the last waiting one of the worker with the
         most waiting (that client moves to worker i and is rebuilt there). Nothing left: it stays idle."""
         if i in self.dead:
@@ -252,8 +370,8 @@ class WorkerPool:
         previous = self.home[cid]
         try:
             self.workers[i].send(cid, tasks[cid], fresh=previous != i)
-        except OSError:  # it died after its last reply: the task waits for another worker
-            log.error("worker %s died", self.workers[i].process.name)
+        except WorkerLost:  # it died after its last reply: the task waits for another worker
+            log.error("worker %s died", self.workers[i].name)
             queues[i].appendleft(cid)
             self._lost(i, queues, tasks, busy)
             return
@@ -261,12 +379,13 @@ class WorkerPool:
             self.workers[previous].forget.append(cid)
             self.moves += 1
         self.home[cid] = i
-        busy[self.workers[i].conn] = i
+        busy[self.workers[i].waitable] = i
 
     def report(self) -> dict[str, Any]:
         return {
             "transport": {
                 "kind": "inproc",
+                "engine": self.cfg.engine,
                 "workers": len(self.workers),
                 "clients_moved": self.moves,  # tasks an idle worker took from another's waiting clients
                 "workers_replaced": self.replacements,

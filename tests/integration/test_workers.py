@@ -11,9 +11,15 @@ from launch.client import client_agents
 from launch.runs import load_partitioned
 from launch.server import make_strategy
 from launch.simulation import one_thread, run_simulation
-from launch.workers import WorkerPool, _Worker
+from launch.workers import ProcessWorker, WorkerPool
 
-from helpers.federation import make_config, same_tree
+from helpers.federation import (
+    checkpoint_without_wall_clock,
+    final_snapshots,
+    make_config,
+    rows_without_wall_clock,
+    same_tree,
+)
 
 pytestmark = pytest.mark.timeout(300)
 IDS = ["0", "1", "2", "3"]  # on 2 workers: 0 and 2 live on worker 0, 1 and 3 on worker 1
@@ -57,14 +63,14 @@ def test_workers_move_idle_clients_survive_killed_workers_and_reply_as_this_proc
         check(2, IDS, IDS)
         assert pool.report()["transport"]["workers_replaced"] == 1
 
-        send = _Worker.send
+        send = ProcessWorker.send
 
         def killed_after_sending(worker, cid, task, fresh):
             send(worker, cid, task, fresh)
             if cid == "3":
                 worker.process.kill()
 
-        monkeypatch.setattr(_Worker, "send", killed_after_sending)
+        monkeypatch.setattr(ProcessWorker, "send", killed_after_sending)
         check(3, IDS, ["0", "1", "2"])  # client 3's worker died running it: no reply, the others are served
         monkeypatch.undo()
         check(4, IDS, IDS)  # client 3 trains again from its snapshot before round 3, here as there
@@ -81,3 +87,16 @@ def test_adversaries_need_the_serial_simulation(tmp_path):
     cfg = dataclasses.replace(make_config(tmp_path / "run"), workers=2)
     with pytest.raises(ValueError, match="workers=1"):
         run_simulation(cfg, progress=False, adversaries={"0": lambda h: h})
+
+
+def test_on_a_local_ray_instance_a_federation_trains_as_in_this_process(tmp_path):
+    cfg = make_config(tmp_path / "serial", strategy="pfedclub", zoo="I", clients=4, active=3, rounds=2)
+    run_simulation(cfg, progress=False)
+    ray = dataclasses.replace(cfg, engine="ray", out=str(tmp_path / "ray"))  # workers 0: one per CPU
+    summary = run_simulation(ray, progress=False)
+    assert summary["transport"]["engine"] == "ray" and summary["transport"]["workers"] >= 1
+    assert rows_without_wall_clock(tmp_path / "ray") == rows_without_wall_clock(tmp_path / "serial")
+    assert same_tree(
+        checkpoint_without_wall_clock(tmp_path / "ray"), checkpoint_without_wall_clock(tmp_path / "serial")
+    )
+    assert same_tree(final_snapshots(tmp_path / "ray"), final_snapshots(tmp_path / "serial"))
