@@ -153,11 +153,14 @@ class ClientAgent:
 
     def snapshot(self, rnd: int) -> None:
         """Keep the model as it is now as round `rnd`'s snapshot (a file too with state_dir); drop the oldest."""
-        self.snapshots[rnd] = self.weights().state
+        state = self.weights().state
+        if self.state_dir is not None:  # the file first: an agent started again on it holds what this one holds
+            save_tree(
+                snapshot_file(self.state_dir, rnd),
+                {"client": self.client_id, "round": rnd, "model": Weights(self.spec, state)},
+            )
+        self.snapshots[rnd] = state
         self.current = rnd
-        if self.state_dir is not None:
-            tree = {"client": self.client_id, "round": rnd, "model": Weights(self.spec, self.snapshots[rnd])}
-            save_tree(snapshot_file(self.state_dir, rnd), tree)
         for old in sorted(self.snapshots)[:-SNAPSHOTS_KEPT]:
             del self.snapshots[old]
             if self.state_dir is not None and old != INITIAL_ROUND:

@@ -7,7 +7,8 @@ global generator before it trains). A worker that has run its own clients' tasks
 worker's client instead of idling: that client moves to it, its agent rebuilt from its snapshot files (a client's
 state is its model snapshots, written before it replies), so a round is not as slow as its most loaded worker.
 A worker process that dies loses the task it was running (that client does not reply, as a vanished device); its
-clients move to the others, and a new worker takes its place at the next exchange.
+clients move to the others, and a new worker takes its place at the next exchange. (A Ray actor that died is found
+only when the task sent to it fails: that task is lost too.)
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import json
 import logging
 import multiprocessing
 import os
+import signal
+import time
 import traceback
 from collections import deque
 from multiprocessing.connection import Connection, wait
@@ -60,7 +63,9 @@ class ClientHost:
 
     def build(self, ids: list[str]) -> list[ClientInfo]:
         """Build (again) the agents of `ids`; their registration infos."""
-        if ids and self.cfg.data_dir is None and self.partitioned is None:
+        if not ids:  # a worker started in place of one that died: its clients come as tasks do
+            return []
+        if self.cfg.data_dir is None and self.partitioned is None:
             self.partitioned = load_partitioned(self.cfg)
         for agent in client_agents(self.cfg, ids, state_dir=self.state_dir, partitioned=self.partitioned):
             self.agents[agent.client_id] = agent
@@ -112,6 +117,7 @@ def serve_worker(conn: Connection, cfg_json: str, ids: list[str], state_dir: str
 
     Messages, each a send_bytes: to the worker a JSON header {"client", "fresh", "forget"} and the encoded task,
     or {"stop": true}; from it the start header and its encoded infos, then one encoded result per task."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops its workers
     host, header, infos = start_host(cfg_json, ids, state_dir)
     for message in [json.dumps(header).encode(), *infos]:
         conn.send_bytes(message)
@@ -176,12 +182,18 @@ class ProcessWorker:
         except (EOFError, OSError):
             raise WorkerLost from None
 
-    def stop(self) -> None:
-        try:
-            self.conn.send_bytes(json.dumps({"stop": True}).encode())
-        except OSError:
-            pass
-        self.process.join(STOP_S)
+    def stop(self, wait: bool = True, timeout: float = STOP_S) -> None:
+        """Tell the worker to stop (killed at once if it is running a task); with `wait`, reap it, killed after
+        `timeout` seconds."""
+        if not wait:
+            if self.running is not None:
+                self.process.kill()
+            try:
+                self.conn.send_bytes(json.dumps({"stop": True}).encode())
+            except OSError:
+                pass
+            return
+        self.process.join(timeout)
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
@@ -243,8 +255,9 @@ class RayWorker:
             self.lost = True
             raise WorkerLost from None
 
-    def stop(self) -> None:
-        self.ray.kill(self.actor)
+    def stop(self, wait: bool = True, timeout: float = STOP_S) -> None:
+        if not wait:
+            self.ray.kill(self.actor)
 
 
 class WorkerPool:
@@ -256,12 +269,14 @@ class WorkerPool:
         self.cfg, self.state_dir = cfg, Path(state_dir)
         self.kind: Any = ProcessWorker
         self.ray_started = False
-        if cfg.engine == "ray":
-            self.kind, workers = RayWorker, workers or self._ray_cpus()
-        count = max(1, min(workers, len(ids)))
-        homes = [ids[i::count] for i in range(count)]
-        self.workers = [self._start(home, i) for i, home in enumerate(homes)]
+        self.workers: list[Any] = []
         try:
+            if cfg.engine == "ray":
+                self.kind, workers = RayWorker, self._ray_workers(workers)
+            count = max(1, min(workers, len(ids)))
+            homes = [ids[i::count] for i in range(count)]
+            for i, home in enumerate(homes):
+                self.workers.append(self._start(home, i))
             infos = [info for w in self.workers for info in w.ready()]
         except BaseException:
             self.close()
@@ -271,16 +286,23 @@ class WorkerPool:
         self.replacements = self.moves = 0
         self.dead: set[int] = set()  # workers found dead during the current exchange
 
-    def _ray_cpus(self) -> int:
+    def _ray_workers(self, workers: int) -> int:
         """Connect to the Ray cluster at cfg.ray_address (or start a local instance, or use the one this process
-        has already); its CPUs, one worker each."""
+        has already); how many actors of one CPU to run: `workers`, or 0 for one per CPU of the cluster. More than
+        its CPUs would wait for ever to be scheduled: ConfigError."""
         require("ray", what="the ray engine (engine=ray)")
         import ray
 
         if not ray.is_initialized():
             ray.init(address=self.cfg.ray_address, include_dashboard=False, log_to_driver=False)
             self.ray_started = True
-        return int(ray.cluster_resources().get("CPU", 1))
+        cpus = int(ray.cluster_resources().get("CPU", 0))
+        if cpus < 1 or workers > cpus:
+            raise ConfigError(
+                f"the Ray cluster has {cpus} CPUs, too few for {workers or 1} workers of one CPU each: set workers to "
+                "at most its CPUs (0: one per CPU), or add nodes"
+            )
+        return workers or cpus
 
     def _start(self, ids: list[str], index: int) -> Any:
         return self.kind(self.cfg, ids, self.state_dir, f"fedge-worker-{index}")
@@ -292,21 +314,29 @@ class WorkerPool:
         self.close()
 
     def close(self) -> None:
-        for w in self.workers:
-            w.stop()
-        self.workers = []
-        if self.ray_started:
-            import ray
+        """Stop every worker (all told at once; one still running a task is killed), and a Ray instance this pool
+        started."""
+        try:
+            for w in self.workers:
+                w.stop(wait=False)
+            deadline = time.monotonic() + STOP_S
+            for w in self.workers:
+                w.stop(wait=True, timeout=max(0.0, deadline - time.monotonic()))
+        finally:
+            self.workers = []
+            if self.ray_started:
+                import ray
 
-            ray.shutdown()
-            self.ray_started = False
+                ray.shutdown()
+                self.ray_started = False
 
     def _replace_dead(self) -> None:
         """A new, empty worker for each one that died; the dead one's clients have no home (they are rebuilt)."""
-        self.dead = set()
+        dead, self.dead = self.dead, set()
         for i, w in enumerate(self.workers):
-            if not w.alive():
+            if i in dead or not w.alive():
                 log.error("worker %s died; starting another", w.name)
+                w.stop(wait=False)
                 w.stop()
                 self.home.update({cid: None for cid, home in self.home.items() if home == i})
                 self.workers[i] = self._start([], i)
@@ -327,7 +357,8 @@ class WorkerPool:
         results: dict[str, Result] = {}
         busy: dict[Any, int] = {}  # a busy worker's waitable -> its index
         for i in range(len(self.workers)):
-            self._next(i, queues, tasks, busy)
+            if i not in busy.values():  # a failed send may have started the others already
+                self._next(i, queues, tasks, busy)
         while busy:
             for waitable in self.kind.wait(list(busy)):
                 i = busy.pop(waitable)
@@ -350,6 +381,8 @@ class WorkerPool:
         alive = [j for j in range(len(queues)) if j not in self.dead]
         for c in queues[i] if alive else ():
             queues[min(alive, key=lambda j: len(queues[j]))].append(c)
+        if queues[i] and not alive:
+            log.error("every worker died: clients %s do not reply this time", ", ".join(queues[i]))
         queues[i].clear()
         for j in alive:
             if j not in busy.values():

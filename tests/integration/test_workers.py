@@ -58,7 +58,7 @@ def test_workers_move_idle_clients_survive_killed_workers_and_reply_as_this_proc
         assert pool.report()["transport"]["clients_moved"] == 1 and pool.home["2"] == 1
         check(1, ["0", "2", "1"], ["0", "2", "1"])
 
-        pool.workers[1].process.kill()  # between rounds: its clients (1, 2, 3) are rebuilt from their snapshots
+        pool.workers[1].process.kill()  # between rounds: its clients are rebuilt from their snapshots elsewhere
         pool.workers[1].process.join()
         check(2, IDS, IDS)
         assert pool.report()["transport"]["workers_replaced"] == 1
@@ -92,11 +92,17 @@ def test_adversaries_need_the_serial_simulation(tmp_path):
 def test_on_a_local_ray_instance_a_federation_trains_as_in_this_process(tmp_path):
     cfg = make_config(tmp_path / "serial", strategy="pfedclub", zoo="I", clients=4, active=3, rounds=2)
     run_simulation(cfg, progress=False)
-    ray = dataclasses.replace(cfg, engine="ray", out=str(tmp_path / "ray"))  # workers 0: one per CPU
+    ray = dataclasses.replace(cfg, engine="ray", workers=2, out=str(tmp_path / "ray"))
     summary = run_simulation(ray, progress=False)
-    assert summary["transport"]["engine"] == "ray" and summary["transport"]["workers"] >= 1
+    assert summary["transport"]["engine"] == "ray" and summary["transport"]["workers"] == 2
     assert rows_without_wall_clock(tmp_path / "ray") == rows_without_wall_clock(tmp_path / "serial")
     assert same_tree(
         checkpoint_without_wall_clock(tmp_path / "ray"), checkpoint_without_wall_clock(tmp_path / "serial")
     )
     assert same_tree(final_snapshots(tmp_path / "ray"), final_snapshots(tmp_path / "serial"))
+
+
+def test_more_ray_workers_than_the_cluster_has_cpus_is_a_configuration_error(tmp_path):
+    cfg = make_config(tmp_path / "run", engine="ray", workers=64)  # a local instance: one CPU per core here
+    with pytest.raises(ConfigError, match="too few for 64 workers"):
+        run_simulation(cfg, progress=False)
