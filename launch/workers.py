@@ -1,4 +1,5 @@
-"""The in-process simulation's clients on a pool of worker processes (`--workers N`), one torch thread each.
+"""The in-process simulation's clients on a pool of workers (`--workers N`), one torch thread each: processes of this
+machine, or actors of a Ray cluster (`--engine ray`).
 
 Each client has a home worker that builds its agent (model, data) once and keeps it between rounds; tasks and
 results cross the process boundary as the same container bytes MQTT carries (fedge.codec), so a pooled run trains
@@ -47,7 +48,7 @@ def available_cores() -> int:
 
 def warm_up() -> None:
     """What every process that trains clients pays once, paid at its start rather than in its first client's task:
-    torch's first optimizer imports torch._dynamo (1.6 s on this project's CI machine)."""
+    torch's first optimizer imports torch._dynamo (1.6 s on a 2-core EPYC)."""
     torch.optim.Adam([torch.zeros(1, requires_grad=True)])
 
 
