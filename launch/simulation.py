@@ -29,8 +29,8 @@ def run_simulation(
     (launch.workers.WorkerPool), bit for bit as in this process; else here, one after another. `adversaries` turns
     clients into liars: client id -> a function of its honest handler returning the one it runs instead
     (bench/robust.py's attacks; they run in this process, so with workers <= 1 only); an id that is not a client
-    raises ValueError. Clients run at one torch
-    thread (`one_thread`, or each worker's one), the server at cfg.server_threads."""
+    raises ValueError. Clients run at one torch thread (`one_thread`, or each worker's one), the server at
+    cfg.server_threads."""
     cfg = resolve_options(cfg)  # fail fast on an unknown strategy or option, before loading data
     out = run_folder(cfg, resume)
     ds, partition = load_partitioned(cfg)

@@ -183,17 +183,17 @@ class ProcessWorker:
         except (EOFError, OSError):
             raise WorkerLost from None
 
-    def stop(self, wait: bool = True, timeout: float = STOP_S) -> None:
-        """Tell the worker to stop (killed at once if it is running a task); with `wait`, reap it, killed after
-        `timeout` seconds."""
-        if not wait:
-            if self.running is not None:
-                self.process.kill()
-            try:
-                self.conn.send_bytes(json.dumps({"stop": True}).encode())
-            except OSError:
-                pass
-            return
+    def stop(self) -> None:
+        """Tell the worker to stop, without waiting; one running a task is killed at once."""
+        if self.running is not None:
+            self.process.kill()
+        try:
+            self.conn.send_bytes(json.dumps({"stop": True}).encode())
+        except OSError:
+            pass
+
+    def reap(self, timeout: float = STOP_S) -> None:
+        """Wait for the stopped worker to exit, killed after `timeout` seconds."""
         self.process.join(timeout)
         if self.process.is_alive():
             self.process.kill()
@@ -223,7 +223,7 @@ class RayWorker:
         import ray
 
         self.ray = ray
-        self.actor = ray.remote(num_cpus=1)(RayHost).options(name=None).remote(cfg.to_json(), ids, str(state_dir))
+        self.actor = ray.remote(num_cpus=1)(RayHost).remote(cfg.to_json(), ids, str(state_dir))
         self.name = name
         self.running: str | None = None
         self.forget: list[str] = []
@@ -256,9 +256,11 @@ class RayWorker:
             self.lost = True
             raise WorkerLost from None
 
-    def stop(self, wait: bool = True, timeout: float = STOP_S) -> None:
-        if not wait:
-            self.ray.kill(self.actor)
+    def stop(self) -> None:
+        self.ray.kill(self.actor)
+
+    def reap(self, timeout: float = STOP_S) -> None:
+        """Nothing to wait for: Ray has killed the actor."""
 
 
 class WorkerPool:
@@ -319,10 +321,10 @@ class WorkerPool:
         started."""
         try:
             for w in self.workers:
-                w.stop(wait=False)
+                w.stop()
             deadline = time.monotonic() + STOP_S
             for w in self.workers:
-                w.stop(wait=True, timeout=max(0.0, deadline - time.monotonic()))
+                w.reap(max(0.0, deadline - time.monotonic()))
         finally:
             self.workers = []
             if self.ray_started:
@@ -337,8 +339,8 @@ class WorkerPool:
         for i, w in enumerate(self.workers):
             if i in dead or not w.alive():
                 log.error("worker %s died; starting another", w.name)
-                w.stop(wait=False)
                 w.stop()
+                w.reap()
                 self.home.update({cid: None for cid, home in self.home.items() if home == i})
                 self.workers[i] = self._start([], i)
                 self.workers[i].ready()
