@@ -31,3 +31,16 @@ def test_widths_from_a_toml_file(tmp_path):
     path.write_text('widths = "paper"\n')
     assert load_config(path, {}).widths == "paper"
     assert load_config(path, {"widths": "cpu"}).widths == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"workers": "-1"}, r"workers must be 0 \(automatic\) or a positive integer, got -1"),
+        ({"engine": "dask"}, r"engine must be processes or ray, got 'dask'"),
+    ],
+)
+def test_the_simulations_worker_keys_refuse_bad_values(values, message):
+    with pytest.raises(ConfigError, match=message):
+        config_from(values)
+    assert config_from({"workers": "4", "engine": "ray", "ray_address": "ray://head:10001"}).workers == 4
