@@ -43,22 +43,27 @@ TaskHandler = Callable[["ClientAgent", Task], Result]
 
 @dataclass(frozen=True)
 class TaskKind:
-    """A registered task type: its handler, and whether the handler changes the client's own model."""
+    """A registered task type: its handler, whether the handler changes the client's own model, and whether it may
+    be batched (see register_task)."""
 
     handler: TaskHandler
     mutates: bool
+    batchable: bool = False
 
 
 TASKS: Registry[TaskKind] = Registry("task type", TaskError)
 
 
-def register_task(name: str, mutates: bool = True) -> Callable[[TaskHandler], TaskHandler]:
+def register_task(name: str, mutates: bool = True, batchable: bool = False) -> Callable[[TaskHandler], TaskHandler]:
     """Decorator: the client half of a strategy, under a task type name. Say `mutates=False` only for a
     handler that leaves the own model as it is (evaluation); the agent snapshots the model after every
-    mutating task so that one re-sent for the same round starts from the same model again."""
+    mutating task so that one re-sent for the same round starts from the same model again. Say `batchable=True`
+    only for a handler that trains only through `agent.trainer.fit` and draws no random numbers of its own: the
+    simulation's batched clients (launch.batched) then run it beside other clients' and train their models
+    together."""
 
     def add(handler: TaskHandler) -> TaskHandler:
-        TASKS.add(name, TaskKind(handler, mutates))
+        TASKS.add(name, TaskKind(handler, mutates, batchable))
         return handler
 
     return add

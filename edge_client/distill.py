@@ -75,7 +75,7 @@ def _teacher_distillation(agent: ClientAgent, task: Task, settings: tuple[float,
     return Distillation(logits, *settings)
 
 
-@register_task("kd_train")
+@register_task("kd_train", batchable=True)
 def kd_train_task(agent: ClientAgent, task: Task) -> Result:
     """Train the own model with CE + λ·KL (pFedClub Eq. (5); KL(teacher ‖ student) unless kd_direction is
     "student_teacher"), CE alone without a teacher, on the client's runtime (eager Adam, or SGD through the

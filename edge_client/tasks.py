@@ -41,7 +41,7 @@ def train_config(agent: ClientAgent, task: Task, settings: TrainTask | None = No
     )
 
 
-@register_task("train")
+@register_task("train", batchable=True)
 def train_task(agent: ClientAgent, task: Task) -> Result:
     """Optionally adopt the server's `global` model, train locally on the client's runtime, upload if asked."""
     if "global" in task.models:

@@ -77,17 +77,24 @@ def ce_kd_objective(model: nn.Module, x: torch.Tensor, y: torch.Tensor, kd: Dist
     measured without gradient."""
 
     def terms(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        logits = model(x[idx])
-        if kd is not None and kd.kd_lambda > 0:
-            return kd_terms(logits, y[idx], kd.teacher_logits[idx], kd.kd_lambda, kd.temperature, kd.kd_direction)
-        ce = F.cross_entropy(logits, y[idx])
-        kl = torch.zeros(())
-        if kd is not None:
-            with torch.no_grad():
-                kl = kd_kl(logits, kd.teacher_logits[idx], kd.temperature, kd.kd_direction)
-        return ce, ce, kl
+        return ce_kd_terms(model(x[idx]), y[idx], None if kd is None else kd.teacher_logits[idx], kd)
 
     return terms
+
+
+def ce_kd_terms(
+    logits: torch.Tensor, y: torch.Tensor, teacher_logits: torch.Tensor | None, kd: Distillation | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One batch's (loss, CE, KL) for `ce_kd_objective`: CE + λ·KL to the batch's teacher logits when `kd` has
+    λ > 0, else CE with the KL measured without gradient (0 without `kd`)."""
+    if kd is not None and kd.kd_lambda > 0:
+        return kd_terms(logits, y, teacher_logits, kd.kd_lambda, kd.temperature, kd.kd_direction)
+    ce = F.cross_entropy(logits, y)
+    kl = torch.zeros((), device=logits.device)
+    if kd is not None:
+        with torch.no_grad():
+            kl = kd_kl(logits, teacher_logits, kd.temperature, kd.kd_direction)
+    return ce, ce, kl
 
 
 def fit(

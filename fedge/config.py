@@ -73,9 +73,12 @@ class RunConfig:
     # machine's cores under `fedge run`, else 1; 1: every client in the server's process, one after another)
     workers: int = 0
     # where those workers run: "processes" of this machine, or "ray": actors of a Ray cluster (the `ray` extra) at
-    # ray_address (unset: a local instance; workers 0 there: one per CPU of the cluster)
+    # ray_address (unset: a local instance; workers 0 there: one per CPU of the cluster); or "batched": in this
+    # process, the models of one architecture trained together on client_device (launch/batched.py), `workers` the
+    # torch threads of that training
     engine: str = "processes"
     ray_address: str | None = None
+    client_device: str = "cpu"  # cpu, cuda or cuda:N: where batched clients train (engine batched only)
     transport: str = C.DEFAULT_TRANSPORT
     run_id: str = C.DEFAULT_RUN_ID
     round_deadline_s: float = C.ROUND_DEADLINE_S
@@ -130,8 +133,15 @@ class RunConfig:
             raise ConfigError(
                 f"widths must be one of {', '.join(C.WIDTHS)} (the zoo's width preset), got {self.widths!r}"
             )
-        if self.engine not in ("processes", "ray"):
-            raise ConfigError(f"engine must be processes or ray, got {self.engine!r}")
+        if self.engine not in ("processes", "ray", "batched"):
+            raise ConfigError(f"engine must be processes, ray or batched, got {self.engine!r}")
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.client_device):
+            raise ConfigError(f"client_device must be cpu, cuda or cuda:N, got {self.client_device!r}")
+        if self.client_device != "cpu" and self.engine != "batched":
+            raise ConfigError(
+                f"client_device {self.client_device} trains the clients batched: set engine batched "
+                "(--engine batched), or client_device cpu"
+            )
         if self.workers < 0:
             raise ConfigError(f"workers must be 0 (automatic) or a positive integer, got {self.workers}")
         if self.server_threads < 0:

@@ -52,14 +52,18 @@ def kd_kl(
         )
     log_q = F.log_softmax(student_logits / temperature, dim=1)
     log_p = F.log_softmax(teacher_logits / temperature, dim=1)
-    # F.kl_div(a, b, log_target=True) is KL(b ‖ a)
     if isinstance(direction, torch.Tensor):
-        kl_pq = F.kl_div(log_q, log_p, reduction="batchmean", log_target=True)
-        kl_qp = F.kl_div(log_p, log_q, reduction="batchmean", log_target=True)
-        return (direction * kl_pq + (1 - direction) * kl_qp) * temperature**2
+        return (direction * _kl(log_p, log_q) + (1 - direction) * _kl(log_q, log_p)) * temperature**2
     if direction_weight(direction):
-        return F.kl_div(log_q, log_p, reduction="batchmean", log_target=True) * temperature**2
-    return F.kl_div(log_p, log_q, reduction="batchmean", log_target=True) * temperature**2
+        return _kl(log_p, log_q) * temperature**2
+    return _kl(log_q, log_p) * temperature**2
+
+
+def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
+    """KL(a ‖ b) from log-probabilities, averaged over the batch: F.kl_div(log_b, log_a, "batchmean",
+    log_target=True) written out (the same forward bits on CPU), since vmap has no batching rule for kl_div
+    (edge_client/batched.py trains many students at once)."""
+    return (log_a.exp() * (log_a - log_b)).sum() / log_a.shape[0]
 
 
 def kd_terms(

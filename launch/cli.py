@@ -268,7 +268,11 @@ def cmd_run(args: argparse.Namespace) -> None:
     from launch.simulation import run_simulation
     from launch.workers import available_cores
 
-    cfg = resolve_options(run_config(args, RUN_FLAGS + ("transport", "workers", "engine", "ray_address")))
+    if args.client_device not in (None, "cpu") and args.engine is None:
+        args.engine = "batched"  # a GPU trains the simulation's clients batched
+    cfg = resolve_options(
+        run_config(args, RUN_FLAGS + ("transport", "workers", "engine", "ray_address", "client_device"))
+    )
     # the server at one torch thread unless told otherwise, over either transport: the same arithmetic, the same models;
     # the in-process simulation's clients on a worker process per core (bit for bit the same models as one by one)
     workers = cfg.workers or (0 if cfg.engine == "ray" else available_cores())  # ray: one per CPU of the cluster
@@ -488,9 +492,15 @@ def add_run_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--engine",
-        choices=["processes", "ray"],
-        help="where --transport inproc runs its client workers: processes of this machine (default), or actors of a "
-        "Ray cluster (the ray extra; the run folder and data on storage every node sees)",
+        choices=["processes", "ray", "batched"],
+        help="where --transport inproc runs its clients: worker processes of this machine (default), actors of a "
+        "Ray cluster (the ray extra; the run folder and data on storage every node sees), or batched: in one "
+        "process, the models of one architecture trained together (on --client-device; --workers torch threads; "
+        "within float tolerance of the others, which agree bit for bit)",
+    )
+    p.add_argument(
+        "--client-device",
+        help="cpu (default), cuda or cuda:N: where --engine batched trains the clients (cuda implies --engine batched)",
     )
     p.add_argument(
         "--ray-address", help="the Ray cluster for --engine ray, e.g. ray://head:10001 (default: a local one)"

@@ -11,6 +11,7 @@ from fedge import constants as C
 from fedge.config import RunConfig
 from fedge.messages import Result, Task
 from fedge.transport import Handler, InProcTransport
+from launch.batched import BatchedClients, client_device
 from launch.client import client_agents
 from launch.runs import load_partitioned, run_folder
 from launch.server import make_strategy, resolve_options, run_federation_rounds
@@ -26,23 +27,27 @@ def run_simulation(
     """Run a whole federation in this process; writes the run folder and returns the summary. Clients keep
     their model snapshots in <out>/clients/<id>; `resume` continues an interrupted run in cfg.out (same cfg).
     With cfg.workers > 1 (or cfg.engine "ray") the clients run on that many worker processes or Ray actors
-    (launch.workers.WorkerPool), bit for bit as in this process; else here, one after another. `adversaries` turns
-    clients into liars: client id -> a function of its honest handler returning the one it runs instead
-    (bench/robust.py's attacks; they run in this process, so with workers <= 1 only); an id that is not a client
-    raises ValueError. Clients run at one torch thread (`one_thread`, or each worker's one), the server at
-    cfg.server_threads."""
+    (launch.workers.WorkerPool), bit for bit as in this process; with cfg.engine "batched" here, their training
+    batched on cfg.client_device (launch.batched; within float tolerance); else here, one after another.
+    `adversaries` turns clients into liars: client id -> a function of its honest handler returning the one it runs
+    instead (bench/robust.py's attacks; they run in this process, one after another: workers <= 1, engine
+    processes); an id that is not a client raises ValueError. Clients run at one torch thread (`one_thread`, or
+    each worker's one; batched: cfg.workers threads), the server at cfg.server_threads."""
     cfg = resolve_options(cfg)  # fail fast on an unknown strategy or option, before loading data
+    device = client_device(cfg.client_device)  # a GPU that is not there fails before data are loaded
     out = run_folder(cfg, resume)
     ds, partition = load_partitioned(cfg)
     strategy = make_strategy(cfg, ds, partition)
     ids = [str(s.client_id) for s in partition.clients]
     state_dir = out / C.CLIENT_STATE_DIR
     cfg = dataclasses.replace(cfg, out=str(out))
-    if cfg.workers > 1 or cfg.engine == "ray":
+    if cfg.engine == "ray" or (cfg.workers > 1 and cfg.engine == "processes"):
         if adversaries:
             raise ValueError("adversaries run in this process: set workers=1 for a run with adversaries")
         with WorkerPool(cfg, ids, state_dir, cfg.workers) as pool:
             return run_federation_rounds(cfg, strategy, pool, pool.infos, progress, resume)
+    if adversaries and cfg.engine == "batched":
+        raise ValueError("adversaries wrap each client's handler: use engine processes with workers=1")
     agents = client_agents(cfg, ids, state_dir=state_dir, partitioned=(ds, partition))  # or own data (data_dir)
     warm_up()
     handlers = {a.client_id: a.handle for a in agents}
@@ -52,6 +57,8 @@ def run_simulation(
     transport = InProcTransport(
         {cid: one_thread((adversaries or {}).get(cid, lambda h: h)(h)) for cid, h in handlers.items()}
     )
+    if cfg.engine == "batched":
+        transport = BatchedClients(agents, transport, device, max(cfg.workers, 1))
     return run_federation_rounds(cfg, strategy, transport, {a.client_id: a.info() for a in agents}, progress, resume)
 
 

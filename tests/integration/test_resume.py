@@ -87,11 +87,20 @@ def test_a_crashed_run_resumes_bit_identically(tmp_path, monkeypatch, strategy):
     assert resumed["sim_seconds_total"] == pytest.approx(straight["sim_seconds_total"], abs=SIM_SLACK_S)
 
 
-@pytest.mark.parametrize("strategy", ["fedavg", "pfedclub"])
-def test_a_run_on_workers_crashed_in_aggregation_resumes_bit_identically(tmp_path, monkeypatch, strategy):
+@pytest.mark.parametrize(
+    ("strategy", "mode"),
+    [
+        ("fedavg", {"workers": 2}),
+        ("pfedclub", {"workers": 2}),
+        ("fedavg", {"engine": "batched", "workers": 2}),  # clients trained together: compared with a batched run
+        ("pfedclub", {"engine": "batched", "workers": 2}),  # Zoo I's 3 of 5: groups of one, the serial run's bits
+    ],
+)
+def test_a_run_on_workers_crashed_in_aggregation_resumes_bit_identically(tmp_path, monkeypatch, strategy, mode):
     # Every client of round 2 trained (on its worker, which snapshotted it) before the server died: the resumed
-    # run's new workers re-run round 2 from the snapshots before it.
-    straight = run_simulation(config(tmp_path / "straight", strategy), progress=False)
+    # run's new workers (or batched clients) re-run round 2 from the snapshots before it.
+    together = strategy == "fedavg" and mode.get("engine") == "batched"
+    straight = run_simulation(config(tmp_path / "straight", strategy, **(mode if together else {})), progress=False)
     aggregate = Coordinator.aggregate
 
     def crashing(coordinator, rnd, results):
@@ -101,11 +110,11 @@ def test_a_run_on_workers_crashed_in_aggregation_resumes_bit_identically(tmp_pat
 
     monkeypatch.setattr(Coordinator, "aggregate", crashing)
     with pytest.raises(Crash):
-        run_simulation(config(tmp_path / "crashed", strategy, workers=2), progress=False)
+        run_simulation(config(tmp_path / "crashed", strategy, **mode), progress=False)
     monkeypatch.undo()
     assert load_tree(tmp_path / "crashed" / CHECKPOINT_FILE)["next_round"] == 2
 
-    resumed = run_simulation(config(tmp_path / "crashed", strategy, workers=2), progress=False, resume=True)
+    resumed = run_simulation(config(tmp_path / "crashed", strategy, **mode), progress=False, resume=True)
 
     assert resumed["final_accuracy"] == straight["final_accuracy"]
     assert rows_without_wall_clock(tmp_path / "crashed") == rows_without_wall_clock(tmp_path / "straight")

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from launch.cli import main
 
@@ -164,6 +165,14 @@ def test_strategies_lists_every_strategy_with_its_options(capsys):
     listed = {s["name"]: {o["name"]: o["default"] for o in s["options"]} for s in json.loads(out)}
     assert listed["fedavg"] == {"max_client_share": 0.5} and listed["local"] == {}
     assert listed["pfedclub+"]["eta"] == 0.1 and "eta" not in listed["pfedclub"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
+def test_client_device_cuda_without_a_gpu_says_so(capsys, tmp_path):
+    # --client-device cuda alone picks the batched engine, then finds no GPU: one line, no traceback
+    code, _, err = run(capsys, "run", "--transport", "inproc", "--client-device", "cuda", "--out", str(tmp_path / "r"))
+    assert code != 0 and "client_device cuda: torch sees no CUDA device here" in err and "Traceback" not in err
+    assert not (tmp_path / "r").exists()
 
 
 def test_bad_input_shape_is_an_argparse_error(capsys):
