@@ -6,7 +6,7 @@ seeded with its seed), its own dropout masks (drawn as the eager CPU kernel draw
 its own Adam state and step count, its own BatchNorm statistics, its own last-epoch losses. Clients with more data
 take more steps; a step trains only the clients that have a batch at it, grouped by batch size (a client's last
 batch of an epoch is short). So each model is the one `fit` trains alone, up to float rounding (the batched
-kernels sum in another order).
+kernels sum in another order; on a GPU, convolutions in float32, not TF32).
 """
 
 from __future__ import annotations
@@ -142,7 +142,12 @@ def fit_together(jobs: list[FitJob], device: torch.device | str = "cpu") -> list
         except ValueError as e:
             errors[i] = e
     live = [j for i, j in enumerate(jobs) if i not in errors]
-    stats = iter(_train(live, device) if live else [])
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False  # float32 convolutions, as on the CPU (torch's default allows TF32)
+    try:
+        stats = iter(_train(live, device) if live else [])
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
     return [errors[i] if i in errors else next(stats) for i in range(len(jobs))]
 
 

@@ -16,6 +16,11 @@ SGD_LR = 0.01
 SGD_MOMENTUM = 0.9
 EXECUTORCH_TEACHER_BATCH = 32  # fixed batch of the teacher's inference program on an executorch client
 EVAL_BATCH_SIZE = 512
+# Clients trained in one batched computation on a CPU (launch/batched.py; a GPU takes a whole group): beyond about ten
+# clients' batches the stacked activations leave the caches. Measured (2 cores, 40 clients of ~320 samples, batch 32,
+# one epoch), time over the floor of 2 ideal workers at 2, 5, 10, 20, 40 clients per computation: cnn1 0.76, 0.65,
+# 0.63, 0.65, 0.68; cnn4 1.08, 1.07, 1.03, 1.22, 1.45.
+BATCHED_CPU_CLIENTS = 10
 # The memory metrics every task reply carries (edge_client.memory): the client process's current and peak RSS.
 MEMORY_METRICS = ("rss_bytes", "peak_rss_bytes")
 

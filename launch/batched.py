@@ -1,6 +1,7 @@
 """The simulation's batched clients (`fedge run --transport inproc --engine batched [--client-device cuda]`): a
 round's training tasks run side by side, and the clients whose models share an architecture and settings train
-together as one batched computation (edge_client.batched.fit_together), on the CPU or a GPU.
+together as one batched computation (edge_client.batched.fit_together), on the CPU (BATCHED_CPU_CLIENTS at a time)
+or a GPU (all of them).
 
 A batchable task (edge_client.agent.register_task) runs in a thread of its own, its agent's trainer replaced by a
 gate: the handler runs as always up to its `fit`, which hands the job over and waits. When every such thread waits
@@ -22,6 +23,7 @@ from edge_client.agent import TASKS, ClientAgent, TaskError
 from edge_client.batched import FitJob, fit_together, group_key
 from edge_client.training import Distillation, TorchTrainer, TrainConfig, TrainStats, fit
 from fedge.config import ConfigError
+from fedge.constants import BATCHED_CPU_CLIENTS
 from fedge.messages import Result, Task, Weights
 from fedge.spec import SpecModel
 from fedge.transport import InProcTransport
@@ -177,7 +179,8 @@ class BatchedClients:
         groups: dict[tuple, list[_Slot]] = {}
         for slot in sorted(slots, key=lambda s: s.place):
             groups.setdefault(slot.key, []).append(slot)
-        for group in groups.values():
+        size = BATCHED_CPU_CLIENTS if self.device.type == "cpu" else len(slots)
+        for group in (g[i : i + size] for g in groups.values() for i in range(0, len(g), size)):
             try:
                 if len(group) == 1 and self.device.type == "cpu":  # at one thread: bit for bit the serial run
                     job = group[0].job

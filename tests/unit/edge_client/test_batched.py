@@ -40,10 +40,10 @@ def fleet(model: str, teacher: float | None = None, seed_shift: int = 0):
     return alone, jobs, probe, before
 
 
-def distances(model: str, teacher: float | None = None, seed_shift: int = 0):
+def distances(model: str, teacher: float | None = None, seed_shift: int = 0, device: str = "cpu"):
     alone, jobs, probe, before = fleet(model, teacher, seed_shift)
     stats = [fit(*a) for a in alone]
-    batched = fit_together(jobs)
+    batched = fit_together(jobs, device)
     out = []
     for (m, *_), job, start, s, b in zip(alone, jobs, before, stats, batched):
         ref = predict(m, probe)
@@ -64,6 +64,14 @@ def test_every_zoo_model_trains_batched_as_alone(model):
     for distance, alone, batched in distances(model):
         assert distance < TOLERANCE
         assert batched.loss == pytest.approx(alone.loss, rel=1e-3) and batched.ce == pytest.approx(alone.ce, rel=1e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run it where one is lent)")
+@pytest.mark.parametrize("model", ["cnn1", "cnn4", "mobilenet_v3"])
+def test_clients_batched_on_a_gpu_train_as_alone_on_the_cpu(model):
+    for distance, alone, batched in distances(model, teacher=0.2, device="cuda"):
+        assert distance < TOLERANCE
+        assert batched.loss == pytest.approx(alone.loss, rel=1e-3)
 
 
 @pytest.mark.parametrize("kd_lambda", [0.2, 0.0])
