@@ -148,6 +148,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.settings.split(","):
             base = {"dataset": "mnist", "data": args.data, "rounds": args.rounds, "local_epochs": args.local_epochs}
+            base |= {"transport": "inproc"}
             cfg = config_from(base | {"server_threads": 1, "export_onnx": False, "seed": 0} | SETTINGS[name])
             rows += bench(name, cfg, args.workers, args.engines.split(","), args.client_device, Path(tmp))
             print(f"{name}: done", file=sys.stderr)

@@ -36,11 +36,11 @@ class FitJob:
     kd: Distillation | None = None
 
 
-def group_key(job: FitJob, architecture: str) -> tuple:
-    """Jobs with equal keys train together: one architecture (its spec's JSON without origins), the same epochs,
-    batch size and learning rate, and the same distillation settings (or none)."""
+def settings_key(job: FitJob) -> tuple:
+    """Jobs train together only with equal keys, and models of one architecture: the same epochs, batch size and
+    learning rate, and the same distillation settings (or none)."""
     kd = None if job.kd is None else (job.kd.kd_lambda, job.kd.temperature, job.kd.kd_direction)
-    return architecture, job.cfg.epochs, job.cfg.batch_size, job.cfg.lr, kd
+    return job.cfg.epochs, job.cfg.batch_size, job.cfg.lr, kd
 
 
 class _MaskedDropout(nn.Module):
@@ -52,7 +52,7 @@ class _MaskedDropout(nn.Module):
         self.register_buffer("mask", torch.empty(0), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.mask if self.training and 0 < self.p else x
+        return x * self.mask if self.training else x
 
 
 def _template(model: nn.Module, device: torch.device, sample: torch.Tensor) -> tuple[nn.Module, list]:
@@ -60,7 +60,7 @@ def _template(model: nn.Module, device: torch.device, sample: torch.Tensor) -> t
     shape at it)] in the order the forward pass reaches them (the order an eager pass draws its masks)."""
     template = copy.deepcopy(model).to(device)
     for name, module in list(template.named_modules()):
-        if type(module) is nn.Dropout:  # p = 1 zeroes without drawing, like the eager kernel
+        if type(module) is nn.Dropout and 0 < module.p < 1:  # p 0 and 1 draw nothing: they stay as they are
             parent, _, child = name.rpartition(".")
             setattr(template.get_submodule(parent), child, _MaskedDropout(module.p))
     order: list[tuple[str, float, tuple[int, ...]]] = []
@@ -73,8 +73,9 @@ def _template(model: nn.Module, device: torch.device, sample: torch.Tensor) -> t
         template.eval()(sample.to(device))
     for h in hooks:
         h.remove()
-    dropouts = [(n, p, shape) for n, p, shape in order if 0 < p < 1]
-    return template.train(), dropouts
+    if len({name for name, *_ in order}) != len(order):
+        raise ValueError("a dropout module runs twice in one forward pass: batched training has one mask per module")
+    return template.train(), order
 
 
 class _Stack:
@@ -101,16 +102,22 @@ class _Stack:
             w.addcdiv_(m, (v.sqrt() / bias_correction2_sqrt).add_(ADAM_EPS), value=-step_size)
             if isinstance(rows, torch.Tensor):  # rows gathered copies: write them back
                 self.exp_avg[n][rows], self.exp_avg_sq[n][rows], p[rows] = m, v, w
+        self.clear_grads()
+
+    def clear_grads(self) -> None:
+        for p in self.params.values():
             p.grad = None
 
     @torch.no_grad()
     def write_back(self, jobs: list[FitJob]) -> None:
-        """Each job's model gets its trained parameters and buffers."""
+        """Each job's model gets its trained parameters and buffers (one copy from the device per stacked tensor)."""
+        params = {n: p.detach().cpu() for n, p in self.params.items()}
+        buffers = {n: b.cpu() for n, b in self.buffers.items()}
         for i, job in enumerate(jobs):
             for n, p in job.model.named_parameters():
-                p.copy_(self.params[n][i])
+                p.copy_(params[n][i])
             for n, b in job.model.named_buffers():
-                b.copy_(self.buffers[n][i])
+                b.copy_(buffers[n][i])
 
 
 def _schedule(jobs: list[FitJob], offsets: list[int]) -> list[list[torch.Tensor]]:
@@ -129,8 +136,9 @@ def _schedule(jobs: list[FitJob], offsets: list[int]) -> list[list[torch.Tensor]
 def fit_together(jobs: list[FitJob], device: torch.device | str = "cpu") -> list[TrainStats | ValueError]:
     """Train every job's model in place as `fit` would alone (within float tolerance), all in one batched
     computation on `device`. Returns each job's last-epoch TrainStats, or the ValueError `fit` raises for it (no
-    data, teacher logits that do not match, a loss that became non-finite); the others train all the same. The
-    jobs must share a `group_key` (else ValueError)."""
+    data, teacher logits that do not match, a loss that became non-finite, a batch its layers refuse); the others
+    train all the same. The
+    jobs must share a `settings_key` and an architecture (else ValueError)."""
     device = torch.device(device)
     errors: dict[int, ValueError] = {}
     for i, job in enumerate(jobs):
@@ -151,59 +159,73 @@ def fit_together(jobs: list[FitJob], device: torch.device | str = "cpu") -> list
     return [errors[i] if i in errors else next(stats) for i in range(len(jobs))]
 
 
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; to a GPU without waiting for it (pinned, non-blocking)."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 def _train(jobs: list[FitJob], device: torch.device) -> list[TrainStats | ValueError]:
     """fit_together on jobs whose data and teachers were checked."""
-    first = jobs[0]
-    if len({group_key(j, "") for j in jobs}) != 1:
+    first, epochs = jobs[0], jobs[0].cfg.epochs
+    if len({settings_key(j) for j in jobs}) != 1:
         raise ValueError("jobs trained together need the same epochs, batch size, learning rate and distillation")
+    if epochs < 1:
+        return [TrainStats(math.nan, math.nan, 0.0) for _ in jobs]  # as `fit`
     template, dropouts = _template(first.model, device, first.x[:1])
     stack = _Stack(jobs, device)
     sizes = [len(j.x) for j in jobs]
-    offsets = [0, *torch.tensor(sizes).cumsum(0).tolist()[:-1]]
+    schedule = _schedule(jobs, [0, *torch.tensor(sizes).cumsum(0).tolist()[:-1]])
     x, y = torch.cat([j.x for j in jobs]).to(device), torch.cat([j.y for j in jobs]).to(device)
-    kd = first.kd
-    teacher = torch.cat([j.kd.teacher_logits for j in jobs]).to(device) if kd is not None else None
-    schedule = _schedule(jobs, offsets)
+    teacher = None if first.kd is None else torch.cat([j.kd.teacher_logits for j in jobs]).to(device)
     mask_gens = [torch.Generator().manual_seed(j.cfg.seed) for j in jobs]  # `fit` seeds the global one for dropout
-    epochs = first.cfg.epochs
     sums = torch.zeros(len(jobs), epochs, 3, dtype=torch.float64, device=device)  # per epoch: loss, CE, aux sums
+    failed: dict[int, ValueError] = {}
 
     def client_terms(params, buffers, xb, yb, tb):
         logits = functional_call(template, (params, buffers), (xb,))
-        return torch.stack(ce_kd_terms(logits, yb, tb, kd))
+        return torch.stack(ce_kd_terms(logits, yb, tb, first.kd))
 
     batched_terms = vmap(client_terms, in_dims=(0, 0, 0, 0, None if teacher is None else 0), randomness="error")
     for t in range(max(len(s) for s in schedule)):
         groups: dict[int, list[int]] = {}
         for i, batches in enumerate(schedule):
-            if t < len(batches):
+            if t < len(batches) and i not in failed:
                 groups.setdefault(len(batches[t]), []).append(i)
         for size, members in groups.items():
-            rows = slice(None) if len(members) == len(jobs) else torch.tensor(members, device=device)
-            idx = torch.cat([schedule[i][t] for i in members]).to(device)
-            buffers = {n: b[rows] for n, b in stack.buffers.items()}
+            rows = _to(torch.tensor(members), device)
+            every = len(members) == len(jobs)  # then the stacked tensors themselves, not gathered copies
+            idx = _to(torch.cat([schedule[i][t] for i in members]), device)
+            buffers = {n: b if every else b[rows] for n, b in stack.buffers.items()}
             for name, p, shape in dropouts:  # as the eager CPU kernel: bernoulli(1 - p) / (1 - p), in forward order
                 masks = [torch.empty((size, *shape)).bernoulli_(1 - p, generator=mask_gens[i]) for i in members]
-                buffers[name] = torch.stack(masks).div_(1 - p).to(device)
+                buffers[name] = _to(torch.stack(masks).div_(1 - p), device)
             shape = (len(members), size)
-            terms = batched_terms(
-                {n: w[rows] for n, w in stack.params.items()},
-                buffers,
-                x[idx].view(*shape, *x.shape[1:]),
-                y[idx].view(shape),
-                None if teacher is None else teacher[idx].view(*shape, -1),
-            )
-            terms[:, 0].sum().backward()
-            if isinstance(rows, torch.Tensor):  # BatchNorm updated the gathered copies' statistics
+            try:
+                terms = batched_terms(
+                    {n: w if every else w[rows] for n, w in stack.params.items()},
+                    buffers,
+                    x[idx].view(*shape, *x.shape[1:]),
+                    y[idx].view(shape),
+                    None if teacher is None else teacher[idx].view(*shape, -1),
+                )
+                terms[:, 0].sum().backward()
+            except ValueError as e:  # e.g. BatchNorm on one value per channel: these clients fail, as `fit` would
+                failed |= {i: ValueError(str(e)) for i in members}
+                stack.clear_grads()
+                continue
+            if not every:  # BatchNorm updated the gathered copies' statistics
                 for n, b in stack.buffers.items():
                     b[rows] = buffers[n]
-            stack.adam_step(rows, first.cfg.lr, t + 1)  # every client at step t takes its (t+1)-th step
-            epoch_of = [t // (len(schedule[i]) // epochs) for i in members]
-            sums[members, epoch_of] += terms.detach().double() * size
+            stack.adam_step(slice(None) if every else rows, first.cfg.lr, t + 1)  # each client's (t+1)-th step
+            epoch_of = _to(torch.tensor([t // (len(schedule[i]) // epochs) for i in members]), device)
+            sums[rows, epoch_of] += terms.detach().double() * size
     stack.write_back(jobs)
     means = (sums / torch.tensor(sizes, dtype=torch.float64, device=device)[:, None, None]).cpu()
-    out: list[TrainStats | ValueError] = []
-    for i in range(len(jobs)):
-        bad = [float(means[i, e, 0]) for e in range(epochs) if not math.isfinite(float(means[i, e, 0]))]
-        out.append(ValueError(f"training diverged: loss is {bad[0]}") if bad else TrainStats(*means[i, -1].tolist()))
-    return out
+    return [failed.get(i) or _stats(means[i]) for i in range(len(jobs))]
+
+
+def _stats(means: torch.Tensor) -> TrainStats | ValueError:
+    """A client's last-epoch TrainStats from its per-epoch mean (loss, CE, aux), or `fit`'s ValueError for the first
+    epoch whose loss is not finite."""
+    bad = [float(loss) for loss in means[:, 0] if not math.isfinite(float(loss))]
+    return ValueError(f"training diverged: loss is {bad[0]}") if bad else TrainStats(*means[-1].tolist())

@@ -137,10 +137,10 @@ class RunConfig:
             raise ConfigError(f"engine must be processes, ray or batched, got {self.engine!r}")
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.client_device):
             raise ConfigError(f"client_device must be cpu, cuda or cuda:N, got {self.client_device!r}")
-        if self.client_device != "cpu" and self.engine != "batched":
+        if self.client_device != "cpu" and (self.engine != "batched" or self.transport != "inproc"):
             raise ConfigError(
-                f"client_device {self.client_device} trains the clients batched: set engine batched "
-                "(--engine batched), or client_device cpu"
+                f"client_device {self.client_device} trains the in-process simulation's clients batched: set "
+                "transport inproc and engine batched (--transport inproc --engine batched), or client_device cpu"
             )
         if self.workers < 0:
             raise ConfigError(f"workers must be 0 (automatic) or a positive integer, got {self.workers}")

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from edge_client.agent import TASKS, ClientAgent, TaskError
-from edge_client.batched import FitJob, fit_together, group_key
+from edge_client.batched import FitJob, fit_together, settings_key
 from edge_client.training import Distillation, TorchTrainer, TrainConfig, TrainStats, fit
 from fedge.config import ConfigError
 from fedge.constants import BATCHED_CPU_CLIENTS
@@ -94,13 +94,12 @@ class _Gather:
 
 
 class _Gate:
-    """A client's trainer during a batched exchange: eager teacher logits; `fit` goes to the gather."""
+    """A client's trainer during a batched exchange: its own trainer's teacher logits; `fit` goes to the gather."""
 
     runtime = "torch"
 
-    def __init__(self, gather: _Gather, place: int) -> None:
-        self.gather, self.place = gather, place
-        self.eager = TorchTrainer()
+    def __init__(self, gather: _Gather, place: int, own: TorchTrainer) -> None:
+        self.gather, self.place, self.own = gather, place, own
 
     def fit(
         self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig, kd: Distillation | None = None
@@ -108,10 +107,10 @@ class _Gate:
         job = FitJob(model, x, y, cfg, kd)
         # models of one spec (origins aside) stack; any other module trains alone
         architecture = model.spec.with_origin(None).to_json() if isinstance(model, SpecModel) else str(id(model))
-        return self.gather.fit(job, group_key(job, architecture), self.place)
+        return self.gather.fit(job, (architecture, settings_key(job)), self.place)
 
     def teacher_logits(self, teacher: Weights, x: torch.Tensor) -> torch.Tensor:
-        return self.eager.teacher_logits(teacher, x)
+        return self.own.teacher_logits(teacher, x)
 
 
 class BatchedClients:
@@ -147,7 +146,8 @@ class BatchedClients:
 
         def work(place: int, cid: str, task: Task) -> None:
             agent = self.agents[cid]
-            trainer, agent.trainer = agent.trainer, _Gate(gather, place)
+            trainer = agent.trainer
+            agent.trainer = _Gate(gather, place, trainer)
             torch.set_num_threads(1)  # as the serial run, whether torch counts threads per thread or per process
             try:
                 results.update(InProcTransport({cid: agent.handle}).exchange({cid: task}))
@@ -170,12 +170,13 @@ class BatchedClients:
         finally:
             torch.set_num_threads(before)
             for t in threads:
-                t.join()
+                if t.ident is not None:  # started
+                    t.join()
         return results
 
     def _train(self, slots: list[_Slot]) -> None:
-        """Train the waiting jobs, grouped by key in the order of their tasks (the same run, the same bits), and wake
-        their threads."""
+        """Train the waiting jobs, grouped by key in the order of their tasks (the same run, the same bits), then
+        wake their threads: while any group trains, no handler computes."""
         groups: dict[tuple, list[_Slot]] = {}
         for slot in sorted(slots, key=lambda s: s.place):
             groups.setdefault(slot.key, []).append(slot)
@@ -186,10 +187,11 @@ class BatchedClients:
                     job = group[0].job
                     outcomes: list[TrainStats | Exception] = [fit(job.model, job.x, job.y, job.cfg, job.kd)]
                 else:
-                    torch.set_num_threads(self.threads)  # every handler thread waits: nothing else computes
+                    torch.set_num_threads(self.threads)
                     outcomes = list(fit_together([s.job for s in group], self.device))
             except Exception as e:  # each of the group's handlers fails with it, as its own fit would
-                outcomes = [e] * len(group)
+                why = f"training together with {len(group) - 1} other clients: {e!r}"
+                outcomes = [RuntimeError(why) for _ in group]
             finally:
                 torch.set_num_threads(1)
             self.counts["tasks_batched"] += len(group)
@@ -197,7 +199,8 @@ class BatchedClients:
             self.counts["largest_group"] = max(self.counts["largest_group"], len(group))
             for slot, outcome in zip(group, outcomes):
                 slot.result = outcome
-                slot.done.set()
+        for slot in slots:
+            slot.done.set()
 
     def report(self) -> dict[str, Any]:
         transport = {"kind": "inproc", "engine": "batched", "client_device": str(self.device), "threads": self.threads}

@@ -500,7 +500,8 @@ def add_run_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--client-device",
-        help="cpu (default), cuda or cuda:N: where --engine batched trains the clients (cuda implies --engine batched)",
+        help="cpu (default), cuda or cuda:N: where --transport inproc --engine batched trains the clients (cuda "
+        "implies --engine batched)",
     )
     p.add_argument(
         "--ray-address", help="the Ray cluster for --engine ray, e.g. ray://head:10001 (default: a local one)"

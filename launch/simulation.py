@@ -35,6 +35,8 @@ def run_simulation(
     each worker's one; batched: cfg.workers threads), the server at cfg.server_threads."""
     cfg = resolve_options(cfg)  # fail fast on an unknown strategy or option, before loading data
     device = client_device(cfg.client_device)  # a GPU that is not there fails before data are loaded
+    if adversaries and (cfg.engine != "processes" or cfg.workers > 1):
+        raise ValueError("adversaries run in this process, one client after another: set workers=1 (engine processes)")
     out = run_folder(cfg, resume)
     ds, partition = load_partitioned(cfg)
     strategy = make_strategy(cfg, ds, partition)
@@ -42,12 +44,8 @@ def run_simulation(
     state_dir = out / C.CLIENT_STATE_DIR
     cfg = dataclasses.replace(cfg, out=str(out))
     if cfg.engine == "ray" or (cfg.workers > 1 and cfg.engine == "processes"):
-        if adversaries:
-            raise ValueError("adversaries run in this process: set workers=1 for a run with adversaries")
         with WorkerPool(cfg, ids, state_dir, cfg.workers) as pool:
             return run_federation_rounds(cfg, strategy, pool, pool.infos, progress, resume)
-    if adversaries and cfg.engine == "batched":
-        raise ValueError("adversaries wrap each client's handler: use engine processes with workers=1")
     agents = client_agents(cfg, ids, state_dir=state_dir, partitioned=(ds, partition))  # or own data (data_dir)
     warm_up()
     handlers = {a.client_id: a.handle for a in agents}

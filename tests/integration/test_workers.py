@@ -83,10 +83,12 @@ def test_a_workers_configuration_error_is_the_callers(tmp_path):
         run_simulation(cfg, progress=False)
 
 
-def test_adversaries_need_the_serial_simulation(tmp_path):
-    cfg = dataclasses.replace(make_config(tmp_path / "run"), workers=2)
+@pytest.mark.parametrize("mode", [{"workers": 2}, {"engine": "batched", "workers": 1}])
+def test_adversaries_need_the_serial_simulation(tmp_path, mode):
+    cfg = dataclasses.replace(make_config(tmp_path / "run"), **mode)
     with pytest.raises(ValueError, match="workers=1"):
         run_simulation(cfg, progress=False, adversaries={"0": lambda h: h})
+    assert not (tmp_path / "run").exists()  # refused before the run folder is made
 
 
 def test_on_a_local_ray_instance_a_federation_trains_as_in_this_process(tmp_path):

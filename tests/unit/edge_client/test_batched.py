@@ -106,3 +106,54 @@ def test_jobs_of_other_settings_are_refused():
     other = jobs[1].cfg.__class__(epochs=2, batch_size=32, lr=1e-3, seed=1)
     with pytest.raises(ValueError, match="same epochs"):
         fit_together([jobs[0], FitJob(jobs[1].model, jobs[1].x, jobs[1].y, other)])
+
+
+def mlp(middle: torch.nn.Module) -> torch.nn.Module:
+    """Flatten, 16 → 6, `middle`, 6 → 3: for 1×4×4 inputs of 3 classes."""
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 6), middle, torch.nn.Linear(6, 3))
+
+
+def small_jobs(model: torch.nn.Module, sizes: list[int]) -> list[FitJob]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        FitJob(
+            copy.deepcopy(model),
+            torch.randn(n, 1, 4, 4, generator=g),
+            torch.randint(0, 3, (n,), generator=g),
+            TrainConfig(epochs=1, batch_size=8, lr=1e-3, seed=i),
+        )
+        for i, n in enumerate(sizes)
+    ]
+
+
+def test_a_batch_its_layers_refuse_fails_that_client_only():
+    # BatchNorm refuses one value per channel in training: the client whose last batch holds one sample fails, as
+    # `fit` fails it alone; the others train
+    model = mlp(torch.nn.BatchNorm1d(6))
+    jobs = small_jobs(model, [16, 17, 12])
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        fit(copy.deepcopy(model), jobs[1].x, jobs[1].y, jobs[1].cfg)
+    outcomes = fit_together(jobs)
+    assert "more than 1 value per channel" in str(outcomes[1])
+    assert all(o.loss > 0 for o in (outcomes[0], outcomes[2]))
+    for job, outcome in zip(jobs[::2], outcomes[::2]):
+        alone = copy.deepcopy(model)
+        assert fit(alone, job.x, job.y, job.cfg).loss == pytest.approx(outcome.loss, rel=1e-5)
+
+
+def test_dropout_of_p_1_trains_and_a_dropout_run_twice_is_refused():
+    drop_all = mlp(torch.nn.Dropout(1.0))
+    jobs = small_jobs(drop_all, [16, 9])
+    for job, outcome in zip(jobs, fit_together(small_jobs(drop_all, [16, 9]))):
+        assert fit(copy.deepcopy(drop_all), job.x, job.y, job.cfg).loss == pytest.approx(outcome.loss, rel=1e-6)
+
+    class Twice(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.drop = torch.nn.Linear(16, 3), torch.nn.Dropout(0.5)
+
+        def forward(self, x):
+            return self.drop(self.drop(self.fc(x.flatten(1))))
+
+    with pytest.raises(ValueError, match="runs twice in one forward pass"):
+        fit_together(small_jobs(Twice(), [8, 8]))

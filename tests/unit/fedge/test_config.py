@@ -39,11 +39,13 @@ def test_widths_from_a_toml_file(tmp_path):
         ({"workers": "-1"}, r"workers must be 0 \(automatic\) or a positive integer, got -1"),
         ({"engine": "dask"}, r"engine must be processes, ray or batched, got 'dask'"),
         ({"engine": "batched", "client_device": "gpu"}, r"client_device must be cpu, cuda or cuda:N, got 'gpu'"),
-        ({"client_device": "cuda"}, r"client_device cuda trains the clients batched: set engine batched"),
+        ({"client_device": "cuda", "transport": "inproc"}, r"client_device cuda trains .* set transport inproc and"),
+        ({"client_device": "cuda", "engine": "batched"}, r"client_device cuda trains the in-process simulation's"),
     ],
 )
 def test_the_simulations_worker_keys_refuse_bad_values(values, message):
     with pytest.raises(ConfigError, match=message):
         config_from(values)
     assert config_from({"workers": "4", "engine": "ray", "ray_address": "ray://head:10001"}).workers == 4
-    assert config_from({"engine": "batched", "client_device": "cuda:1"}).client_device == "cuda:1"
+    gpu = {"engine": "batched", "client_device": "cuda:1", "transport": "inproc"}
+    assert config_from(gpu).client_device == "cuda:1"
