@@ -92,6 +92,7 @@ def test_a_crashed_run_resumes_bit_identically(tmp_path, monkeypatch, strategy):
     [
         ("fedavg", {"workers": 2}),
         ("pfedclub", {"workers": 2}),
+        ("fedavg", {"engine": "ray", "workers": 2}),  # actors of a local Ray instance
         ("fedavg", {"engine": "batched", "workers": 2}),  # clients trained together: compared with a batched run
         ("pfedclub", {"engine": "batched", "workers": 2}),  # Zoo I's 3 of 5: groups of one, the serial run's bits
     ],
