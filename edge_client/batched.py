@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
-from edge_client.training import Distillation, TrainConfig, TrainStats, ce_kd_terms, check_distillation
+from edge_client.training import Distillation, TrainConfig, TrainStats, ce_kd_terms, check_fit_inputs
 
 ADAM_BETAS = (0.9, 0.999)  # torch.optim.Adam's defaults, which `fit` uses
 ADAM_EPS = 1e-8
@@ -137,16 +137,12 @@ def fit_together(jobs: list[FitJob], device: torch.device | str = "cpu") -> list
     """Train every job's model in place as `fit` would alone (within float tolerance), all in one batched
     computation on `device`. Returns each job's last-epoch TrainStats, or the ValueError `fit` raises for it (no
     data, teacher logits that do not match, a loss that became non-finite, a batch its layers refuse); the others
-    train all the same. The
-    jobs must share a `settings_key` and an architecture (else ValueError)."""
+    train all the same. The jobs must share a `settings_key` and an architecture (else ValueError)."""
     device = torch.device(device)
     errors: dict[int, ValueError] = {}
     for i, job in enumerate(jobs):
         try:
-            if len(job.x) == 0:
-                raise ValueError("no training data")
-            if job.kd is not None:
-                check_distillation(job.kd, job.x)
+            check_fit_inputs(job.x, job.kd)
         except ValueError as e:
             errors[i] = e
     live = [j for i, j in enumerate(jobs) if i not in errors]

@@ -68,6 +68,14 @@ def check_distillation(kd: Distillation, x: torch.Tensor) -> None:
     check_kd_settings(kd.kd_lambda, kd.temperature, kd.kd_direction)
 
 
+def check_fit_inputs(x: torch.Tensor, kd: Distillation | None) -> None:
+    """ValueError when there are no training data, or `kd` does not fit them (check_distillation)."""
+    if len(x) == 0:
+        raise ValueError("no training data")
+    if kd is not None:
+        check_distillation(kd, x)
+
+
 # One batch's (loss to optimise, its cross-entropy part, its unweighted auxiliary part) from the batch's indices.
 Objective = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
@@ -115,10 +123,7 @@ def fit(
     are empty, the teacher logits do not match the data, λ < 0, T ≤ 0, an unknown KL direction, or the loss
     becomes non-finite.
     """
-    if len(x) == 0:
-        raise ValueError("no training data")
-    if kd is not None:
-        check_distillation(kd, x)
+    check_fit_inputs(x, kd)
     terms = objective or ce_kd_objective(model, x, y, kd)
     gen = torch.Generator().manual_seed(cfg.seed)
     torch.manual_seed(cfg.seed)  # dropout draws from the global generator
