@@ -21,7 +21,8 @@ from server.strategy import STRATEGIES, PublicData, StrategyConfig, create_strat
 pytestmark = pytest.mark.timeout(120)
 CONFIG = StrategyConfig(local_epochs=1, batch_size=8, lr=1e-3, seed=0)
 # where a strategy has these options: tiny and fast
-SMALL = {"finetune_epochs": 1, "finetune_min_steps": 0, "max_candidates": 2}
+# every_round=false: local's Local-T default plans every registered client, not the active ones (test below)
+SMALL = {"finetune_epochs": 1, "finetune_min_steps": 0, "max_candidates": 2, "every_round": False}
 PUBLIC = PublicData(torch.randn(24, 1, 8, 8, generator=torch.Generator().manual_seed(0)), torch.arange(24) % 10)
 
 
@@ -86,6 +87,12 @@ def test_plans_exactly_the_active_clients_with_known_task_types(name):
     assert set(tasks) == {"1", "3"}
     assert all(t.type in TASKS and t.round == 0 for t in tasks.values())
     assert all(t.type in TASKS for t in strategy.evaluation(0, ["0", "1"]).values())
+
+
+def test_local_t_trains_and_evaluates_every_registered_client_every_round():
+    strategy = create_strategy("local", CONFIG, PUBLIC)
+    strategy.setup(fleet())
+    assert set(strategy.plan(0, ["1", "3"])) == set(strategy.evaluation(0, ["1"])) == {"0", "1", "2", "3"}
 
 
 def test_zero_and_one_replies_are_survived(name):

@@ -68,16 +68,39 @@ def test_local_run_writes_the_contract(reference):
     assert (on_disk["rounds"], on_disk["clients"]) == (2, 7)
     assert len(on_disk["server_seconds"]) == 2
     per_client = on_disk["final_accuracy"]["per_client"]
-    trained = {r["client"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["trained"]}
-    assert set(per_client) == trained and set(on_disk["never_trained"]) == {str(i) for i in range(7)} - trained
+    assert set(per_client) == {str(i) for i in range(7)} and on_disk["never_trained"] == []
     assert on_disk["final_accuracy"]["mean"] == pytest.approx(sum(per_client.values()) / len(per_client))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    trained_rows = [r for r in rows if r["trained"]]
-    assert len(trained_rows) == 2 * 3 and all(ROW_KEYS <= set(r) for r in trained_rows)
+    # Local-T: every client trains and is evaluated every round, though 3 of 7 are selected per round
+    assert sorted((r["round"], r["client"]) for r in rows if r["trained"]) == [
+        (rnd, str(c)) for rnd in range(2) for c in range(7)
+    ]
+    assert all(ROW_KEYS <= set(r) for r in rows)
     assert (out / "accuracy.png").stat().st_size > 0
     assert json.loads((out / "config.json").read_text())["zoo"] == "I"
     assert on_disk["server_threads"] == torch.get_num_threads() >= 1  # server_threads 0: as they were
     assert summary["final_accuracy"] == on_disk["final_accuracy"]
+
+
+def test_local_on_selected_clients_only_trains_those(reference, tmp_path):
+    """every_round=false: a client trains only in the rounds it is selected (the weaker baseline); a client's
+    model is the same as under Local-T after the same number of its own training rounds."""
+    cfg = config(tmp_path, every_round=False)
+    summary = run_simulation(cfg, progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    picked = [sample_clients([str(i) for i in range(7)], 3, cfg.seed, rnd) for rnd in range(2)]
+    assert sorted((r["round"], r["client"]) for r in rows if r["trained"]) == sorted(
+        (rnd, cid) for rnd in range(2) for cid in picked[rnd]
+    )
+    trained = set(picked[0]) | set(picked[1])
+    assert set(summary["never_trained"]) == {str(i) for i in range(7)} - trained
+    assert set(summary["final_accuracy"]["per_client"]) == trained
+    reference_rows = [
+        json.loads(line) for line in (reference[1] / "metrics.jsonl").read_text().splitlines()
+    ]
+    # a client selected in round 0 trained the same first round under both: same data, seed and model
+    first = {r["client"]: r["train_loss"] for r in reference_rows if r["round"] == 0}
+    assert all(r["train_loss"] == first[r["client"]] for r in rows if r["round"] == 0 and r["trained"])
 
 
 def test_same_seed_same_numbers(reference, tmp_path):

@@ -163,7 +163,7 @@ def test_strategy_options_from_a_toml_table_and_set_are_recorded_with_their_defa
 def test_strategies_lists_every_strategy_with_its_options(capsys):
     code, out, _ = run(capsys, "strategies", "--json")
     listed = {s["name"]: {o["name"]: o["default"] for o in s["options"]} for s in json.loads(out)}
-    assert listed["fedavg"] == {"max_client_share": 0.5} and listed["local"] == {}
+    assert listed["fedavg"] == {"max_client_share": 0.5} and listed["local"] == {"every_round": True}
     assert listed["pfedclub+"]["eta"] == 0.1 and "eta" not in listed["pfedclub"]
 
 
