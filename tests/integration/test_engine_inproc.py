@@ -95,9 +95,7 @@ def test_local_on_selected_clients_only_trains_those(reference, tmp_path):
     trained = set(picked[0]) | set(picked[1])
     assert set(summary["never_trained"]) == {str(i) for i in range(7)} - trained
     assert set(summary["final_accuracy"]["per_client"]) == trained
-    reference_rows = [
-        json.loads(line) for line in (reference[1] / "metrics.jsonl").read_text().splitlines()
-    ]
+    reference_rows = [json.loads(line) for line in (reference[1] / "metrics.jsonl").read_text().splitlines()]
     # a client selected in round 0 trained the same first round under both: same data, seed and model
     first = {r["client"]: r["train_loss"] for r in reference_rows if r["round"] == 0}
     assert all(r["train_loss"] == first[r["client"]] for r in rows if r["round"] == 0 and r["trained"])
