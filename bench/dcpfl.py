@@ -1,17 +1,19 @@
-"""DC-PFL against FedGH and local training, with DC-PFL's ablations (w/o AL: λ = 0; w/o GC: no Eq. 12 calibration):
-the DC-PFL paper's Table 1 (one model, FedGH's CNN_1, on every client: 10 clients all active, 50 with 20 % active,
-100 with 10 % active), Table 2 (FedGH's five CNNs, client i gets CNN_{i mod 5}) and Table 3 (Σ|G_c| virtual
-features from 600 to 5,000), on CIFAR-10 with 2 classes per client, scaled down for a CPU, over seeds.
+"""DC-PFL against FedGH and local training, with DC-PFL's ablations (w/o AL: λ = 0; w/o GC: no Eq. 12 calibration): the
+DC-PFL paper's Table 1 (one model, FedGH's CNN_1, on every client: 10 clients all active, 50 with 20 % active, 100
+with 10 % active), Table 2 (FedGH's five CNNs, client i gets CNN_{i mod 5}) and Table 3 (Σ|G_c| virtual features from
+600 to 5,000), on CIFAR-10 with 2 classes per client, scaled down for a CPU, over seeds.
 
     python bench/dcpfl.py                                  # Tables 1, 2 and 3, 3 seeds
     python bench/dcpfl.py --tables 1 --seeds 0 --rounds 5  # a quick look
 
 Every run is an in-process `fedge run` (a finished run folder under --out is reused, so an interrupted benchmark
-resumes). Accuracy is each client's personalized model (its extractor and the head its local training left) on its
-own test split (the paper's 8:1:1 split keeps each client's test set local), mean ± std over seeds of the mean over
-clients that trained. Directions checked (the paper's claims): DC-PFL >= FedGH >= local; each ablation below the full
-method; Table 3: accuracy rises then falls with Σ|G_c| (the paper's best: 1,000-2,000). Use OMP_NUM_THREADS=1 on a
-small machine and --jobs to run settings side by side.
+resumes; --chunk-minutes stops after whole rounds, to be continued by the same command). Accuracy is each client's
+personalized model (its extractor and the head its local training left) on its own test split (the paper's 8:1:1
+split keeps each client's test set local), mean ± std over seeds of the mean over clients that trained. Directions
+checked (the paper's claims), on the per-seed paired differences (a direction only where the sign is the same in
+every seed): DC-PFL > FedGH > local; each ablation below the full method; Table 3: accuracy rises then falls with
+Σ|G_c| (the paper's best: 1,000-2,000). Use OMP_NUM_THREADS=1 on a small machine and --jobs to run settings side by
+side.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from typing import Any, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.compare import hardware  # noqa: E402
-from bench.fedtrans import cell, read_rows, run_all, run_one  # noqa: E402
+from bench.fedtrans import cell, read_rows  # noqa: E402
+from bench.paired import verdict  # noqa: E402
+from bench.runs import add_chunk_flag, chunk_deadline, not_finished, run_all, run_one  # noqa: E402
 from fedge.config import RunConfig  # noqa: E402
 
 # label -> (strategy, options)
@@ -77,6 +81,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=250, help="train + test samples per client (2 classes each)")
     p.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10.npz"))
     p.add_argument("--jobs", type=int, default=1, help="runs side by side (processes)")
+    add_chunk_flag(p)
     p.add_argument("--out", default="runs/bench-dcpfl")
     p.add_argument("--json", help="also write the per-run accuracies as JSON here")
     return p.parse_args(argv)
@@ -115,6 +120,7 @@ def run_config(
 def accuracy(cfg: RunConfig) -> dict[str, float]:
     """One run's final mean client accuracy (%) and its mean last-round seconds of a client's local training."""
     summary = run_one(cfg)
+    assert summary is not None  # run_all measures finished runs only
     rows = read_rows(Path(cfg.out or "."))
     train = [r["train_seconds"] for r in rows if "train_seconds" in r]
     return {
@@ -142,17 +148,14 @@ def table12(results: dict[str, dict[str, list[float]]], methods: Sequence[str]) 
 
 
 def checks12(results: dict[str, dict[str, list[float]]]) -> list[str]:
-    """The paper's directions per setting, each HOLDS or does NOT hold (on the means over seeds)."""
+    """The paper's directions per setting on the per-seed paired differences (bench/paired.py): HOLDS or does NOT
+    hold when the sign is the same in every seed, within noise otherwise."""
     out = []
     for setting, rows in results.items():
-        m = {method: statistics.fmean(v) for method, v in rows.items()}
-        pairs = [("DC-PFL", "FedGH"), ("FedGH", "local"), ("DC-PFL", "w/o AL"), ("DC-PFL", "w/o GC")]
-        for a, b in pairs:
-            if a in m and b in m:
-                out.append(
-                    f"- {setting}: {'HOLDS' if m[a] >= m[b] else 'does NOT hold'}: {a} {m[a]:.2f} >= {b} {m[b]:.2f}"
-                )
-    return out
+        pairs = [("DC-PFL", "FedGH"), ("FedGH", "local"), ("DC-PFL", "local")]
+        pairs += [("DC-PFL", "w/o AL"), ("DC-PFL", "w/o GC")]
+        out += [f"{setting}: {verdict(a, rows[a], b, rows[b])[2:]}" for a, b in pairs if a in rows and b in rows]
+    return [f"- {line}" for line in out]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -180,7 +183,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         jobs += [
             ("3", f"{v:,}", "DC-PFL", v, run_config(args, setting, "DC-PFL", s, v)) for v in VIRTUAL for s in args.seeds
         ]
-    numbers = run_all(args.jobs, [job[-1] for job in jobs], accuracy)
+    numbers = run_all(args.jobs, [job[-1] for job in jobs], accuracy, chunk_deadline(args.chunk_minutes))
+    if not_finished(numbers):
+        return 3
     per_run: dict[str, dict[str, dict[str, list[float]]]] = {}
     for (table, label, method, _, _), result in zip(jobs, numbers):
         per_run.setdefault(table, {}).setdefault(label, {}).setdefault(method, []).append(result["acc"])

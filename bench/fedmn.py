@@ -1,25 +1,26 @@
-"""FedMN against FedAvg and local training: the FedMN paper's Table II on CIFAR-10 (FedEM's clustered split: the
-classes in 3 groups, each group split over the clients by Dir(0.4); every client active every round) and its Fig. 2
-(accuracy after 20 rounds against the parameters transmitted: FedMN pools [1×4×3], [1×3×4], [1×2×5], [1×5×2] on a
-fully connected encoder against FedAvg on 8-, 9- and 10-layer MLPs of 256 hidden units), with how the clients'
-routings evolve, scaled down for a CPU, over seeds.
+"""FedMN against FedAvg and local training: the FedMN paper's Table II on CIFAR-10 (FedEM's clustered split: the classes
+in 3 groups, each group split over the clients by Dir(0.4); every client active every round) and its Fig. 2 (accuracy
+after 20 rounds against the parameters transmitted: FedMN pools [1×b×c] of 8, 9 and 10 blocks, the paper's [1×4×3],
+[1×3×4], [1×2×5], [1×5×2] and every such split at 9 and 10, on a fully connected encoder, each against FedAvg on an
+MLP of as many layers, 256 hidden units), with how the clients' routings evolve, scaled down for a CPU, over seeds.
 
     python bench/fedmn.py --jobs 2                                    # both views, 3 seeds
     python bench/fedmn.py --views table2 --seeds 0 --rounds 5         # a quick look
 
 Every run is an in-process `fedge run` (a finished run folder under --out is reused, so an interrupted benchmark
-resumes); the numbers are also written to <out>/results.json. Accuracy is each client's personalized model on its own
-test split (FedMN: the global pool on the client's most likely routing; FedAvg: the global model; local: its own),
-mean ± std over seeds of the mean over clients. Parameters transmitted: FedMN's rows count what each client
-downloaded and uploaded (its route's blocks and the routing hypernetwork, which is exchanged every round), FedAvg's
-the whole model down and up per trained client; the bytes on the wire are measured for both.
+resumes; --chunk-minutes stops after whole rounds, to be continued by the same command); the numbers are also written
+to <out>/results.json. Accuracy is each client's personalized model on its own test split (FedMN: the global pool on
+the client's most likely routing; FedAvg: the global model; local: its own), mean ± std over seeds of the mean over
+clients. Parameters transmitted: FedMN's rows count what each client downloaded and uploaded (its route's blocks and
+the routing hypernetwork, which is exchanged every round), FedAvg's the whole model down and up per trained client;
+the bytes on the wire are measured for both.
 
-Directions checked (the paper's claims): Table II FedMN > FedAvg > local; Fig. 2 every FedMN pool transmits fewer
-parameters than every FedAvg MLP and is more accurate than the best of them, and the 10-layer MLP trails the 8-layer
-one under FedAvg. Differences between methods mean something only where federation beats training alone (FedAvg >
-local): if it does not at the default scale, raise --samples, --clients, --rounds. Routing evolution: per round, how
-many distinct routings the clients hold and how many clients changed theirs since the previous round.
-Use OMP_NUM_THREADS=1 on a small machine and --jobs to run settings side by side.
+Directions checked (the paper's claims; accuracy on the per-seed paired differences): Table II FedMN > FedAvg >
+local; Fig. 2 each FedMN pool transmits fewer parameters than FedAvg's MLP of as many blocks and is more accurate,
+and the 10-layer MLP trails the 8-layer one under FedAvg. Differences between methods mean something only where
+federation beats training alone (FedAvg > local): if it does not at the default scale, raise --samples, --clients,
+--rounds. Routing evolution: per round, how many distinct routings the clients hold and how many clients changed
+theirs since the previous round. Use OMP_NUM_THREADS=1 on a small machine and --jobs to run settings side by side.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ from typing import Any, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.compare import hardware  # noqa: E402
-from bench.fedtrans import cell, read_rows, run_all, run_one  # noqa: E402
+from bench.fedtrans import cell, read_rows  # noqa: E402
+from bench.paired import verdict as paired_verdict  # noqa: E402
+from bench.runs import add_chunk_flag, chunk_deadline, not_finished, run_all, run_one  # noqa: E402
 from fedge.config import RunConfig  # noqa: E402
 from fedge.modular import ROUTER, block_of, elements  # noqa: E402
 from fedge.spec import tensor_shapes  # noqa: E402
@@ -48,15 +51,18 @@ DATASET, INPUT, CLASSES = "cifar10", (3, 32, 32), 10
 TABLE2: dict[str, str] = {"local": "local", "FedAvg": "fedavg", "FedMN": "fedmn"}
 PAPER_TABLE2 = {"local": 70.2, "FedAvg": 78.2, "FedMN": 83.4}  # CIFAR-10, %
 TABLE2_POOL = "2x2x2"
-# Fig. 2: label -> (strategy, zoo model), all at the `paper` width preset (the fc pools' hidden width 256, §IV-D).
-FIG2: dict[str, tuple[str, str]] = {
-    "FedMN [1×4×3]": ("fedmn", "fedmn_1x4x3_fc"),
-    "FedMN [1×3×4]": ("fedmn", "fedmn_1x3x4_fc"),
-    "FedMN [1×2×5]": ("fedmn", "fedmn_1x2x5_fc"),
-    "FedMN [1×5×2]": ("fedmn", "fedmn_1x5x2_fc"),
-    "FedAvg 8-layer MLP": ("fedavg", "mlp8"),
-    "FedAvg 9-layer MLP": ("fedavg", "mlp9"),
-    "FedAvg 10-layer MLP": ("fedavg", "mlp10"),
+# Fig. 2: label -> (strategy, zoo model, blocks), all at the `paper` width preset (the fc pools' hidden width 256,
+# §IV-D). The paper lists its 8-block pools, [1×b×c] with b + c = 7 and b, c ≥ 2, and says only "different
+# architectures" for 9 and 10 blocks: here every [1×b×c] with b, c ≥ 2 at each size, beside FedAvg's MLP of as
+# many layers ("the same parameter scale").
+FIG2_BLOCKS = (8, 9, 10)
+FIG2: dict[str, tuple[str, str, int]] = {
+    **{
+        f"FedMN [1×{b}×{n - 1 - b}]": ("fedmn", f"fedmn_1x{b}x{n - 1 - b}_fc", n)
+        for n in FIG2_BLOCKS
+        for b in sorted(range(2, n - 2), key=lambda b: (b != 4, b != 3, b))  # the paper's order at 8: 4, 3, 2, 5
+    },
+    **{f"FedAvg {n}-layer MLP": ("fedavg", f"mlp{n}", n) for n in FIG2_BLOCKS},
 }
 FIG2_WIDTHS = "paper"
 VIEWS = ("table2", "fig2")
@@ -94,6 +100,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10.npz"))
     p.add_argument("--jobs", type=int, default=1, help="runs side by side (processes)")
+    add_chunk_flag(p)
     p.add_argument("--out", default="runs/bench-fedmn", help="run folders and results.json")
     args = p.parse_args(argv)
     if args.encoder not in MODELS or not is_model(f"fedmn_{TABLE2_POOL}_{args.encoder}"):
@@ -112,7 +119,7 @@ def run_config(args: argparse.Namespace, view: str, label: str, seed: int) -> Ru
         if strategy == "fedmn" and args.warmup_rounds:
             options["warmup_rounds"] = args.warmup_rounds
     else:
-        (strategy, zoo), widths, rounds = FIG2[label], FIG2_WIDTHS, args.fig2_rounds
+        (strategy, zoo, _), widths, rounds = FIG2[label], FIG2_WIDTHS, args.fig2_rounds
     if strategy == "fedmn":
         options |= dict(item.split("=", 1) for item in args.fedmn)
     slug = f"{zoo}-{strategy}" + "".join(f"-{k}={v}" for k, v in sorted(options.items())) + f"-seed{seed}"
@@ -174,6 +181,7 @@ def measure(cfg: RunConfig) -> dict[str, Any]:
     router's share for FedMN), the bytes on the wire (MB), mean client training seconds per round, and for FedMN the
     routing evolution and the distinct routes the summary counts."""
     summary = run_one(cfg)
+    assert summary is not None  # run_all measures finished runs only
     rows = read_rows(Path(cfg.out or "."))
     trained = [r for r in rows if r.get("trained")]
     out: dict[str, Any] = {
@@ -223,21 +231,19 @@ def table2(results: dict[str, list[dict[str, Any]]], rounds: int, clients: int) 
 
 
 def checks2(results: dict[str, list[dict[str, Any]]]) -> list[str]:
-    """Table II's directions on the means over seeds: FedMN > FedAvg > local."""
-    acc = {m: mean(runs, "acc") for m, runs in results.items()}
+    """Table II's directions, FedMN > FedAvg > local, on the per-seed paired differences (bench/paired.py)."""
+    acc = {m: [r["acc"] for r in runs] for m, runs in results.items()}
     out = []
     if {"FedMN", "FedAvg"} <= set(acc):
-        out.append(verdict(acc["FedMN"] > acc["FedAvg"], f"FedMN {acc['FedMN']:.2f} > FedAvg {acc['FedAvg']:.2f}"))
+        out.append(paired_verdict("FedMN", acc["FedMN"], "FedAvg", acc["FedAvg"]))
     if {"FedAvg", "local"} <= set(acc):
         out.append(
-            verdict(
-                acc["FedAvg"] > acc["local"],
-                f"FedAvg {acc['FedAvg']:.2f} > local {acc['local']:.2f} (federation beats training alone at this "
-                "scale; if not, differences between methods mean little here: raise --samples, --clients, --rounds)",
-            )
+            paired_verdict("FedAvg", acc["FedAvg"], "local", acc["local"])
+            + " (federation beats training alone at this scale; if not, differences between methods mean little "
+            "here: raise --samples, --clients, --rounds)"
         )
     if {"FedMN", "local"} <= set(acc):
-        out.append(verdict(acc["FedMN"] > acc["local"], f"FedMN {acc['FedMN']:.2f} > local {acc['local']:.2f}"))
+        out.append(paired_verdict("FedMN", acc["FedMN"], "local", acc["local"]))
     return out
 
 
@@ -258,25 +264,27 @@ def fig2(results: dict[str, list[dict[str, Any]]]) -> list[str]:
 
 
 def checks_fig2(results: dict[str, list[dict[str, Any]]]) -> list[str]:
-    """Fig. 2's directions on the means over seeds: every FedMN pool transmits fewer parameters than every FedAvg
-    MLP (and without the router), is more accurate than the best FedAvg MLP; FedAvg's 10-layer MLP trails its
-    8-layer one."""
-    fedmn = {a: runs for a, runs in results.items() if FIG2[a][0] == "fedmn"}
-    fedavg = {a: runs for a, runs in results.items() if FIG2[a][0] == "fedavg"}
+    """Fig. 2's directions, each FedMN pool against FedAvg's MLP of as many blocks: it transmits fewer parameters
+    (with and without its router; on the means, which barely vary over seeds) and is more accurate (per-seed paired
+    differences, bench/paired.py); FedAvg's 10-layer MLP trails its 8-layer one (paired)."""
+    mlp = {FIG2[a][2]: a for a in results if FIG2[a][0] == "fedavg"}
     out = []
-    if fedmn and fedavg:
-        least = min(fedavg, key=lambda a: mean(fedavg[a], "sent"))
-        best = max(fedavg, key=lambda a: mean(fedavg[a], "acc"))
-        sent, acc = mean(fedavg[least], "sent") / 1e6, mean(fedavg[best], "acc")
-        for arch, runs in fedmn.items():
-            mine, blocks = mean(runs, "sent") / 1e6, (mean(runs, "sent") - mean(runs, "router_sent")) / 1e6
-            out.append(verdict(mine < sent, f"{arch} transmits {mine:.1f} M < {least} {sent:.1f} M"))
-            out.append(verdict(blocks < sent, f"{arch} without its router {blocks:.1f} M < {least} {sent:.1f} M"))
-            out.append(verdict(mean(runs, "acc") > acc, f"{arch} {mean(runs, 'acc'):.2f} % > {best} {acc:.2f} %"))
-    deep, shallow = "FedAvg 10-layer MLP", "FedAvg 8-layer MLP"
-    if {deep, shallow} <= set(fedavg):
-        a, b = mean(fedavg[deep], "acc"), mean(fedavg[shallow], "acc")
-        out.append(verdict(a < b, f"{deep} {a:.2f} % < {shallow} {b:.2f} % (slower to converge)"))
+    for arch, runs in results.items():
+        strategy, _, blocks = FIG2[arch]
+        if strategy != "fedmn" or blocks not in mlp:
+            continue
+        other = results[mlp[blocks]]
+        sent = mean(other, "sent") / 1e6
+        mine, own = mean(runs, "sent") / 1e6, (mean(runs, "sent") - mean(runs, "router_sent")) / 1e6
+        out.append(verdict(mine < sent, f"{arch} transmits {mine:.1f} M < {mlp[blocks]} {sent:.1f} M"))
+        out.append(verdict(own < sent, f"{arch} without its router {own:.1f} M < {mlp[blocks]} {sent:.1f} M"))
+        out.append(paired_verdict(arch, [r["acc"] for r in runs], mlp[blocks], [r["acc"] for r in other]))
+    if {8, 10} <= set(mlp):
+        shallow, deep = (results[mlp[n]] for n in (8, 10))
+        out.append(
+            paired_verdict(mlp[8], [r["acc"] for r in shallow], mlp[10], [r["acc"] for r in deep])
+            + " (deeper converges slower)"
+        )
     return out
 
 
@@ -339,7 +347,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         jobs += [("table2", m, run_config(args, "table2", m, s)) for m in args.methods for s in args.seeds]
     if "fig2" in args.views:
         jobs += [("fig2", a, run_config(args, "fig2", a, s)) for a in args.archs for s in args.seeds]
-    numbers = run_all(args.jobs, [cfg for _, _, cfg in jobs], measure)
+    numbers = run_all(args.jobs, [cfg for _, _, cfg in jobs], measure, chunk_deadline(args.chunk_minutes))
+    if not_finished(numbers):
+        return 3
     per_view: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for (view, label, _), result in zip(jobs, numbers):
         per_view.setdefault(view, {}).setdefault(label, []).append(result)

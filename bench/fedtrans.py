@@ -1,13 +1,14 @@
 """FedTrans against HeteroFL, FedAvg on the smallest model and local training, with FedTrans's ablations: the columns
 of the FedTrans paper's Table 2 (mean and IQR of client accuracy, total training MACs, network MB, simulated wall
-time; each also as a ratio to FedTrans), on one fleet whose capacities come from the bundled device profiles, IID and
-non-IID, over seeds.
+time; each also as a ratio to FedTrans), on one fleet of Pi Zero 2 W and Pi 4 profiles with five capacity tiers 31.5x
+apart, IID and non-IID, over seeds.
 
     python bench/fedtrans.py                               # MNIST + CIFAR-10, IID + non-IID, 3 seeds
     python bench/fedtrans.py --datasets mnist --seeds 0 --rounds 6   # a quick look
 
 Every run is an in-process `fedge run` (its folder under --out is reused when finished, so an interrupted benchmark
-resumes). Direction checks (the paper's claims): FedTrans >= HeteroFL in accuracy at lower training cost (Table 2);
+resumes; --chunk-minutes stops after whole rounds, to be continued by the same command). Direction checks (the
+paper's claims, on per-seed paired differences): FedTrans >= HeteroFL in accuracy at lower training cost (Table 2);
 sharing large->small models does not help (Table 1, `+l2s` should not beat FedTrans); random layer selection and no
 soft aggregation each cost accuracy or MACs (Table 3 / §5.3). Use OMP_NUM_THREADS=1 on a small machine.
 """
@@ -17,40 +18,40 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import multiprocessing
-import shutil
 import statistics
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Sequence
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.compare import hardware  # noqa: E402
-from fedge import constants as C  # noqa: E402
+from bench.paired import verdict  # noqa: E402
+from bench.runs import add_chunk_flag, chunk_deadline, not_finished, run_one  # noqa: E402
 from fedge.config import RunConfig  # noqa: E402
-from launch.server import resolve_options  # noqa: E402
-from launch.simulation import run_simulation  # noqa: E402
 from server.plots import plot_time_to_accuracy  # noqa: E402
-from server.runlog import CHECKPOINT_FILE  # noqa: E402
-
-T = TypeVar("T", bound=dict)
 
 # FedTrans's parameters scaled to runs of tens of rounds: γ = 10, δ = 20 (the paper's and the authors') need 30
 # rounds of one model before its first transformation. β is the DoC (loss drop per round) that counts as converging.
 FEDTRANS_SCALED = {"gamma": 3, "delta": 2, "beta": 0.02}
-PROFILES = ("rpi-zero-2w", "rpi-4")  # 9.2 M to 290 M MACs: 31x, the paper's ">29x"
-# The fleet registers cnn1 on the rpi-zero-2w and cnn3 on the rpi-4 (each must fit its device): HeteroFL's global
-# model is the largest registered (cnn3), FedTrans starts from the cheapest (cnn1).
-FLEET = "cnn1,cnn3"
-HETEROFL_MODEL = "cnn3"
+# The fleet: client i has profile PROFILES[i % 5] and registers FLEET's model i % 5 (each must fit its device). Its
+# capacities (FedTrans's T_c and HeteroFL's, option capacity_file) are CAPACITY_TIERS[i % 5]: 9.2 M to 290 M MACs,
+# 31.5x apart (the paper's ">29x", §3: the smallest client runs the initial model, the largest the maximum), doubling
+# from tier to tier as a FedTrans widen doubles a cell, so grown models reach 80 % of the fleet (with two tiers,
+# 9.2 M and 290 M, the first widen of cnn1 on CIFAR-10, 9.27 M MACs, missed half of it). Every tier is at most its
+# profile's max_macs, so the simulated clock stays that of the device.
+PROFILES = ("rpi-zero-2w", "rpi-4", "rpi-4", "rpi-4", "rpi-4")
+CAPACITY_TIERS = (9_200_000, 18_400_000, 36_800_000, 73_600_000, 290_000_000)
+FLEET = "cnn1,cnn3,cnn3,cnn3,cnn3"  # FedTrans starts from the cheapest registered model (cnn1)
+# HeteroFL's global model is the largest model FedTrans grew in the run of the same data and seed (FedTrans App. A.1),
+# given as a spec file (option model_file); "HeteroFL (cnn2)" is a fixed cnn2 that every device trains whole.
+HETEROFL = "HeteroFL"
 METHODS: dict[str, tuple[str, str, dict[str, Any]]] = {  # label -> (strategy, zoo, options)
     "FedTrans": ("fedtrans", FLEET, FEDTRANS_SCALED),
-    "HeteroFL": ("heterofl", FLEET, {}),
+    HETEROFL: ("heterofl", FLEET, {}),
     "HeteroFL (cnn2)": ("heterofl", "cnn1,cnn2", {}),  # a global model that trains as fast as cnn1
     "FedAvg (cnn1)": ("fedavg", "cnn1", {}),
     "local (cnn1)": ("local", "cnn1", {}),
@@ -58,6 +59,7 @@ METHODS: dict[str, tuple[str, str, dict[str, Any]]] = {  # label -> (strategy, z
     "FedTrans -l (random cells)": ("fedtrans", FLEET, FEDTRANS_SCALED | {"layer_selection": "random"}),
     "FedTrans -s (no soft agg.)": ("fedtrans", FLEET, FEDTRANS_SCALED | {"soft_aggregation": False}),
 }
+FILES = ("capacity_file", "model_file")  # options that name files: not in a run folder's name
 DATA = {"mnist": "mnist.npz", "cifar10": "cifar10.npz"}
 
 
@@ -75,13 +77,31 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
     p.add_argument("--out", default="runs/bench-fedtrans")
     p.add_argument("--json", help="also write the table as JSON here")
+    add_chunk_flag(p)
     return p.parse_args(argv)
+
+
+def capacity_file(args: argparse.Namespace) -> str:
+    """<out>/capacities.json: client i's capacity CAPACITY_TIERS[i % 5], for the fleet's --clients."""
+    path = Path(args.out) / "capacities.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({str(i): CAPACITY_TIERS[i % len(CAPACITY_TIERS)] for i in range(args.clients)}))
+    return str(path)
+
+
+def largest_file(args: argparse.Namespace, dataset: str, partition: str, seed: int) -> Path:
+    """Where HeteroFL's global model for this data and seed is kept: the FedTrans run's largest grown model."""
+    return Path(args.out) / f"{dataset}-{partition}" / f"fedtrans-largest-seed{seed}.json"
 
 
 def run_config(args: argparse.Namespace, dataset: str, partition: str, method: str, seed: int) -> RunConfig:
     strategy, zoo, options = METHODS[method]
+    if strategy in ("fedtrans", "heterofl"):
+        options = options | {"capacity_file": capacity_file(args)}
+    if method == HETEROFL:
+        options = options | {"model_file": str(largest_file(args, dataset, partition, seed))}
     slug = method.split(" ")[0].lower() + ("" if zoo in (FLEET, "cnn1") else "-" + zoo.replace(",", "+"))
-    slug += "".join(f"-{k}={v}" for k, v in sorted(options.items()) if k not in FEDTRANS_SCALED)
+    slug += "".join(f"-{k}={v}" for k, v in sorted(options.items()) if k not in FEDTRANS_SCALED and k not in FILES)
     return RunConfig(
         strategy=strategy,
         dataset=dataset,
@@ -102,21 +122,17 @@ def run_config(args: argparse.Namespace, dataset: str, partition: str, method: s
     )
 
 
-def run_one(cfg: RunConfig) -> dict[str, Any]:
-    """The run's summary.json, running it unless its folder holds a finished run of the same config. A finished
-    run keeps its config, summary, metrics and plots; its clients' model snapshots and its checkpoint, which only
-    an interrupted run needs, are removed (three snapshots a client: 3 GB for 100 clients of FedGH's CNN_1)."""
-    out = Path(cfg.out or ".")
-    done = out / "summary.json"
-    resolved = json.loads(json.dumps(resolve_options(cfg).to_dict()))
-    if done.exists() and json.loads((out / "config.json").read_text()) == resolved:
-        return json.loads(done.read_text())
-    if out.exists():
-        shutil.rmtree(out)
-    run_simulation(cfg, progress=False)
-    shutil.rmtree(out / C.CLIENT_STATE_DIR, ignore_errors=True)
-    (out / CHECKPOINT_FILE).unlink(missing_ok=True)
-    return json.loads(done.read_text())
+def run_method(
+    args: argparse.Namespace, dataset: str, partition: str, method: str, seed: int, stop_at: float | None
+) -> dict[str, Any] | None:
+    """The summary of one method's run (bench/runs.run_one; None while it waits for the next chunk). HeteroFL first
+    needs the FedTrans run of the same data and seed: the largest model that run grew is its global model."""
+    if method == HETEROFL:
+        fedtrans = run_one(run_config(args, dataset, partition, "FedTrans", seed), stop_at)
+        if fedtrans is None:
+            return None
+        largest_file(args, dataset, partition, seed).write_text(json.dumps(fedtrans["largest_model"]))
+    return run_one(run_config(args, dataset, partition, method, seed), stop_at)
 
 
 def read_rows(folder: Path) -> list[dict[str, Any]]:
@@ -141,29 +157,6 @@ def numbers(summary: dict[str, Any], folder: Path) -> dict[str, float]:
         "server_s": server,
         "server_share": server / statistics.fmean(train) if train else float("nan"),
     }
-
-
-def run_all(jobs: int, configs: list[RunConfig], measure: Callable[[RunConfig], T]) -> list[T]:
-    """`measure` of every config (a config repeated is run once), `jobs` processes at a time, with a line per
-    finished run on stderr."""
-    started = time.perf_counter()
-    unique = list({cfg.out: cfg for cfg in configs}.values())
-    done: dict[str | None, T] = {}
-    # Fresh interpreters for the workers: a fork of a process with threads (a test run's brokers) can deadlock.
-    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) if jobs > 1 else None
-    try:
-        for i, result in enumerate(pool.map(measure, unique) if pool else map(measure, unique)):
-            done[unique[i].out] = result
-            print(
-                f"[{i + 1}/{len(unique)}] {unique[i].out}: acc {result['acc']:.2f}% "
-                f"({time.perf_counter() - started:.0f} s elapsed)",
-                file=sys.stderr,
-                flush=True,
-            )
-    finally:
-        if pool:
-            pool.shutdown()
-    return [done[cfg.out] for cfg in configs]
 
 
 def cell(values: Sequence[float], digits: int = 2) -> str:
@@ -208,43 +201,34 @@ def table(rows: dict[str, list[dict[str, float]]]) -> list[str]:
 
 
 def checks(rows: dict[str, list[dict[str, float]]]) -> list[str]:
-    """The paper's directions on this block's means, each HOLDS or does NOT hold."""
+    """The paper's directions on this block, accuracy on the per-seed paired differences (bench/paired.py: a
+    direction only where every seed agrees), training cost on the means (it varies little over seeds)."""
 
-    def mean(method: str, key: str) -> float:
-        return statistics.fmean(r[key] for r in rows[method])
+    def acc(method: str) -> list[float]:
+        return [r["acc"] for r in rows[method]]
+
+    def tmacs(method: str) -> float:
+        return statistics.fmean(r["tmacs"] for r in rows[method])
+
+    def cost(a: str, b: str) -> str:
+        return f"; training cost {tmacs(a):.3g} vs {tmacs(b):.3g} TMACs ({tmacs(a) / tmacs(b):.2f}x)"
 
     out = []
-
-    def check(text: str, ok: bool) -> None:
-        out.append(f"- {'HOLDS' if ok else 'does NOT hold'}: {text}")
-
     for heterofl in ("HeteroFL", "HeteroFL (cnn2)"):
         if {"FedTrans", heterofl} <= set(rows):
-            check(
-                f"FedTrans >= {heterofl} in accuracy ({mean('FedTrans', 'acc'):.2f} vs {mean(heterofl, 'acc'):.2f}) "
-                f"at lower training cost ({mean('FedTrans', 'tmacs'):.3g} vs {mean(heterofl, 'tmacs'):.3g} TMACs)",
-                mean("FedTrans", "acc") >= mean(heterofl, "acc")
-                and mean("FedTrans", "tmacs") < mean(heterofl, "tmacs"),
-            )
+            out.append(verdict("FedTrans", acc("FedTrans"), heterofl, acc(heterofl)) + cost("FedTrans", heterofl))
     if {"FedTrans", "FedTrans +l2s"} <= set(rows):
-        check(
-            f"sharing large->small does not help (Table 1): FedTrans {mean('FedTrans', 'acc'):.2f} >= "
-            f"+l2s {mean('FedTrans +l2s', 'acc'):.2f}",
-            mean("FedTrans", "acc") >= mean("FedTrans +l2s", "acc"),
+        out.append(
+            verdict("FedTrans", acc("FedTrans"), "+l2s", acc("FedTrans +l2s"))
+            + " (Table 1: sharing large->small does not help)"
         )
     for ablation in ("FedTrans -l (random cells)", "FedTrans -s (no soft agg.)"):
         if {"FedTrans", ablation} <= set(rows):
-            check(
-                f"{ablation} costs accuracy or MACs: accuracy {mean(ablation, 'acc'):.2f} vs "
-                f"{mean('FedTrans', 'acc'):.2f}, TMACs {mean(ablation, 'tmacs'):.3g} vs "
-                f"{mean('FedTrans', 'tmacs'):.3g}",
-                mean(ablation, "acc") < mean("FedTrans", "acc") or mean(ablation, "tmacs") > mean("FedTrans", "tmacs"),
-            )
+            out.append(verdict("FedTrans", acc("FedTrans"), ablation, acc(ablation)) + cost("FedTrans", ablation))
     if {"FedTrans", "local (cnn1)"} <= set(rows):
-        check(
-            f"federation beats training alone at this scale: FedTrans {mean('FedTrans', 'acc'):.2f} vs local "
-            f"{mean('local (cnn1)', 'acc'):.2f} (if not, differences between methods mean little here)",
-            mean("FedTrans", "acc") > mean("local (cnn1)", "acc"),
+        out.append(
+            verdict("FedTrans", acc("FedTrans"), "local (cnn1)", acc("local (cnn1)"))
+            + " (federation beats training alone at this scale; if not, differences between methods mean little)"
         )
     return out
 
@@ -256,13 +240,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"# bench/fedtrans.py — {datetime.date.today()}",
         f"command: python bench/fedtrans.py {' '.join(sys.argv[1:] if argv is None else argv)}",
         f"hardware: {hardware()}",
-        f"scale: N={args.clients} clients ({', '.join(PROFILES)} in turn), M={args.active} per round, "
+        f"scale: N={args.clients} clients ({', '.join(PROFILES)} in turn, capacities "
+        f"{', '.join(f'{c / 1e6:g} M' for c in CAPACITY_TIERS)} MACs in turn), M={args.active} per round, "
         f"T={args.rounds} rounds, E={args.local_epochs}, <= {args.samples} samples per client; seeds {args.seeds}; "
-        f"FedTrans {FEDTRANS_SCALED}; HeteroFL's global model {HETEROFL_MODEL} (cnn2 in 'HeteroFL (cnn2)')",
+        f"FedTrans {FEDTRANS_SCALED}; HeteroFL's global model: the largest model FedTrans grew in the run of the same "
+        f"data and seed (App. A.1; cnn2 in 'HeteroFL (cnn2)')",
     ]
     blocks: dict[str, dict[str, list[dict[str, float]]]] = {}
     total = len(args.datasets) * len(args.partitions) * len(args.methods) * len(args.seeds)
-    done = 0
+    done, waiting, stop_at = 0, 0, chunk_deadline(args.chunk_minutes)
     for dataset in args.datasets:
         for partition in args.partitions:
             rows: dict[str, list[dict[str, float]]] = {}
@@ -270,17 +256,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             for method in args.methods:
                 for seed in args.seeds:
                     began = time.perf_counter()
-                    cfg = run_config(args, dataset, partition, method, seed)
-                    result = numbers(run_one(cfg), Path(cfg.out or "."))
-                    first.setdefault(method, Path(cfg.out or "."))
-                    rows.setdefault(method, []).append(result)
+                    summary = run_method(args, dataset, partition, method, seed, stop_at)
                     done += 1
+                    folder = Path(run_config(args, dataset, partition, method, seed).out or ".")
+                    if summary is None:
+                        waiting += 1
+                        shown = "paused or left for the next chunk"
+                    else:
+                        result = numbers(summary, folder)
+                        first.setdefault(method, folder)
+                        rows.setdefault(method, []).append(result)
+                        shown = f"acc {result['acc']:.2f}%"
                     print(
-                        f"[{done}/{total}] {dataset} {partition} {method} seed {seed}: acc {result['acc']:.2f}% "
+                        f"[{done}/{total}] {dataset} {partition} {method} seed {seed}: {shown} "
                         f"({time.perf_counter() - began:.0f} s, {time.perf_counter() - started:.0f} s elapsed)",
                         file=sys.stderr,
                         flush=True,
                     )
+            if waiting:
+                continue
             blocks[f"{dataset} {partition}"] = rows
             plot = Path(args.out) / f"{dataset}-{partition}" / "time_to_accuracy.png"
             plot_time_to_accuracy(
@@ -289,6 +283,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{dataset} {partition}: seed {args.seeds[0]} of each method",
             )
             report += ["", f"## {dataset}, {partition}", "", *table(rows), "", *checks(rows), "", f"plot: {plot}"]
+    if waiting:
+        return not_finished([None] * waiting + [{}] * (total - waiting))
     report += ["", f"wall time {time.perf_counter() - started:.0f} s"]
     print("\n".join(report))
     if args.json:

@@ -46,7 +46,6 @@ import dataclasses
 import datetime
 import json
 import shlex
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -72,68 +71,47 @@ from bench.reproduce_plan import (  # noqa: E402
     preset_cells,
 )
 from bench.reproduce_report import CellStats, SeedResult, read_run, render, to_json  # noqa: E402
-from fedge.config import ConfigError, RunConfig, parse_overrides  # noqa: E402
+from bench.runs import STATES, chunk_deadline, folder_state, run_kept  # noqa: E402
+from fedge.config import ConfigError, parse_overrides  # noqa: E402
 from fedge.zoo import ZOOS  # noqa: E402
-from launch.simulation import run_simulation  # noqa: E402
-
-# may differ between a run and its continuation (other machine, path, worker count: the same models bit for bit)
-IGNORED_KEYS = ("out", "device", "data", "workers", "engine", "ray_address")
-DRY_STATES = {"new": "to run", "restart": "to run again", "resume": "to resume", "finished": "finished: reused"}
 
 
-def folder_state(folder: Path, cfg: RunConfig) -> str:
-    """What a run's folder holds: "finished" (the summary of a completed run), "resume" (a checkpoint to continue
-    from), "restart" (a start with no round completed) or "new". A folder holding a run of another config, or
-    anything but a run, raises ReproError."""
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        if folder.exists() and any(folder.iterdir()):
-            raise ReproError(f"{folder} holds something other than a run; use another --out, or delete the folder")
-        return "new"
-    saved, wanted = json.loads(config_file.read_text()), json.loads(json.dumps(cfg.to_dict()))
-    differ = [k for k in sorted(set(saved) | set(wanted)) if k not in IGNORED_KEYS and saved.get(k) != wanted.get(k)]
-    if differ:
-        shown = "; ".join(f"{k}: {saved.get(k)!r} there, {wanted.get(k)!r} now" for k in differ[:4])
-        raise ReproError(f"{folder} holds a run of another config ({shown}); use another --out, or delete the folder")
-    summary = folder / "summary.json"
-    if summary.is_file() and "stopped_at_round" not in json.loads(summary.read_text()):
-        return "finished"
-    return "resume" if (folder / "checkpoint.safetensors").is_file() else "restart"
+def execute(run: Run, workers: int = 1, stop_at: float | None = None) -> tuple[SeedResult | None, str]:
+    """Run (or reuse, or resume) one federation, its clients on `workers` processes, pausing after whole rounds
+    near `stop_at` (bench/runs.py); its result (None unless finished) and what was done."""
+    how = run_kept(dataclasses.replace(run.config(), out=str(run.folder), workers=workers), stop_at)
+    return (None if how in ("paused", "left") else read_run(run.folder)), how
 
 
-def execute(run: Run, workers: int = 1) -> tuple[SeedResult, str]:
-    """Run (or reuse, or resume) one federation, its clients on `workers` processes; its result and what was done."""
-    cfg = dataclasses.replace(run.config(), out=str(run.folder), workers=workers)
-    state = folder_state(run.folder, cfg)
-    if state == "restart":  # same config, no round completed: clients' snapshots would be stale, start clean
-        shutil.rmtree(run.folder)
-    if state != "finished":
-        run_simulation(cfg, progress=False, resume=state == "resume")
-    return read_run(run.folder), {"finished": "reused", "resume": "resumed"}.get(state, "ran")
-
-
-def run_all(runs: Sequence[Run], workers: int = 1) -> tuple[dict[Path, SeedResult], dict[str, int], list[str]]:
+def run_all(
+    runs: Sequence[Run], workers: int = 1, stop_at: float | None = None
+) -> tuple[dict[Path, SeedResult], dict[str, int], list[str]]:
     """Every distinct run folder once (presets share runs), with a progress line each on stderr; clients on
-    `workers` processes."""
+    `workers` processes; with `stop_at`, paused after whole rounds near it and the rest left for the next chunk."""
     unique = list({r.folder: r for r in runs}.values())
     results: dict[Path, SeedResult] = {}
-    counts = {"ran": 0, "reused": 0, "resumed": 0, "failed": 0}
+    counts = {"ran": 0, "reused": 0, "resumed": 0, "paused": 0, "left": 0, "failed": 0}
     failures = []
     start = time.perf_counter()
     for i, run in enumerate(unique, 1):
         began = time.perf_counter()
         try:
-            result, how = execute(run, workers)
+            result, how = execute(run, workers, stop_at)
         except Exception as e:  # one failed run must not lose the others of a long reproduction
             counts["failed"] += 1
             failures.append(f"{run.cell.label} seed {run.seed} ({run.folder}): {type(e).__name__}: {e}")
             print(f"[{i}/{len(unique)}] {run.cell.label} seed {run.seed}: FAILED: {e}", file=sys.stderr, flush=True)
             continue
         counts[how] += 1
-        results[run.folder] = result
-        acc = f"final {result.final:.2f}%" if result.final is not None else "final n/a"
-        acc += f", last-3 {result.last3:.2f}%" if result.last3 is not None else ""
+        if how == "left":
+            continue
         elapsed = datetime.timedelta(seconds=round(time.perf_counter() - start))
+        if result is None:
+            acc = "paused: the chunk's time is up; rerun the same command to continue it"
+        else:
+            results[run.folder] = result
+            acc = f"final {result.final:.2f}%" if result.final is not None else "final n/a"
+            acc += f", last-3 {result.last3:.2f}%" if result.last3 is not None else ""
         print(
             f"[{i}/{len(unique)}] {run.cell.label} seed {run.seed}: {acc} ({how} in "
             f"{time.perf_counter() - began:.0f} s; {elapsed} elapsed) {run.folder}",
@@ -204,6 +182,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="strategy option, given to the strategies that have it, e.g. eta=0 (repeatable)",
     )
     p.add_argument("--local", action=argparse.BooleanOptionalAction, default=True, help="run local as the reference")
+    p.add_argument(
+        "--chunk-minutes",
+        type=float,
+        help="stop after whole rounds once this many minutes are (nearly) spent: a round starts only if the last "
+        "one's time still fits, a run not started is left; rerun the same command to continue (exit status 3 "
+        "until every run has finished)",
+    )
     p.add_argument("--dry-run", action="store_true", help="list the runs and their fedge run commands; run nothing")
     return p.parse_args(argv)
 
@@ -236,6 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         runs = plan(args)
         states = {r.folder: folder_state(r.folder, dataclasses.replace(r.config(), out=str(r.folder))) for r in runs}
+        stop_at = chunk_deadline(args.chunk_minutes)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -254,22 +240,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\n".join(header))
         print(f"\n{len({r.folder for r in runs})} runs (dry run: nothing is run):")
         for run in {r.folder: r for r in runs}.values():
-            print(f"- {run.cell.label} seed {run.seed} ({DRY_STATES[states[run.folder]]})\n  {run.command()}")
+            print(f"- {run.cell.label} seed {run.seed} ({STATES[states[run.folder]]})\n  {run.command()}")
         return 0
-    results, counts, failures = run_all(runs, args.workers)
+    results, counts, failures = run_all(runs, args.workers, stop_at)
     header.insert(6, f"- runs: {sum(counts.values())} ({', '.join(f'{v} {k}' for k, v in counts.items())}); folders "
                   f"under {Path(args.out) / args.scale.name}")  # fmt: skip
     stats = collect(runs, results)
     report = render(stats, header)
     if failures:
         report += "\nFailed runs:\n\n" + "\n".join(f"- {f}" for f in failures) + "\n"
+    unfinished = counts["paused"] + counts["left"]
+    if unfinished:
+        report += (
+            f"\n**Not finished**: {unfinished} runs wait for the next chunk ({counts['paused']} paused after whole "
+            f"rounds, {counts['left']} not started); the tables hold the finished seeds only. Rerun the same command "
+            f"to continue.\n"
+        )
     print(report)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.md").write_text(report)
     document = {"header": header, "counts": counts, "failures": failures, "cells": to_json(stats)}
     (out / "results.json").write_text(json.dumps(document, indent=2, ensure_ascii=False) + "\n")
-    return 1 if failures else 0
+    return 1 if failures else 3 if unfinished else 0
 
 
 if __name__ == "__main__":

@@ -9,11 +9,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from bench.paired import paired
 from bench.reproduce_paper import MOBILENETS, PAPER_FIG3_SIZE, Cell, paper_mean, paper_value
 
 ONE_POINT = 1.0  # pFedClub+ within about a point (percentage point) of pFedClub
 LAST_ROUNDS = 3  # the authors' "last 3 avg local acc" (original-code-notes §1.2)
-HOLDS, FAILS, NA = "✓", "✗", "n/a"
+HOLDS, FAILS, NOISE, NA = "✓", "✗", "≈", "n/a"
+Verdict = bool | str | None  # True holds, False does not, NOISE: the per-seed differences' signs differ, None: n/a
 
 
 @dataclass(frozen=True)
@@ -85,8 +87,8 @@ def fmt(mean: float | None, std: float | None = None, digits: int = 2) -> str:
     return f"{mean:.{digits}f}" if std is None else f"{mean:.{digits}f}±{std:.{digits}f}"
 
 
-def holds(ok: bool | None) -> str:
-    return NA if ok is None else HOLDS if ok else FAILS
+def holds(ok: Verdict) -> str:
+    return NA if ok is None else NOISE if ok == NOISE else HOLDS if ok else FAILS
 
 
 def at_least(a: float | None, b: float | None) -> bool | None:
@@ -137,8 +139,8 @@ class Check:
     paper's own numbers (None: not applicable or not known)."""
 
     claim: str
-    final: bool | None
-    last3: bool | None
+    final: Verdict
+    last3: Verdict
     paper: bool | None
 
     def ours(self) -> str:
@@ -159,19 +161,46 @@ def _compare(a: CellStats | None, b: CellStats | None, test: Any) -> tuple[bool 
     return final, last3
 
 
+def _paired(a: CellStats | None, b: CellStats | None) -> tuple[Verdict, Verdict]:
+    """ "a above b" on the final and on the last-rounds accuracy, from the per-seed paired differences over the
+    seeds both cells ran (bench/paired.py): True / False when every seed agrees, NOISE otherwise, None where a
+    cell is missing."""
+    if a is None or b is None:
+        return None, None
+    mine, theirs = dict(zip(a.seeds, a.results)), dict(zip(b.seeds, b.results))
+    seeds = sorted(set(mine) & set(theirs))
+    if not seeds:
+        return None, None
+
+    def verdict(metric: str) -> Verdict:
+        p = paired([getattr(mine[s], metric) for s in seeds], [getattr(theirs[s], metric) for s in seeds])
+        return None if not p.diffs else {1: True, -1: False, 0: NOISE}[p.sign]
+
+    return verdict("final"), verdict("last3")
+
+
+def compared(cell: Cell) -> list[tuple[str, Cell, Cell]]:
+    """The paired comparisons this row takes part in, each (claim, a, b) for "a above b": pFedClub ≥ pFedHR
+    (Table 1, Fig. 3), full pFedClub ≥ each ablation (Table 3), and every federated row against training alone."""
+    pairs = []
+    if cell.strategy == "pfedclub" and cell.variant == "none" and cell.preset in ("table1", "fig3"):
+        pairs.append(("≥ pFedHR", cell, replace(cell, strategy="pfedhr")))
+    if cell.preset == "table3" and cell.strategy == "pfedclub" and cell.variant != "none":
+        pairs.append(("full ≥ this", replace(cell, variant="none"), cell))
+    if cell.strategy != "local":
+        pairs.append(("> local", cell, replace(cell, strategy="local", public="-", variant="none", eta=None)))
+    return pairs
+
+
 def direction(cell: Cell, stats: Mapping[Cell, CellStats]) -> Check | None:
     """The paper's direction for this row: pFedClub ≥ pFedHR (Table 1, Fig. 3); full pFedClub ≥ each ablation
-    (Table 3); pFedClub+ teachers never above 1+η (max per-round ϕ ≤ η) and within ONE_POINT of pFedClub (Fig. 3).
-    None for a row the paper states nothing about."""
+    (Table 3), both on the per-seed paired differences; pFedClub+ teachers never above 1+η (max per-round ϕ ≤ η)
+    and within ONE_POINT of pFedClub on the means (Fig. 3). None for a row the paper states nothing about."""
     me, paper = stats.get(cell), paper_mean(paper_value(cell))
-    if cell.strategy == "pfedclub" and cell.variant == "none" and cell.preset in ("table1", "fig3"):
-        hr = replace(cell, strategy="pfedhr")
-        final, last3 = _compare(me, stats.get(hr), at_least)
-        return Check("≥ pFedHR", final, last3, at_least(paper, paper_mean(paper_value(hr))))
-    if cell.preset == "table3" and cell.strategy == "pfedclub" and cell.variant != "none":
-        full = replace(cell, variant="none")
-        final, last3 = _compare(stats.get(full), me, at_least)
-        return Check("full ≥ this", final, last3, at_least(paper_mean(paper_value(full)), paper))
+    for claim, a, b in compared(cell):
+        if claim != "> local":
+            final, last3 = _paired(stats.get(a), stats.get(b))
+            return Check(claim, final, last3, at_least(paper_mean(paper_value(a)), paper_mean(paper_value(b))))
     if cell.strategy == "pfedclub+" and cell.eta is not None:
         club = replace(cell, strategy="pfedclub", eta=None)
         phi_max = me.phi_max() if me else None
@@ -188,12 +217,34 @@ def direction(cell: Cell, stats: Mapping[Cell, CellStats]) -> Check | None:
 
 
 def beats_local(cell: Cell, stats: Mapping[Cell, CellStats]) -> Check | None:
-    """Federation beats training alone: this cell's accuracy > local's on the same data, fleet and seeds."""
-    if cell.strategy == "local":
-        return None
-    local = replace(cell, strategy="local", public="-", variant="none", eta=None)
-    final, last3 = _compare(stats.get(cell), stats.get(local), lambda a, b: None if a is None or b is None else a > b)
-    return Check("> local", final, last3, None)
+    """Federation beats training alone: this cell's accuracy above local's on the same data, fleet and seeds,
+    on the per-seed paired differences."""
+    for claim, a, b in compared(cell):
+        if claim == "> local":
+            return Check(claim, *_paired(stats.get(a), stats.get(b)), None)
+    return None
+
+
+def difference_lines(cells: Sequence[CellStats], stats: Mapping[Cell, CellStats]) -> list[str]:
+    """Per compared pair of rows whose cells both ran: a − b per seed (final, last-rounds) and the verdict."""
+    lines = []
+    for cs in cells:
+        for claim, a, b in compared(cs.cell):
+            one, other = stats.get(a), stats.get(b)
+            if one is None or other is None:
+                continue
+            seeds = sorted(set(one.seeds) & set(other.seeds))
+            if not seeds:
+                continue
+            mine, theirs = dict(zip(one.seeds, one.results)), dict(zip(other.seeds, other.results))
+            where = f"{a.dataset} {_fleet(a)} {a.partition}" + ("" if a.public == "-" else f" {a.public}")
+            shown = []
+            for metric, label in (("final", "final"), ("last3", f"last-{LAST_ROUNDS}")):
+                p = paired([getattr(mine[s], metric) for s in seeds], [getattr(theirs[s], metric) for s in seeds])
+                if p.diffs:
+                    shown.append(f"{label} {p.text()} {holds({1: True, -1: False, 0: NOISE}[p.sign])}")
+            lines.append(f"- {where}: {a.method} − {b.method} ({claim}), seeds {seeds}: {'; '.join(shown)}")
+    return lines
 
 
 TITLES = {
@@ -206,8 +257,9 @@ LEGEND = (
     f"its own test set); last-{LAST_ROUNDS}: per round the mean over the clients trained in it, evaluated right after "
     f"local training (the authors' code), averaged over the last {LAST_ROUNDS} rounds (all, if fewer); mean±std over "
     f"seeds. "
-    f'Checks: {HOLDS} holds / {FAILS} does not / {NA}, on final then last-{LAST_ROUNDS}; "paper\'s" applies the same '
-    f"direction to the paper's numbers."
+    f"Checks, on final then last-{LAST_ROUNDS}, from the per-seed paired differences (same seeds, same splits): "
+    f"{HOLDS} holds in every seed / {FAILS} fails in every seed / {NOISE} within noise (the seeds disagree, or one "
+    f"seed) / {NA}; \"paper's\" applies the same direction to the paper's means."
 )
 COLUMNS = ("dataset", "fleet", "partition", "public", "method", "final", f"last-{LAST_ROUNDS}", "paper")
 CHECK_COLUMNS = ("direction", "ours", "paper's", "> local")
@@ -306,6 +358,8 @@ def render(stats: Mapping[Cell, CellStats], header: Sequence[str]) -> str:
         cells = [cs for c, cs in stats.items() if c.preset == preset]
         lines += ["", f"## {TITLES.get(preset, preset)}", ""]
         lines += _md(COLUMNS + CHECK_COLUMNS, [row(cs, stats) for cs in cells])
+        differences = difference_lines(cells, stats)
+        lines += ["", "Paired differences, seed by seed:", "", *differences] if differences else []
         if preset == "fig3":
             lines += ["", "Per model type (ϕ: pFedClub Eq. (6), mean over the rounds a client got a teacher):", ""]
             header_m = ("dataset", "method", "model", "final", f"last-{LAST_ROUNDS}", "ϕ", "teacher/own")

@@ -104,18 +104,20 @@ def run_federation_rounds(
     progress: bool = True,
     resume: bool = False,
     deadline_s: float | None = None,
+    stop_at: float | None = None,
 ) -> dict[str, Any]:
     """Run the rounds over any transport, write the run folder (metrics, checkpoint, summary, plots), return
     the summary. With `resume`, continue the run in cfg.out from its checkpoint. The server's torch threads are
     cfg.server_threads (0: as they are); summary.json records the number used. `deadline_s`: the transport's
-    round deadline, if it has one (the simulated clock charges it for a client that never replied).
+    round deadline, if it has one (the simulated clock charges it for a client that never replied). `stop_at`: a
+    time.time() after which the run pauses after whole rounds (server.coordinator.RunPaused; resume continues it).
     A round that misses its quorum on every try writes the summary so far and raises RoundFailed. The process's
     torch thread count is restored on return (a caller in the same process, a test, keeps its own)."""
     before = torch.get_num_threads()
     if cfg.server_threads:
         torch.set_num_threads(cfg.server_threads)
     try:
-        return _rounds(cfg, strategy, transport, clients, progress, resume, deadline_s)
+        return _rounds(cfg, strategy, transport, clients, progress, resume, deadline_s, stop_at)
     finally:
         torch.set_num_threads(before)
 
@@ -128,6 +130,7 @@ def _rounds(
     progress: bool,
     resume: bool,
     deadline_s: float | None,
+    stop_at: float | None,
 ) -> dict[str, Any]:
     """run_federation_rounds at the server's torch threads."""
     out = run_folder(cfg, resume)
@@ -143,6 +146,7 @@ def _rounds(
         cfg.widths,
         deadline_s,
         cfg.clip_factor,
+        stop_at,
     )
     coordinator = Coordinator(strategy, transport, clients, loop, runlog)
     start = time.perf_counter()

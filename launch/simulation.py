@@ -23,6 +23,7 @@ def run_simulation(
     progress: bool = True,
     resume: bool = False,
     adversaries: Mapping[str, Callable[[Handler], Handler]] | None = None,
+    stop_at: float | None = None,
 ) -> dict[str, Any]:
     """Run a whole federation in this process; writes the run folder and returns the summary. Clients keep
     their model snapshots in <out>/clients/<id>; `resume` continues an interrupted run in cfg.out (same cfg).
@@ -32,7 +33,8 @@ def run_simulation(
     `adversaries` turns clients into liars: client id -> a function of its honest handler returning the one it runs
     instead (bench/robust.py's attacks; they run in this process, one after another: workers <= 1, engine
     processes); an id that is not a client raises ValueError. Clients run at one torch thread (`one_thread`, or
-    each worker's one; batched: cfg.workers threads), the server at cfg.server_threads."""
+    each worker's one; batched: cfg.workers threads), the server at cfg.server_threads. `stop_at`: a time.time()
+    after which the run pauses after whole rounds (server.coordinator.RunPaused); `resume` continues it."""
     cfg = resolve_options(cfg)  # fail fast on an unknown strategy or option, before loading data
     device = client_device(cfg.client_device)  # a GPU that is not there fails before data are loaded
     if adversaries and (cfg.engine != "processes" or cfg.workers > 1):
@@ -45,7 +47,7 @@ def run_simulation(
     cfg = dataclasses.replace(cfg, out=str(out))
     if cfg.engine == "ray" or (cfg.workers > 1 and cfg.engine == "processes"):
         with WorkerPool(cfg, ids, state_dir, cfg.workers) as pool:
-            return run_federation_rounds(cfg, strategy, pool, pool.infos, progress, resume)
+            return run_federation_rounds(cfg, strategy, pool, pool.infos, progress, resume, stop_at=stop_at)
     agents = client_agents(cfg, ids, state_dir=state_dir, partitioned=(ds, partition))  # or own data (data_dir)
     warm_up()
     handlers = {a.client_id: a.handle for a in agents}
@@ -57,7 +59,8 @@ def run_simulation(
     )
     if cfg.engine == "batched":
         transport = BatchedClients(agents, transport, device, max(cfg.workers, 1))
-    return run_federation_rounds(cfg, strategy, transport, {a.client_id: a.info() for a in agents}, progress, resume)
+    infos = {a.client_id: a.info() for a in agents}
+    return run_federation_rounds(cfg, strategy, transport, infos, progress, resume, stop_at=stop_at)
 
 
 def one_thread(handler: Handler) -> Handler:

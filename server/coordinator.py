@@ -52,13 +52,25 @@ class RoundFailed(StrategyError):
         self.summary = summary
 
 
+class RunPaused(Exception):
+    """The run stopped after a completed round because its time (LoopConfig.stop_at) was up; the run folder's
+    checkpoint continues it (resume). Not a failure: summary.json is not written until the last round."""
+
+    def __init__(self, next_round: int, out: object) -> None:
+        super().__init__(f"paused before round {next_round}: its time was up; resume from the checkpoint in {out}")
+        self.next_round = next_round
+
+
 @dataclass(frozen=True)
 class LoopConfig:
     """Rounds, clients per round, the seed, the quorum (min_replies training replies, else the round is
     tried again up to round_retries more times), whether to draw a progress bar, and the zoo width preset the
     fleet's models were built at (part of what a checkpoint must share with a run that resumes it), and the
     transport's round deadline if it has one (the simulated clock charges it for a client that never replied), and
-    the multiple of the round's median update a client's update is clipped to (server/bounds.py; 0: no clipping)."""
+    the multiple of the round's median update a client's update is clipped to (server/bounds.py; 0: no clipping),
+    and when to pause: `stop_at`, a time.time() by which the run stops after whole rounds (RunPaused; None: never).
+    A round is started only if the last one's duration still fits before stop_at, and every call runs at least one
+    round, so a run continued chunk by chunk always advances."""
 
     rounds: int
     active: int
@@ -70,6 +82,7 @@ class LoopConfig:
     widths: str = C.DEFAULT_WIDTHS
     deadline_s: float | None = None
     clip_factor: float = C.CLIP_FACTOR
+    stop_at: float | None = None
 
 
 def sample_clients(client_ids: Sequence[str], active: int, seed: int, rnd: int) -> list[str]:
@@ -289,8 +302,13 @@ class Coordinator:
             dynamic_ncols=True,
         ) as self.bar:
             for rnd in self.bar:
+                began = time.time()
                 self.run_round(rnd)
                 self.runlog.write_checkpoint(self.checkpoint(rnd + 1))
+                stop_at, last = self.loop.stop_at, time.time() - began
+                if stop_at is not None and rnd + 1 < self.loop.rounds and time.time() + last > stop_at:
+                    self.show("paused")
+                    raise RunPaused(rnd + 1, self.runlog.out)
             self.show("done")
         return self.summary()
 

@@ -465,6 +465,7 @@ class FedTrans(Strategy):
                 {"name": m.spec.name, "macs": m.spec.macs, "params": m.spec.params, "created_round": c}
                 for m, c in zip(self.models, self.created)
             ],
+            "largest_model": max((m.spec for m in self.models), key=lambda spec: spec.macs).to_dict(),
             "transforms": list(self.transforms),
             "growth_stopped": self.growth_stopped,
             "ignored_reports": dict(self.ignored),
@@ -490,6 +491,7 @@ class FedTrans(Strategy):
             "losses": list(self.losses),
             "activeness": [dict(a) for a in self.activeness],
             "similarity": [list(r) for r in self.similarity],
+            "largest_model": max((m.spec for m in self.models), key=lambda spec: spec.macs).to_dict(),
             "transforms": list(self.transforms),
             "growth_stopped": self.growth_stopped,
             "doc": self.doc,

@@ -21,7 +21,8 @@ Deviations:
 - the average of Eq. (2) weights each client by its example count (capped at `max_client_share`, as FedAvg), where
   the paper's code takes a plain mean; with equal shards the two agree.
 - the global model is a registered spec of the fleet (the largest by MACs, or the one option `model` names), at
-  the run's width preset, from which every submodel is cut: a client whose own registered model is another
+  the run's width preset, or the spec in option `model_file` (FedTrans's comparison: the largest model FedTrans
+  grew, as its App. A.1 does), from which every submodel is cut: a client whose own registered model is another
   architecture still trains a slice of the global one (the `train_model` task) and is evaluated on it.
 - only torch-runtime clients take part: an ExecuTorch client's training program is built for its own model.
 """
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -40,7 +42,7 @@ from fedge.config import ConfigError
 from fedge.messages import ClientInfo, Result, Task, Weights, client_order
 from fedge.payloads import Expected
 from fedge.seeding import derive_seed
-from fedge.spec import ModelSpec, build, parameter_names, tensor_shapes
+from fedge.spec import ModelSpec, SpecError, build, parameter_names, tensor_shapes, validate
 from server.aggregation import capped_shares, combine
 from server.capacity import CapacityError, client_capacities, compatible
 from server.fedavg import checkpoint_global
@@ -73,6 +75,11 @@ class HeteroFLOptions(StrategyOptions):
         "",
         "the global model: the name of a model some client registered (at the run's widths); empty: the "
         "registered model with the most MACs",
+    )
+    model_file: str = option(
+        "",
+        "a JSON model spec for the global model instead (FedTrans App. A.1 gives HeteroFL the largest model FedTrans "
+        "grew: a FedTrans run's summary.json largest_model, written to a file); it must take the fleet's input",
     )
     rates: str = option(
         "1,0.5,0.25,0.125,0.0625",
@@ -120,9 +127,12 @@ class HeteroFL(Strategy):
         self.global_model = Weights(spec, build(spec).state_dict())
 
     def global_spec(self, clients: Mapping[str, ClientInfo]) -> ModelSpec:
-        """The registered spec that `model` names (the one with the most MACs if several), or the fleet's largest
-        by MACs; StrategyError listing the fleet's models when no client registered `model`."""
+        """The spec in `model_file`, else the registered spec that `model` names (the one with the most MACs if
+        several), or the fleet's largest by MACs; StrategyError when the file cannot be read or does not take the
+        fleet's input and classes, or listing the fleet's models when no client registered `model`."""
         ordered = sorted(clients.values(), key=lambda info: client_order(info.client_id))
+        if self.options.model_file:
+            return self.spec_file(ordered[0].spec)
         pool = [info.spec for info in ordered if not self.options.model or info.spec.name == self.options.model]
         if not pool:
             names = sorted({info.spec.name for info in ordered})
@@ -131,6 +141,21 @@ class HeteroFL(Strategy):
                 f"this fleet has {names} (leave model empty for the largest)"
             )
         return max(pool, key=lambda spec: spec.macs).with_origin(None)
+
+    def spec_file(self, fleet: ModelSpec) -> ModelSpec:
+        """The global model of option `model_file`, checked against a spec of the fleet (input shape, classes)."""
+        path = Path(self.options.model_file)
+        try:
+            spec = ModelSpec.from_json(path.read_text())
+            validate(spec)
+        except (OSError, SpecError) as e:
+            raise StrategyError(f"heterofl: model_file {path}: {e}") from None
+        if (spec.input_shape, spec.num_classes) != (fleet.input_shape, fleet.num_classes):
+            raise StrategyError(
+                f"heterofl: model_file {path} takes input {spec.input_shape} with {spec.num_classes} classes; "
+                f"this fleet's models take {fleet.input_shape} with {fleet.num_classes}"
+            )
+        return spec.with_origin(None)
 
     def submodel_spec(self, spec: ModelSpec, rate: float) -> ModelSpec:
         """The spec of the submodel at `rate`, with Scaler layers when the option is on."""

@@ -64,30 +64,41 @@ def test_table2_puts_the_papers_numbers_beside_ours_and_checks_the_directions():
     assert lines[3] == "| FedAvg | 75.00 ± 0.00 | 78.2 | 0.200 | 0.10 | 0.50 |"  # 8 M over 10 rounds x 4 clients
     assert lines[4].startswith("| FedMN | 75.00 ± 1.41 | 83.4 | 0.100 |") and len(lines) == 5
     verdicts = fedmn.checks2(results)
-    assert verdicts[0] == "- does NOT hold: FedMN 75.00 > FedAvg 75.00"
-    assert verdicts[1].startswith("- HOLDS: FedAvg 75.00 > local 71.00 (federation beats training alone")
-    assert verdicts[2] == "- HOLDS: FedMN 75.00 > local 71.00"
+    assert verdicts[0] == "- within noise: FedMN > FedAvg, FedMN − FedAvg = -1.00, +1.00 per seed (mean +0.00)"
+    assert verdicts[1].startswith("- HOLDS: FedAvg > local, FedAvg − local = +5.00, +3.00 per seed (mean +4.00) (fed")
+    assert verdicts[2] == "- HOLDS: FedMN > local, FedMN − local = +4.00, +4.00 per seed (mean +4.00)"
     assert fedmn.mean_evolution(results["FedMN"]) == {0: (1.5, None), 1: (2.0, 0.5)}
 
 
-def test_fig2_table_and_checks():
+def test_fig2_table_and_checks_compare_each_pool_with_the_mlp_of_as_many_blocks():
     results = {
-        "FedMN [1×4×3]": [run(40.0, 10e6, 4e6, evo((2, 0)), params=1_455_281)],
-        "FedMN [1×5×2]": [run(30.0, 13e6, 4e6, evo((1, 0)))],
-        "FedAvg 8-layer MLP": [run(35.0, 12e6, params=1_184_010)],
-        "FedAvg 10-layer MLP": [run(33.0, 14e6)],
+        "FedMN [1×4×3]": [
+            run(40.0, 10e6, 4e6, evo((2, 0)), params=1_455_281),
+            run(41.0, 10e6, 4e6, evo((2, 0)), params=1_455_281),
+        ],
+        "FedMN [1×5×2]": [run(30.0, 13e6, 4e6, evo((1, 0))), run(36.0, 13e6, 4e6, evo((1, 0)))],
+        "FedMN [1×4×5]": [run(38.0, 11e6, 4e6), run(39.0, 11e6, 4e6)],
+        "FedAvg 8-layer MLP": [run(35.0, 12e6, params=1_184_010), run(35.0, 12e6, params=1_184_010)],
+        "FedAvg 10-layer MLP": [run(33.0, 14e6), run(34.0, 14e6)],
     }
     lines = fedmn.fig2(results)
-    assert lines[2] == "| FedMN [1×4×3] | 1.455 | 10.0 ± 0.0 | 4.0 | 4 | 40.00 ± 0.00 |"
-    assert lines[4] == "| FedAvg 8-layer MLP | 1.184 | 12.0 ± 0.0 | 0.0 | 4 | 35.00 ± 0.00 |"
+    assert lines[2] == "| FedMN [1×4×3] | 1.455 | 10.0 ± 0.0 | 4.0 | 4 | 40.50 ± 0.71 |"
+    assert lines[5] == "| FedAvg 8-layer MLP | 1.184 | 12.0 ± 0.0 | 0.0 | 4 | 35.00 ± 0.00 |"
     assert fedmn.checks_fig2(results) == [
         "- HOLDS: FedMN [1×4×3] transmits 10.0 M < FedAvg 8-layer MLP 12.0 M",
         "- HOLDS: FedMN [1×4×3] without its router 6.0 M < FedAvg 8-layer MLP 12.0 M",
-        "- HOLDS: FedMN [1×4×3] 40.00 % > FedAvg 8-layer MLP 35.00 %",
+        "- HOLDS: FedMN [1×4×3] > FedAvg 8-layer MLP, FedMN [1×4×3] − FedAvg 8-layer MLP = +5.00, +6.00 per seed"
+        " (mean +5.50)",
         "- does NOT hold: FedMN [1×5×2] transmits 13.0 M < FedAvg 8-layer MLP 12.0 M",
         "- HOLDS: FedMN [1×5×2] without its router 9.0 M < FedAvg 8-layer MLP 12.0 M",
-        "- does NOT hold: FedMN [1×5×2] 30.00 % > FedAvg 8-layer MLP 35.00 %",
-        "- HOLDS: FedAvg 10-layer MLP 33.00 % < FedAvg 8-layer MLP 35.00 % (slower to converge)",
+        "- within noise: FedMN [1×5×2] > FedAvg 8-layer MLP, FedMN [1×5×2] − FedAvg 8-layer MLP = -5.00, +1.00 per"
+        " seed (mean -2.00)",
+        "- HOLDS: FedMN [1×4×5] transmits 11.0 M < FedAvg 10-layer MLP 14.0 M",  # 10 blocks: against the 10-layer MLP
+        "- HOLDS: FedMN [1×4×5] without its router 7.0 M < FedAvg 10-layer MLP 14.0 M",
+        "- HOLDS: FedMN [1×4×5] > FedAvg 10-layer MLP, FedMN [1×4×5] − FedAvg 10-layer MLP = +5.00, +5.00 per seed"
+        " (mean +5.00)",
+        "- HOLDS: FedAvg 8-layer MLP > FedAvg 10-layer MLP, FedAvg 8-layer MLP − FedAvg 10-layer MLP = +2.00, +1.00"
+        " per seed (mean +1.50) (deeper converges slower)",
     ]
     table = fedmn.routing_table({a: fedmn.mean_evolution(r) for a, r in results.items() if "routing" in r[0]})
     assert table == ["| round | FedMN [1×4×3] | FedMN [1×5×2] |", "|---|---|---|", "| 0 | 2.0 / - | 1.0 / - |"]

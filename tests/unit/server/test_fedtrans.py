@@ -16,7 +16,7 @@ from device_profiles import get_profile, training_memory_bytes
 from fedge.checkpoint import load_tree, save_tree, tree_digest
 from fedge.layers import LayerSpec as L
 from fedge.messages import ClientInfo, Result, Weights
-from fedge.spec import build, make_spec
+from fedge.spec import ModelSpec, build, make_spec
 from fedge.zoo import create
 from server.fedtrans import FedTrans, weight_cells
 from server.strategy import StrategyConfig, StrategyError, create_strategy
@@ -105,6 +105,8 @@ def test_the_grown_model_computes_its_parents_function_and_transforms_the_most_a
     parent, child = s.models
     assert s.transforms[0]["ops"] == [{"cell": "blocks.1.0", "op": "widen"}]
     assert child.spec.macs > parent.spec.macs
+    # what HeteroFL is given in FedTrans's comparison (App. A.1): the largest model the chain grew
+    assert ModelSpec.from_dict(s.summary()["largest_model"]) == child.spec
     x = torch.randn(16, 1, 28, 28)
     a, b = build(parent.spec), build(child.spec)
     a.load_state_dict(parent.state), b.load_state_dict(child.state)

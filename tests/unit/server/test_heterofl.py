@@ -13,12 +13,13 @@ from device_profiles import get_profile
 from fedge.checkpoint import load_tree, save_tree, tree_digest
 from fedge.config import ConfigError
 from fedge.messages import ClientInfo, Result, Weights
-from fedge.spec import tensor_shapes
+from fedge.spec import build, tensor_shapes
 from fedge.zoo import create
 from server.capacity import compatible
 from server.heterofl import HeteroFL, HeteroFLOptions, parse_rates
 from server.slices import crop
 from server.strategy import StrategyConfig, StrategyError
+from server.transforms import Cell, widen
 
 pytestmark = pytest.mark.timeout(120)
 CONFIG = StrategyConfig(local_epochs=1, batch_size=8, lr=1e-3, seed=0)
@@ -41,6 +42,33 @@ def capacity_file(tmp_path, capacities):
     path = Path(tmp_path) / "capacity.json"
     path.write_text(json.dumps(capacities))
     return str(path)
+
+
+def grown(tmp_path, shape=INPUT):
+    """A model no client registered: cnn1 with its second conv widened (as FedTrans grows it), as a JSON file."""
+    spec = create("cnn1", shape, 10)
+    model = build(spec)
+    wide = widen(spec, dict(model.state_dict()), Cell(1, 0)).spec
+    path = Path(tmp_path) / "grown.json"
+    path.write_text(wide.to_json())
+    return wide, str(path)
+
+
+def test_the_global_model_from_a_spec_file_is_cut_for_every_client(tmp_path):
+    """FedTrans's comparison gives HeteroFL the largest model FedTrans grew (App. A.1): a spec file, not a
+    registered model; each client gets the largest slice of it that fits."""
+    wide, path = grown(tmp_path)
+    fleet = {"0": info("0", "cnn1", "rpi-zero-2w"), "1": info("1", "cnn3")}
+    caps = capacity_file(tmp_path, {"0": wide.macs - 1, "1": wide.macs})  # client 0: just below the whole model
+    s = strategy(fleet, model_file=path, capacity_file=caps)
+    assert s.global_model.spec == wide and s.rate == {"0": 0.5, "1": 1.0} and s.specs["1"] == wide
+    assert s.specs["0"].macs < wide.macs and compatible(s.specs["0"], wide.macs - 1, get_profile("rpi-zero-2w"))
+    (tmp_path / "rgb").mkdir()
+    _, other = grown(tmp_path / "rgb", (3, 32, 32))
+    with pytest.raises(StrategyError, match=r"takes input \(3, 32, 32\)"):
+        strategy(fleet, model_file=other)
+    with pytest.raises(StrategyError, match="model_file"):
+        strategy(fleet, model_file=str(tmp_path / "missing.json"))
 
 
 def test_options_are_checked():
