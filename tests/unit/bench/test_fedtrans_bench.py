@@ -72,3 +72,26 @@ def test_a_tiny_benchmark_runs_and_reuses_its_finished_runs(tmp_path, capsys):
     stamp = (tmp_path / "mnist-iid" / "fedtrans-seed0" / "summary.json").stat().st_mtime_ns
     assert fedtrans.main(argv) == 0
     assert (tmp_path / "mnist-iid" / "fedtrans-seed0" / "summary.json").stat().st_mtime_ns == stamp
+
+
+def test_heterofls_global_model_is_the_largest_model_fedtrans_grew_in_the_same_run(tmp_path, capsys, monkeypatch):
+    """FedTrans App. A.1: HeteroFL is given the largest model FedTrans transformed; asking for HeteroFL alone runs
+    the FedTrans run of its data and seed first. FedTrans here grows as soon as it can (β high, one reporter)."""
+    data = ROOT.parent / "shared" / "data" / "mnist.npz"
+    if not data.exists():
+        pytest.skip(f"needs {data}")
+    strategy, zoo, options = fedtrans.METHODS["FedTrans"]
+    monkeypatch.setitem(fedtrans.METHODS, "FedTrans", (strategy, zoo, options | {"beta": 100.0, "growth_quorum": 1}))
+    argv = ["--datasets", "mnist", "--partitions", "iid", "--methods", "HeteroFL", "--seeds", "0", "--rounds", "8"]
+    argv += ["--clients", "5", "--active", "5", "--samples", "60", "--out", str(tmp_path)]
+    assert fedtrans.main(argv) == 0
+    runs = tmp_path / "mnist-iid"
+    grown = json.loads(next(runs.glob("fedtrans-*seed0/summary.json")).read_text())
+    largest = max(grown["chain"], key=lambda m: m["macs"])
+    assert len(grown["chain"]) > 1 and largest["name"] != "cnn1"  # it grew
+    heterofl = json.loads((runs / "heterofl-seed0" / "summary.json").read_text())
+    assert heterofl["global_model"] == largest["name"] == grown["largest_model"]["name"]
+    assert json.loads((runs / "fedtrans-largest-seed0.json").read_text()) == grown["largest_model"]
+    # the capacity tiers: client i has CAPACITY_TIERS[i % 5], so the grown model reaches every client but the first
+    assert heterofl["capacity"] == {str(i): fedtrans.CAPACITY_TIERS[i] for i in range(5)}
+    assert heterofl["rate"]["0"] < 1 and all(heterofl["rate"][str(i)] == 1 for i in range(1, 5))
