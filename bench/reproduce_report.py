@@ -36,6 +36,8 @@ class SeedResult:
     final: float | None
     last3: float | None
     clients: Mapping[str, ClientResult] = field(default_factory=dict)
+    own_share: float | None = None  # pFedClub: the kept candidates' own-block share, mean over clients
+    self_rounds: int | None = None  # reassembly: rounds whose teacher was the client's own model, over all clients
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -70,7 +72,15 @@ def seed_result(summary: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -
             summary.get("phi", {}).get(cid),
             max(phis) if phis else None,
         )
-    return SeedResult(None if final["mean"] is None else 100 * final["mean"], _mean(per_round), clients)
+    shares = [v for v in summary.get("own_block_share", {}).values() if v is not None]
+    selfs = summary.get("teacher_is_self_rounds")
+    return SeedResult(
+        None if final["mean"] is None else 100 * final["mean"],
+        _mean(per_round),
+        clients,
+        _mean(shares),
+        None if selfs is None else sum(selfs.values()),
+    )
 
 
 def mean_std(values: Sequence[float | None]) -> tuple[float | None, float | None]:
@@ -225,6 +235,30 @@ def beats_local(cell: Cell, stats: Mapping[Cell, CellStats]) -> Check | None:
     return None
 
 
+def teacher_rows(cells: Sequence[CellStats]) -> list[list[str]]:
+    """Per reassembly row (pFedHR, pFedClub and its variants): the kept candidates' own-block share (pFedClub) and
+    the rounds whose teacher was the client's own model, beside the final accuracy; mean±std over seeds."""
+    rows = []
+    for cs in cells:
+        selfs = [r.self_rounds for r in cs.results]
+        if all(v is None for v in selfs):
+            continue
+        c = cs.cell
+        rows.append(
+            [
+                c.dataset,
+                _fleet(c),
+                c.partition,
+                c.public,
+                c.method,
+                fmt(*cs.stat("final")),
+                fmt(*mean_std([r.own_share for r in cs.results]), digits=3),
+                fmt(*mean_std([None if v is None else float(v) for v in selfs]), digits=1),
+            ]
+        )
+    return rows
+
+
 def difference_lines(cells: Sequence[CellStats], stats: Mapping[Cell, CellStats]) -> list[str]:
     """Per compared pair of rows whose cells both ran: a − b per seed (final, last-rounds) and the verdict."""
     lines = []
@@ -360,6 +394,16 @@ def render(stats: Mapping[Cell, CellStats], header: Sequence[str]) -> str:
         lines += _md(COLUMNS + CHECK_COLUMNS, [row(cs, stats) for cs in cells])
         differences = difference_lines(cells, stats)
         lines += ["", "Paired differences, seed by seed:", "", *differences] if differences else []
+        teachers = teacher_rows(cells)
+        if teachers:
+            lines += [
+                "",
+                "Teachers (own-block share: of the kept candidates' blocks, the client's own, pFedClub; "
+                "self rounds: rounds whose teacher was the client's own model, summed over clients):",
+                "",
+            ]
+            header_t = ("dataset", "fleet", "partition", "public", "method", "final", "own-block share", "self rounds")
+            lines += _md(header_t, teachers)
         if preset == "fig3":
             lines += ["", "Per model type (ϕ: pFedClub Eq. (6), mean over the rounds a client got a teacher):", ""]
             header_m = ("dataset", "method", "model", "final", f"last-{LAST_ROUNDS}", "ϕ", "teacher/own")
@@ -397,6 +441,8 @@ def to_json(stats: Mapping[Cell, CellStats]) -> list[dict[str, Any]]:
                 "seeds": cs.seeds,
                 "final": [r.final for r in cs.results],
                 "last3": [r.last3 for r in cs.results],
+                "own_block_share": [r.own_share for r in cs.results],
+                "teacher_is_self_rounds": [r.self_rounds for r in cs.results],
                 "final_mean_std": cs.stat("final"),
                 "last3_mean_std": cs.stat("last3"),
                 "paper": paper_value(cell),

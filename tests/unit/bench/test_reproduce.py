@@ -5,6 +5,7 @@ import argparse
 import json
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -149,8 +150,12 @@ def test_render_puts_the_papers_value_and_the_checks_beside_ours():
     club = Cell("table1", "mnist", "III", "noniid", "pfedclub", "unlabeled")
     hr = Cell("table1", "mnist", "III", "noniid", "pfedhr", "unlabeled")
     stats = dict([stats_of(hr, [90.0, 92.0]), stats_of(club, [91.0, 93.0], [90.0, 90.0])])
+    stats[club].results[:] = [
+        replace(r, own_share=s, self_rounds=n) for r, s, n in zip(stats[club].results, (0.6, 0.8), (2, 4))
+    ]
 
     text = render(stats, ["# title"])
+    assert "| mnist | III | noniid | unlabeled | pFedClub | 92.00±1.41 | 0.700±0.141 | 3.0±1.4 |" in text
 
     assert text.startswith("# title\n")
     assert "## Table 1" in text
@@ -170,6 +175,8 @@ def test_seed_result_takes_the_final_mean_and_the_last_three_rounds():
         "final_accuracy": {"mean": 0.75, "per_client": {"0": 0.5, "1": 1.0}},
         "models": {"0": "cnn1", "1": "cnn2"},
         "phi": {"0": 0.2},
+        "own_block_share": {"0": 0.5, "1": None},  # client 1 never got a candidate
+        "teacher_is_self_rounds": {"0": 2, "1": 1},
     }
     rows = [{"round": 0, "client": "0", "trained": True, "accuracy": 0.1, "phi": 0.3}]
     rows += [{"round": r, "client": "0", "trained": True, "accuracy": a} for r, a in ((1, 0.2), (2, 0.4), (3, 0.6))]
@@ -182,6 +189,8 @@ def test_seed_result_takes_the_final_mean_and_the_last_three_rounds():
     assert result.last3 == pytest.approx((20 + 40 + (60 + 100) / 2) / 3)
     assert result.clients["0"] == ClientResult("cnn1", 50.0, pytest.approx(40.0), 0.2, 0.3)
     assert result.clients["1"].phi is None and result.clients["1"].phi_max == 0.1
+    assert (result.own_share, result.self_rounds) == (0.5, 3)
+    assert seed_result(summary | {"own_block_share": {}, "teacher_is_self_rounds": None}, rows).self_rounds is None
 
 
 @pytest.mark.skipif(not PAPER_TEXT.is_file(), reason="no ../shared/papers/pfedclub-neurips2024.txt")
