@@ -18,23 +18,29 @@ Presets (each axis can be narrowed or widened with the flags above; without them
 Scales (--scale; the header of the report prints what the chosen one sets):
   full    the paper: N = 50 clients, M = 5 active, T = 100 rounds, E = 10 local epochs, all data (72/20/8); for a GPU
           (each pFedClub round fine-tunes 5 x 4 candidates on the whole public set, 4,800-5,600 images).
-  medium  N = 20, M = 5, T = 10, E = 5, <=400 samples per client, <=500 public samples.
-  small   N = 10, M = 5, T = 5, E = 2, <=200 samples per client, <=300 public samples (the default).
+  medium  N = 20, M = 5, T = 10, E = 5, <=400 samples per client, the paper's public set.
+  small   N = 10, M = 5, T = 5, E = 2, <=200 samples per client, the paper's public set (the default).
   smoke   N = 5, M = 5, T = 2, E = 1, <=80 samples per client, <=64 public samples: checks the pipeline only.
   FLOAT   f in (0, 1]: N = max(5, round(50f)), M = min(5, N), T = max(2, round(100f)), E = 10,
-          <=max(20, round(1200f)) samples per client, <=max(64, round(5000f)) public samples; 1 is full.
+          <=max(20, round(1200f)) samples per client, the paper's public set; 1 is full.
+  Every scale but smoke keeps the paper's public set (8 % of the data, 4,800-5,600 images): it is the server's and
+  decides how many optimiser steps a stitch gets (a few hundred public samples gave 3-15: untrained candidates).
   Fig. 3 always has one client per model type, all of them active. Seconds per run measured with --threads 1 on a
-  2-core CPU shared with other work: smoke CIFAR-10 Zoo III 5 s (local, pFedHR) to 18 s (pFedClub), Fig. 3 CIFAR-10
-  6-46 s; small MNIST Zoo III 10 s (local), 22 s (pFedHR), 99 s (pFedClub). pFedClub's server step dominates and
-  grows with the public set, the active clients and the zoo's size (Zoo I on CIFAR-10 is the heaviest cell). Those
-  times are from before the server's 225-step fine-tuning floor (finetune_min_steps), which lengthens the
-  reassembly methods' runs: smoke digits Zoo III with unlabeled public data now takes 31 s (pFedHR) and about
-  77 s (pFedClub) on the same machine; `--set finetune_min_steps=0` gives the epochs alone.
+  2-core CPU shared with other work, before small and medium took the paper's public set: smoke CIFAR-10 Zoo III 5 s
+  (local, pFedHR) to 18 s (pFedClub), Fig. 3 CIFAR-10 6-46 s; small MNIST Zoo III 10 s (local), 22 s (pFedHR), 99 s
+  (pFedClub). pFedClub's server step dominates and grows with the public set, the active clients and the zoo's size
+  (Zoo I on CIFAR-10 is the heaviest cell). Those times are from before the server's 225-step fine-tuning floor
+  (finetune_min_steps), which lengthens the reassembly methods' runs: smoke digits Zoo III with unlabeled public data
+  now takes 31 s (pFedHR) and about 77 s (pFedClub) on the same machine; `--set finetune_min_steps=0` gives the
+  epochs alone.
 
 Every run is an in-process simulation (launch.simulation.run_simulation) whose folder is kept under
 <out>/<scale>/<dataset>-zoo<Z>[-each]-<partition>-<strategy>[-<public>][-<ablation>][-eta<η>]-s<seed>. A folder whose
 run finished is read back instead of run again, and an interrupted one resumes from its checkpoint, so a long
-reproduction can be stopped and continued by running the same command. The report (setup, one Markdown table per
+reproduction can be stopped and continued by running the same command. `--chunk-minutes M` makes that a plan: runs
+pause after whole rounds once M minutes are nearly spent (a round starts only if the last one's time still fits) and
+the rest wait; each rerun adds whole rounds and runs to the folder (exit status 3 until all have finished), as a
+lent GPU's few minutes allow: `--scale full --device cuda --chunk-minutes 7`. The report (setup, one Markdown table per
 preset, direction checks) is printed and written to <out>/results.md and <out>/results.json; one progress line per
 run goes to stderr. `--dry-run` lists every run with the equivalent `fedge run` command and runs nothing.
 """

@@ -86,10 +86,16 @@ def test_scale_arithmetic():
     assert FULL.samples_per_client is None and FULL.public_samples is None
     s = parse_scale("0.2")
     assert (s.clients, s.active, s.rounds, s.local_epochs, s.samples_per_client, s.public_samples) == (
-        10, 5, 20, 10, 240, 1000
-    )  # fmt: skip
+        10,
+        5,
+        20,
+        10,
+        240,
+        None,
+    )  # fmt: skip: the paper's public set (the server's) at every scale but smoke
+    assert SCALES["small"].public_samples is SCALES["medium"].public_samples is None
     tiny = parse_scale("0.01")
-    assert (tiny.clients, tiny.active, tiny.rounds, tiny.samples_per_client, tiny.public_samples) == (5, 5, 2, 20, 64)
+    assert (tiny.clients, tiny.active, tiny.rounds, tiny.samples_per_client, tiny.public_samples) == (5, 5, 2, 20, None)
     for bad in ("0", "1.5", "huge"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_scale(bad)
