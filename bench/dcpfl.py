@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.compare import hardware  # noqa: E402
 from bench.fedtrans import cell, read_rows  # noqa: E402
 from bench.paired import verdict  # noqa: E402
-from bench.runs import add_chunk_flag, chunk_deadline, not_finished, run_all, run_one  # noqa: E402
+from bench.runs import add_chunk_flag, chunk_deadline, guarded, not_finished, run_all, run_one  # noqa: E402
 from fedge.config import RunConfig  # noqa: E402
 
 # label -> (strategy, options)
@@ -218,4 +218,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(guarded(main))

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.compare import hardware  # noqa: E402
 from bench.fedtrans import cell, read_rows  # noqa: E402
 from bench.paired import verdict as paired_verdict  # noqa: E402
-from bench.runs import add_chunk_flag, chunk_deadline, not_finished, run_all, run_one  # noqa: E402
+from bench.runs import add_chunk_flag, chunk_deadline, guarded, not_finished, run_all, run_one  # noqa: E402
 from fedge.config import RunConfig  # noqa: E402
 from fedge.modular import ROUTER, block_of, elements  # noqa: E402
 from fedge.spec import tensor_shapes  # noqa: E402
@@ -417,4 +417,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(guarded(main))

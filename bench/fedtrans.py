@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.compare import hardware  # noqa: E402
 from bench.paired import verdict  # noqa: E402
-from bench.runs import add_chunk_flag, chunk_deadline, not_finished, run_one  # noqa: E402
+from bench.runs import add_chunk_flag, chunk_deadline, guarded, not_finished, run_one  # noqa: E402
 from fedge.config import RunConfig  # noqa: E402
 from server.plots import plot_time_to_accuracy  # noqa: E402
 
@@ -293,4 +293,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(guarded(main))

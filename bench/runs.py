@@ -23,7 +23,7 @@ from launch.simulation import run_simulation
 from server.coordinator import RunPaused
 from server.runlog import CHECKPOINT_FILE
 
-T = TypeVar("T")
+T = TypeVar("T", bound=dict)  # a run's numbers, with its accuracy under "acc"
 UNFINISHED = ("paused", "left")
 
 # may differ between a run and its continuation (other machine, path, worker count: the same models bit for bit)
@@ -56,19 +56,27 @@ def folder_state(folder: Path, cfg: RunConfig) -> str:
     return "resume" if (folder / "checkpoint.safetensors").is_file() else "restart"
 
 
+# The chunks (by their stop_at) in which this process has already run a round: its first run of a chunk starts even
+# when the chunk's time is already spent (planning, reading reused runs and a busy CPU can take that long), so every
+# chunk advances; later ones are left. A worker process of run_all starts with none: each starts at most one late.
+_ADVANCED: set[float] = set()
+
+
 def run_kept(cfg: RunConfig, stop_at: float | None = None) -> str:
     """Run cfg in its folder cfg.out, reusing a finished run and resuming an interrupted or paused one; with
     `stop_at` (a time.time()), pause after whole rounds once it is near (at least one round runs). Returns what was
     done: "reused", "resumed", "ran", or "paused" (the folder's checkpoint continues it); "left" without
-    touching the folder when stop_at has already passed."""
+    touching the folder when stop_at has passed and this process already ran a round in this chunk."""
     folder = Path(cfg.out or ".")
     state = folder_state(folder, cfg)
     if state == "finished":
         return "reused"
-    if stop_at is not None and time.time() >= stop_at:
+    if stop_at is not None and stop_at in _ADVANCED and time.time() >= stop_at:
         return "left"
     if state == "restart":  # same config, no round completed: clients' snapshots would be stale, start clean
         shutil.rmtree(folder)
+    if stop_at is not None:
+        _ADVANCED.add(stop_at)
     try:
         run_simulation(dataclasses.replace(cfg, out=str(folder)), progress=False, resume=state == "resume",
                        stop_at=stop_at)  # fmt: skip
@@ -125,7 +133,7 @@ def run_all(
     try:
         for i, result in enumerate(pool.map(task, unique) if pool else map(task, unique)):
             done[unique[i].out] = result
-            shown = "paused or left for the next chunk" if result is None else f"acc {result['acc']:.2f}%"  # type: ignore[index]
+            shown = "paused or left for the next chunk" if result is None else f"acc {result['acc']:.2f}%"
             print(
                 f"[{i + 1}/{len(unique)}] {unique[i].out}: {shown} ({time.perf_counter() - started:.0f} s elapsed)",
                 file=sys.stderr,
@@ -135,6 +143,15 @@ def run_all(
         if pool:
             pool.shutdown()
     return [done[cfg.out] for cfg in configs]
+
+
+def guarded(main: Callable[[], int]) -> int:
+    """A benchmark's main, with a run folder it cannot use reported as one line (exit status 2), not a traceback."""
+    try:
+        return main()
+    except FolderError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 def not_finished(results: Sequence[object]) -> int:
