@@ -184,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("3", f"{v:,}", "DC-PFL", v, run_config(args, setting, "DC-PFL", s, v)) for v in VIRTUAL for s in args.seeds
         ]
     numbers = run_all(args.jobs, [job[-1] for job in jobs], accuracy, chunk_deadline(args.chunk_minutes))
-    if not_finished(numbers):
+    if not_finished(sum(n is None for n in numbers), len(numbers)):
         return 3
     per_run: dict[str, dict[str, dict[str, list[float]]]] = {}
     for (table, label, method, _, _), result in zip(jobs, numbers):

@@ -77,7 +77,7 @@ from bench.reproduce_plan import (  # noqa: E402
     preset_cells,
 )
 from bench.reproduce_report import CellStats, SeedResult, read_run, render, to_json  # noqa: E402
-from bench.runs import STATES, chunk_deadline, folder_state, run_kept  # noqa: E402
+from bench.runs import STATES, UNFINISHED, add_chunk_flag, chunk_deadline, folder_state, run_kept  # noqa: E402
 from fedge.config import ConfigError, parse_overrides  # noqa: E402
 from fedge.zoo import ZOOS  # noqa: E402
 
@@ -86,7 +86,7 @@ def execute(run: Run, workers: int = 1, stop_at: float | None = None) -> tuple[S
     """Run (or reuse, or resume) one federation, its clients on `workers` processes, pausing after whole rounds
     near `stop_at` (bench/runs.py); its result (None unless finished) and what was done."""
     how = run_kept(dataclasses.replace(run.config(), out=str(run.folder), workers=workers), stop_at)
-    return (None if how in ("paused", "left") else read_run(run.folder)), how
+    return (None if how in UNFINISHED else read_run(run.folder)), how
 
 
 def run_all(
@@ -188,13 +188,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="strategy option, given to the strategies that have it, e.g. eta=0 (repeatable)",
     )
     p.add_argument("--local", action=argparse.BooleanOptionalAction, default=True, help="run local as the reference")
-    p.add_argument(
-        "--chunk-minutes",
-        type=float,
-        help="stop after whole rounds once this many minutes are (nearly) spent: a round starts only if the last "
-        "one's time still fits, a run not started is left; rerun the same command to continue (exit status 3 "
-        "until every run has finished)",
-    )
+    add_chunk_flag(p)
     p.add_argument("--dry-run", action="store_true", help="list the runs and their fedge run commands; run nothing")
     return p.parse_args(argv)
 

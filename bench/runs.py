@@ -14,7 +14,7 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, TypeVar
 
 from fedge import constants as C
 from fedge.config import ConfigError, RunConfig
@@ -56,31 +56,45 @@ def folder_state(folder: Path, cfg: RunConfig) -> str:
     return "resume" if (folder / "checkpoint.safetensors").is_file() else "restart"
 
 
-# The chunks (by their stop_at) in which this process has already run a round: its first run of a chunk starts even
-# when the chunk's time is already spent (planning, reading reused runs and a busy CPU can take that long), so every
-# chunk advances; later ones are left. A worker process of run_all starts with none: each starts at most one late.
+# The chunks (by their stop_at) in which this process has already run a round, and those in which a run paused. Its
+# first run of a chunk starts even when the chunk's time is already spent (planning, reading reused runs and a busy
+# CPU can take that long), so every chunk advances; a later one is left once the time is up or a run has paused (it
+# paused because its next round would not fit: another run's first round would not either). A worker process of
+# run_all starts with none: each starts at most one run late.
 _ADVANCED: set[float] = set()
+_SPENT: set[float] = set()
 
 
-def run_kept(cfg: RunConfig, stop_at: float | None = None) -> str:
+def run_kept(cfg: RunConfig, stop_at: float | None = None, replace: bool = False) -> str:
     """Run cfg in its folder cfg.out, reusing a finished run and resuming an interrupted or paused one; with
     `stop_at` (a time.time()), pause after whole rounds once it is near (at least one round runs). Returns what was
-    done: "reused", "resumed", "ran", or "paused" (the folder's checkpoint continues it); "left" without
-    touching the folder when stop_at has passed and this process already ran a round in this chunk."""
+    done: "reused", "resumed", "ran", or "paused" (the folder's checkpoint continues it); "left" without touching
+    the folder when this process already ran a round in this chunk and the chunk is spent. A folder holding a run
+    of another config raises FolderError, or with `replace` is deleted and run anew (a line on stderr says so); one
+    holding anything but a run always raises it."""
     folder = Path(cfg.out or ".")
-    state = folder_state(folder, cfg)
+    try:
+        state = folder_state(folder, cfg)
+    except FolderError:
+        if not (replace and (folder / "config.json").is_file()):  # never delete what is not a run
+            raise
+        print(f"replacing the run in {folder}: it was of another config", file=sys.stderr)
+        shutil.rmtree(folder)
+        state = "new"
     if state == "finished":
         return "reused"
-    if stop_at is not None and stop_at in _ADVANCED and time.time() >= stop_at:
+    if stop_at is not None and stop_at in _ADVANCED and (stop_at in _SPENT or time.time() >= stop_at):
         return "left"
     if state == "restart":  # same config, no round completed: clients' snapshots would be stale, start clean
         shutil.rmtree(folder)
     if stop_at is not None:
         _ADVANCED.add(stop_at)
     try:
-        run_simulation(dataclasses.replace(cfg, out=str(folder)), progress=False, resume=state == "resume",
-                       stop_at=stop_at)  # fmt: skip
+        cfg = dataclasses.replace(cfg, out=str(folder))
+        run_simulation(cfg, progress=False, resume=state == "resume", stop_at=stop_at)
     except RunPaused:
+        if stop_at is not None:  # only a run with a stop_at pauses
+            _SPENT.add(stop_at)
         return "paused"
     return "resumed" if state == "resume" else "ran"
 
@@ -102,11 +116,12 @@ def add_chunk_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def run_one(cfg: RunConfig, stop_at: float | None = None) -> dict[str, Any] | None:
-    """The run's summary.json, running or resuming it unless its folder holds the finished run (run_kept); None
-    if it paused or was left for the next chunk. A finished run keeps its config, summary, metrics and plots;
+    """The run's summary.json, running or resuming it unless its folder holds the finished run (run_kept; a folder
+    of another config is replaced: a benchmark's folder names leave out its scale); None if it paused or was left
+    for the next chunk. A finished run keeps its config, summary, metrics and plots;
     its clients' model snapshots and its checkpoint, which only an unfinished run needs, are removed (three
     snapshots a client: 3 GB for 100 clients of FedGH's CNN_1)."""
-    if run_kept(cfg, stop_at) in UNFINISHED:
+    if run_kept(cfg, stop_at, replace=True) in UNFINISHED:
         return None
     out = Path(cfg.out or ".")
     shutil.rmtree(out / C.CLIENT_STATE_DIR, ignore_errors=True)
@@ -154,12 +169,11 @@ def guarded(main: Callable[[], int]) -> int:
         return 2
 
 
-def not_finished(results: Sequence[object]) -> int:
-    """Exit status 3 with a line on stderr when some runs wait for the next chunk; 0 when none do."""
-    waiting = sum(r is None for r in results)
+def not_finished(waiting: int, total: int) -> int:
+    """Exit status 3 with a line on stderr when `waiting` of `total` runs wait for the next chunk; 0 when none do."""
     if waiting:
         print(
-            f"not finished: {waiting} of {len(results)} runs wait for the next chunk; rerun the same command to "
+            f"not finished: {waiting} of {total} runs wait for the next chunk; rerun the same command to "
             "continue (finished runs are reused, paused ones resume after their last whole round)",
             file=sys.stderr,
         )

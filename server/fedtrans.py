@@ -491,7 +491,6 @@ class FedTrans(Strategy):
             "losses": list(self.losses),
             "activeness": [dict(a) for a in self.activeness],
             "similarity": [list(r) for r in self.similarity],
-            "largest_model": max((m.spec for m in self.models), key=lambda spec: spec.macs).to_dict(),
             "transforms": list(self.transforms),
             "growth_stopped": self.growth_stopped,
             "doc": self.doc,

@@ -98,6 +98,8 @@ class HeteroFLOptions(StrategyOptions):
 
     def __post_init__(self) -> None:
         parse_rates(self.rates)
+        if self.model and self.model_file:
+            raise ConfigError("heterofl takes its global model from model or from model_file, not both")
         if not 0 < self.max_client_share <= 1:
             raise ConfigError(
                 f"max_client_share must be in (0, 1] (1: plain example weights), got {self.max_client_share}"

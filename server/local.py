@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from fedge.messages import Result, Task, client_order
+from fedge.messages import ClientInfo, Result, Task, client_order
 from server.strategy import Strategy, StrategyOptions, option, register_strategy
 
 
@@ -29,13 +29,18 @@ class LocalOptions(StrategyOptions):
 class Local(Strategy):
     """No communication of weights: plan local training, aggregate nothing. Works for any zoo."""
 
+    def setup(self, clients: Mapping[str, ClientInfo]) -> None:
+        super().setup(clients)
+        self.trained: set[str] = set()  # the clients whose training this round was accepted
+
     def plan(self, rnd: int, active: Sequence[str]) -> dict[str, Task]:
         trains = sorted(self.clients, key=client_order) if self.options.every_round else active
         return {cid: Task("train", rnd, self.train_task(upload=False).to_config()) for cid in trains}
 
     def evaluation(self, rnd: int, clients: Sequence[str]) -> dict[str, Task]:
-        """Every client that trained this round evaluates (all of them under Local-T)."""
-        return super().evaluation(rnd, sorted(self.clients, key=client_order) if self.options.every_round else clients)
+        """The clients the round loop asks for (the round's selected; after the last round every client that ever
+        trained) and, under Local-T, every client that trained this round."""
+        return super().evaluation(rnd, sorted(set(clients) | self.trained, key=client_order))
 
     def aggregate(self, rnd: int, results: Mapping[str, Result]) -> None:
-        return None
+        self.trained = set(results)

@@ -92,7 +92,11 @@ def test_plans_exactly_the_active_clients_with_known_task_types(name):
 def test_local_t_trains_and_evaluates_every_registered_client_every_round():
     strategy = create_strategy("local", CONFIG, PUBLIC)
     strategy.setup(fleet())
-    assert set(strategy.plan(0, ["1", "3"])) == set(strategy.evaluation(0, ["1"])) == {"0", "1", "2", "3"}
+    assert set(strategy.plan(0, ["1", "3"])) == {"0", "1", "2", "3"}
+    replies = uploads(strategy, 0, ["1", "3"])
+    assert set(replies) == {"0", "1", "2", "3"}
+    strategy.aggregate(0, {cid: r for cid, r in replies.items() if cid != "2"})  # client 2's reply was refused
+    assert set(strategy.evaluation(0, ["1"])) == {"0", "1", "3"}  # it trained nothing this round: not evaluated
 
 
 def test_zero_and_one_replies_are_survived(name):

@@ -91,7 +91,9 @@ def test_heterofls_global_model_is_the_largest_model_fedtrans_grew_in_the_same_r
     assert len(grown["chain"]) > 1 and largest["name"] != "cnn1"  # it grew
     heterofl = json.loads((runs / "heterofl-seed0" / "summary.json").read_text())
     assert heterofl["global_model"] == largest["name"] == grown["largest_model"]["name"]
-    assert json.loads((runs / "fedtrans-largest-seed0.json").read_text()) == grown["largest_model"]
+    (spec_file,) = runs.glob("fedtrans-largest-seed0-*.json")
+    assert json.loads(spec_file.read_text()) == grown["largest_model"]
+    assert json.loads((runs / "heterofl-seed0" / "config.json").read_text())["options"]["model_file"] == str(spec_file)
     # the capacity tiers: client i has CAPACITY_TIERS[i % 5], so the grown model reaches every client but the first
     assert heterofl["capacity"] == {str(i): fedtrans.CAPACITY_TIERS[i] for i in range(5)}
     assert heterofl["rate"]["0"] < 1 and all(heterofl["rate"][str(i)] == 1 for i in range(1, 5))

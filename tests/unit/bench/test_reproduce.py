@@ -92,7 +92,8 @@ def test_scale_arithmetic():
         10,
         240,
         None,
-    )  # fmt: skip: the paper's public set (the server's) at every scale but smoke
+    )  # fmt: skip
+    # the paper's public set (the server's) at every scale but smoke
     assert SCALES["small"].public_samples is SCALES["medium"].public_samples is None
     tiny = parse_scale("0.01")
     assert (tiny.clients, tiny.active, tiny.rounds, tiny.samples_per_client, tiny.public_samples) == (5, 5, 2, 20, None)

@@ -78,6 +78,8 @@ def test_options_are_checked():
             HeteroFLOptions(rates=bad)
     with pytest.raises(ConfigError, match="max_client_share"):
         HeteroFLOptions(max_client_share=0)
+    with pytest.raises(ConfigError, match="not both"):
+        HeteroFLOptions(model="cnn3", model_file="grown.json")
 
 
 def test_the_largest_fitting_rate_by_profile_and_the_global_model_is_the_largest_registered():
