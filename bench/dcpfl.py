@@ -150,12 +150,13 @@ def table12(results: dict[str, dict[str, list[float]]], methods: Sequence[str]) 
 def checks12(results: dict[str, dict[str, list[float]]]) -> list[str]:
     """The paper's directions per setting on the per-seed paired differences (bench/paired.py): HOLDS or does NOT
     hold when the sign is the same in every seed, within noise otherwise."""
-    out = []
-    for setting, rows in results.items():
-        pairs = [("DC-PFL", "FedGH"), ("FedGH", "local"), ("DC-PFL", "local")]
-        pairs += [("DC-PFL", "w/o AL"), ("DC-PFL", "w/o GC")]
-        out += [f"{setting}: {verdict(a, rows[a], b, rows[b])[2:]}" for a, b in pairs if a in rows and b in rows]
-    return [f"- {line}" for line in out]
+    pairs = [("DC-PFL", "FedGH"), ("FedGH", "local"), ("DC-PFL", "local"), ("DC-PFL", "w/o AL"), ("DC-PFL", "w/o GC")]
+    return [
+        f"- {setting}: {verdict(a, rows[a], b, rows[b]).removeprefix('- ')}"
+        for setting, rows in results.items()
+        for a, b in pairs
+        if a in rows and b in rows
+    ]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

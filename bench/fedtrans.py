@@ -135,16 +135,19 @@ def run_config(
 
 def run_method(
     args: argparse.Namespace, dataset: str, partition: str, method: str, seed: int, stop_at: float | None
-) -> dict[str, Any] | None:
-    """The summary of one method's run (bench/runs.run_one; None while it waits for the next chunk). HeteroFL first
-    needs the FedTrans run of the same data and seed: the largest model that run grew is its global model."""
+) -> tuple[dict[str, Any] | None, Path]:
+    """One method's run folder and its summary (bench/runs.run_one; None while it waits for the next chunk).
+    HeteroFL first needs the FedTrans run of the same data and seed: the largest model that run grew is its global
+    model."""
+    grown = None
     if method == HETEROFL:
-        fedtrans = run_one(run_config(args, dataset, partition, "FedTrans", seed), stop_at)
-        if fedtrans is None:
-            return None
+        base = run_config(args, dataset, partition, "FedTrans", seed)
+        fedtrans = run_one(base, stop_at)
+        if fedtrans is None:  # HeteroFL waits for the FedTrans run it depends on
+            return None, Path(base.out or ".")
         grown = largest_file(args, dataset, partition, seed, fedtrans["largest_model"])
-        return run_one(run_config(args, dataset, partition, method, seed, grown), stop_at)
-    return run_one(run_config(args, dataset, partition, method, seed), stop_at)
+    cfg = run_config(args, dataset, partition, method, seed, grown)
+    return run_one(cfg, stop_at), Path(cfg.out or ".")
 
 
 def read_rows(folder: Path) -> list[dict[str, Any]]:
@@ -268,9 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             for method in args.methods:
                 for seed in args.seeds:
                     began = time.perf_counter()
-                    summary = run_method(args, dataset, partition, method, seed, stop_at)
+                    summary, folder = run_method(args, dataset, partition, method, seed, stop_at)
                     done += 1
-                    folder = Path(run_config(args, dataset, partition, method, seed).out or ".")
                     if summary is None:
                         waiting += 1
                         shown = "paused or left for the next chunk"

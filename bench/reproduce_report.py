@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from bench.paired import paired
+from bench.paired import Paired, paired
 from bench.reproduce_paper import MOBILENETS, PAPER_FIG3_SIZE, Cell, paper_mean, paper_value
 
 ONE_POINT = 1.0  # pFedClub+ within about a point (percentage point) of pFedClub
@@ -171,22 +171,31 @@ def _compare(a: CellStats | None, b: CellStats | None, test: Any) -> tuple[bool 
     return final, last3
 
 
-def _paired(a: CellStats | None, b: CellStats | None) -> tuple[Verdict, Verdict]:
-    """ "a above b" on the final and on the last-rounds accuracy, from the per-seed paired differences over the
-    seeds both cells ran (bench/paired.py): True / False when every seed agrees, NOISE otherwise, None where a
+def _by_seed(a: CellStats | None, b: CellStats | None) -> tuple[list[int], dict[str, Paired]]:
+    """The seeds both cells ran and, per metric (final, last3), a − b on them (bench/paired.py); no seeds where a
     cell is missing."""
     if a is None or b is None:
-        return None, None
+        return [], {}
     mine, theirs = dict(zip(a.seeds, a.results)), dict(zip(b.seeds, b.results))
     seeds = sorted(set(mine) & set(theirs))
     if not seeds:
-        return None, None
+        return [], {}
+    return seeds, {
+        m: paired([getattr(mine[s], m) for s in seeds], [getattr(theirs[s], m) for s in seeds])
+        for m in ("final", "last3")
+    }
 
-    def verdict(metric: str) -> Verdict:
-        p = paired([getattr(mine[s], metric) for s in seeds], [getattr(theirs[s], metric) for s in seeds])
-        return None if not p.diffs else {1: True, -1: False, 0: NOISE}[p.sign]
 
-    return verdict("final"), verdict("last3")
+def _verdict(p: Paired) -> Verdict:
+    """True / False when every seed agrees on the sign, NOISE otherwise, None with no seed to compare."""
+    return None if not p.diffs else {1: True, -1: False, 0: NOISE}[p.sign]
+
+
+def _paired(a: CellStats | None, b: CellStats | None) -> tuple[Verdict, Verdict]:
+    """ "a above b" on the final and on the last-rounds accuracy, from the per-seed paired differences over the
+    seeds both cells ran: True / False when every seed agrees, NOISE otherwise, None where a cell is missing."""
+    _, diffs = _by_seed(a, b)
+    return (_verdict(diffs["final"]), _verdict(diffs["last3"])) if diffs else (None, None)
 
 
 def compared(cell: Cell) -> list[tuple[str, Cell, Cell]]:
@@ -264,19 +273,15 @@ def difference_lines(cells: Sequence[CellStats], stats: Mapping[Cell, CellStats]
     lines = []
     for cs in cells:
         for claim, a, b in compared(cs.cell):
-            one, other = stats.get(a), stats.get(b)
-            if one is None or other is None:
-                continue
-            seeds = sorted(set(one.seeds) & set(other.seeds))
+            seeds, diffs = _by_seed(stats.get(a), stats.get(b))
             if not seeds:
                 continue
-            mine, theirs = dict(zip(one.seeds, one.results)), dict(zip(other.seeds, other.results))
             where = f"{a.dataset} {_fleet(a)} {a.partition}" + ("" if a.public == "-" else f" {a.public}")
-            shown = []
-            for metric, label in (("final", "final"), ("last3", f"last-{LAST_ROUNDS}")):
-                p = paired([getattr(mine[s], metric) for s in seeds], [getattr(theirs[s], metric) for s in seeds])
-                if p.diffs:
-                    shown.append(f"{label} {p.text()} {holds({1: True, -1: False, 0: NOISE}[p.sign])}")
+            shown = [
+                f"{label} {diffs[m].text()} {holds(_verdict(diffs[m]))}"
+                for m, label in (("final", "final"), ("last3", f"last-{LAST_ROUNDS}"))
+                if diffs[m].diffs
+            ]
             lines.append(f"- {where}: {a.method} − {b.method} ({claim}), seeds {seeds}: {'; '.join(shown)}")
     return lines
 
