@@ -1,0 +1,46 @@
+"""bench/runs.py: a kept run is reused, a folder of another config is refused or (benches that name folders without
+their scale) replaced, and a folder that is not a run is never deleted."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # bench/ is scripts, not an installed package
+
+from bench.runs import FolderError, guarded, run_kept  # noqa: E402
+from fedge.config import config_from  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def tiny(out, **kw):
+    base = dict(strategy="local", dataset="digits", zoo="cnn1", clients=2, active=2, rounds=1, local_epochs=1)
+    return config_from(base | dict(max_samples_per_client=40, export_onnx=False, out=str(out)) | kw)
+
+
+def test_a_finished_run_is_reused_and_another_config_refused_or_replaced(tmp_path):
+    out = tmp_path / "run"
+    assert run_kept(tiny(out)) == "ran" and run_kept(tiny(out)) == "reused"
+    with pytest.raises(FolderError, match="another config .*rounds: 1 there, 2 now"):
+        run_kept(tiny(out, rounds=2))
+    assert json.loads((out / "config.json").read_text())["rounds"] == 1  # refused: nothing touched
+    assert run_kept(tiny(out, rounds=2), replace=True) == "ran"
+    assert json.loads((out / "config.json").read_text())["rounds"] == 2
+
+
+def test_a_folder_that_is_not_a_run_is_never_deleted_and_the_error_is_one_line(tmp_path, capsys):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    with pytest.raises(FolderError, match="something other than a run"):
+        run_kept(tiny(out), replace=True)
+    assert (out / "notes.txt").read_text() == "keep me"
+
+    def main() -> int:
+        run_kept(tiny(out))
+        return 0
+
+    assert guarded(main) == 2
+    assert capsys.readouterr().err.startswith(f"error: {out} holds something other than a run")
