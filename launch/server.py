@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -149,7 +148,6 @@ def _rounds(
         stop_at,
     )
     coordinator = Coordinator(strategy, transport, clients, loop, runlog)
-    start = time.perf_counter()
     extra = {"dataset": cfg.dataset, "zoo": cfg.zoo, "widths": cfg.widths, "out": str(out)}
     extra["server_threads"] = torch.get_num_threads()  # what cfg.server_threads (config.json) came to
     try:
@@ -157,7 +155,7 @@ def _rounds(
     except RoundFailed as e:
         runlog.write_json("summary.json", e.summary | extra | transport.report())
         raise
-    summary |= extra | {"wall_seconds": time.perf_counter() - start} | transport.report()
+    summary |= extra | {"wall_seconds": coordinator.wall_seconds()} | transport.report()
     runlog.write_json("summary.json", summary)
     write_plots(runlog.rows(), summary, out, f"{cfg.strategy} on {cfg.dataset}, zoo {cfg.zoo} ({cfg.widths} widths)")
     finals = strategy.final_models()
@@ -196,7 +194,9 @@ def serve(
         out = run_folder(cfg, resume)
         check_resumable(
             load_tree(out / CHECKPOINT_FILE),
-            run_identity(cfg.strategy, [str(i) for i in range(cfg.clients)], cfg.seed, cfg.active, cfg.widths),
+            run_identity(
+                cfg.strategy, [str(i) for i in range(cfg.clients)], cfg.seed, cfg.active, cfg.widths, cfg.options
+            ),
             out,
         )
     ds, partition = load_partitioned(cfg)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import statistics
@@ -119,27 +120,43 @@ def rejection(
 
 
 def run_identity(
-    strategy: str, clients: Iterable[str], seed: int, active: int, widths: str = C.DEFAULT_WIDTHS
+    strategy: str,
+    clients: Iterable[str],
+    seed: int,
+    active: int,
+    widths: str = C.DEFAULT_WIDTHS,
+    options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """What a checkpoint must share with a run to be resumed by it."""
+    """What a checkpoint must share with a run to be resumed by it: `options` are the strategy's options
+    completed with their defaults (dataclasses.asdict of its StrategyOptions; None: the strategy has none)."""
     return {
         "strategy": strategy,
         "clients": sorted(clients, key=client_order),
         "seed": seed,
         "active": active,
         "widths": widths,
+        "options": dict(options or {}),
     }
 
 
 # Identity fields added after checkpoints were first written, with the value every older checkpoint had.
 IDENTITY_BEFORE_RECORDED = {"widths": C.DEFAULT_WIDTHS}
+# Identity fields added later whose value older checkpoints do not tell: not checked when absent (logged).
+IDENTITY_UNKNOWN_BEFORE = {"options"}
 
 
 def check_resumable(tree: Tree, identity: Mapping[str, Any], out: Path) -> Tree:
     """`tree` (the checkpoint of the run folder `out`) if it was written by a run of this `identity`; else
-    CheckpointError naming the first field that differs."""
+    CheckpointError naming the first field that differs (for options, the first option)."""
     for key, mine in identity.items():
+        if key not in tree and key in IDENTITY_UNKNOWN_BEFORE:
+            log.warning("the checkpoint in %s predates recording %s; resuming without checking them", out, key)
+            continue
         theirs = tree.get(key, IDENTITY_BEFORE_RECORDED.get(key))
+        if key == "options" and isinstance(theirs, dict):  # name the first option that differs
+            differ = [k for k in sorted(set(theirs) | set(mine)) if theirs.get(k) != mine.get(k)]
+            if differ:
+                key, theirs, mine = f"option {differ[0]}", theirs.get(differ[0]), mine.get(differ[0])
         if theirs != mine:
             raise CheckpointError(
                 f"the checkpoint in {out} was written with {key}={theirs!r}, this run has "
@@ -170,6 +187,8 @@ class Coordinator:
         self.clients = dict(clients)
         self.profiles = {cid: get_profile(info.profile) for cid, info in clients.items()}
         self.server_seconds: list[float] = []
+        self.wall_before = 0.0  # wall seconds of the earlier calls (chunks, or runs before a crash) of a resumed run
+        self.started = time.perf_counter()
         self.participated: set[str] = set()
         self.final: dict[str, float] = {}
         self.last_mean = float("nan")
@@ -290,6 +309,7 @@ class Coordinator:
         Raises RoundFailed when a round misses its quorum on every try, and CheckpointError when resuming from
         a missing or corrupt checkpoint or one written for another strategy, fleet, seed or sampling.
         """
+        self.started = time.perf_counter()
         self.strategy.setup(self.clients)
         first = self.restore() if resume else 0
         with tqdm(
@@ -314,7 +334,10 @@ class Coordinator:
 
     def identity(self) -> dict[str, Any]:
         """What a checkpoint must share with this run to be resumed by it."""
-        return run_identity(self.strategy.name, self.clients, self.loop.seed, self.loop.active, self.loop.widths)
+        options = dataclasses.asdict(self.strategy.options)
+        return run_identity(
+            self.strategy.name, self.clients, self.loop.seed, self.loop.active, self.loop.widths, options
+        )
 
     def checkpoint(self, next_round: int) -> Tree:
         """The checkpoint after a completed round: the next round, this loop's counters, the strategy's state."""
@@ -322,6 +345,7 @@ class Coordinator:
             "next_round": next_round,
             "participated": sorted(self.participated, key=client_order),
             "server_seconds": list(self.server_seconds),
+            "wall_seconds": self.wall_seconds(),
             "final": dict(self.final),
             "last_mean": self.last_mean,
             "rejected": dict(self.rejected),
@@ -343,6 +367,7 @@ class Coordinator:
             self.final, self.last_mean = dict(tree["final"]), float(tree["last_mean"])
             self.rejected, self.failed = Counter(tree["rejected"]), list(tree["failed_rounds"])
             self.upload_norms, self.discarded = dict(tree["upload_norms"]), list(tree["discarded_aggregates"])
+            self.wall_before = float(tree.get("wall_seconds", 0.0))  # absent before chunks were summed: 0
             self.clock.load_state(tree.get("sim_clock"))  # absent in checkpoints from before the clock: zeros
             self.bounds.load_state(tree.get("update_bounds"))  # absent before update bounds: an empty history
             self.buffer_norms = dict(tree.get("buffer_norms", {}))  # absent before buffer bounds: fresh references
@@ -352,6 +377,11 @@ class Coordinator:
         self.runlog.keep_rounds_before(next_round)
         log.info("resuming %s at round %d from %s", self.strategy.name, next_round, self.runlog.out)
         return next_round
+
+    def wall_seconds(self) -> float:
+        """Wall seconds of the whole run so far: this call's and, for a resumed run, every earlier call's up to its
+        last checkpoint (time lost to a crash after its last checkpoint is not counted)."""
+        return self.wall_before + time.perf_counter() - self.started
 
     def show(self, phase: str) -> None:
         """Progress bar postfix: what is happening now, and the last round's mean accuracy."""

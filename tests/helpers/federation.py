@@ -176,7 +176,7 @@ def checkpoint_without_wall_clock(out: Path) -> dict[str, Any]:
     the simulation, must reproduce bit for bit (same_tree)."""
     tree = load_tree(Path(out) / "checkpoint.safetensors")
     clock = {"train_macs": tree["sim_clock"]["train_macs"]}
-    return {k: v for k, v in tree.items() if k != "server_seconds"} | {"sim_clock": clock}
+    return {k: v for k, v in tree.items() if k not in ("server_seconds", "wall_seconds")} | {"sim_clock": clock}
 
 
 def rows_without_wall_clock(out: Path) -> list[dict[str, Any]]:

@@ -3,7 +3,7 @@ round 1, resumes from the run folder and ends bit-identical to a run that was ne
 
 import pytest
 
-from fedge.checkpoint import CheckpointError, load_tree, tree_digest
+from fedge.checkpoint import CheckpointError, load_tree, save_tree, tree_digest
 from fedge.config import config_from
 from launch.simulation import run_simulation
 from server.coordinator import Coordinator, check_resumable, run_identity
@@ -132,10 +132,14 @@ def test_resume_refuses_another_configuration_and_a_missing_checkpoint(tmp_path)
         run_simulation(config(tmp_path / "empty", "local"), progress=False, resume=True)
 
 
-def test_a_finished_run_can_be_extended(tmp_path):
-    run_simulation(config(tmp_path / "run", "local", rounds=1), progress=False)
+def test_a_finished_run_can_be_extended_and_its_wall_seconds_add_up(tmp_path):
+    first = run_simulation(config(tmp_path / "run", "local", rounds=1), progress=False)
+    checkpoint = tmp_path / "run" / CHECKPOINT_FILE
+    assert 0 < load_tree(checkpoint)["wall_seconds"] <= first["wall_seconds"]
+    save_tree(checkpoint, load_tree(checkpoint) | {"wall_seconds": 1000.0})  # as if the first call took 1000 s
     summary = run_simulation(config(tmp_path / "run", "local", rounds=2), progress=False, resume=True)
     assert summary["rounds"] == 2 and len(summary["server_seconds"]) == 2
+    assert 1000 < summary["wall_seconds"] < 1000 + first["wall_seconds"] + 600  # the second call's time added
     assert sorted({r["round"] for r in read_rows(tmp_path / "run")}) == [0, 1]
 
 
@@ -145,3 +149,22 @@ def test_a_checkpoint_from_before_widths_were_recorded_resumes_only_at_cpu_width
     assert check_resumable(older, identity, tmp_path) is older
     with pytest.raises(CheckpointError, match="widths='cpu', this run has 'paper'"):
         check_resumable(older, run_identity("local", ["0", "1"], 0, 2, "paper"), tmp_path)
+
+
+def test_resume_refuses_another_strategy_option(tmp_path):
+    run_simulation(config(tmp_path / "run", "local", rounds=1, every_round=False), progress=False)
+    with pytest.raises(CheckpointError, match="option every_round=False, this run has True"):
+        run_simulation(config(tmp_path / "run", "local", rounds=2), progress=False, resume=True)
+    summary = run_simulation(
+        config(tmp_path / "run", "local", rounds=2, every_round=False), progress=False, resume=True
+    )
+    assert summary["rounds"] == 2
+
+
+def test_a_checkpoint_from_before_options_were_recorded_resumes_unchecked(tmp_path, caplog):
+    identity = run_identity("local", ["0", "1"], 0, 2, options={"every_round": True})
+    older = {k: v for k, v in identity.items() if k != "options"}
+    assert check_resumable(older, identity, tmp_path) is older
+    assert "predates recording options" in caplog.text
+    with pytest.raises(CheckpointError, match="option every_round=True, this run has False"):
+        check_resumable(identity, run_identity("local", ["0", "1"], 0, 2, options={"every_round": False}), tmp_path)
