@@ -5,7 +5,7 @@
 For each model, a fresh process does what `fedge client` does (launch.client.make_agent: imports, the run's
 partition, the agent with its model at cpu widths on a torch profile) and runs one `train` task of one local
 epoch at the run's default batch size, as the server would send it. It reports the RSS of a bare Python, after
-the imports, at start-up (agent built) and the peak after the epoch (edge_client.memory), next to the training
+the imports, at start-up (agent built) and the peak after the epoch (fedge.memory), next to the training
 footprint estimate (device_profiles.training_footprint_bytes), and for every bundled profile whether the whole
 client process (peak RSS) fits its memory_bytes, and whether the training part alone (peak - after imports)
 does: memory_bytes is documented as what is left after the OS and the Python + torch runtime.
@@ -32,7 +32,7 @@ def measure(model: str, dataset: str, threads: int) -> dict[str, float]:
     import torch
 
     from device_profiles import training_footprint_bytes
-    from edge_client.memory import peak_rss_bytes, rss_bytes
+    from fedge.memory import peak_rss_bytes, rss_bytes
     from fedge.config import config_from
     from fedge.messages import Task
     from fedge.tasks import TrainTask

@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from edge_client.memory import memory_metrics
+from fedge.memory import memory_metrics
 from edge_client.training import TorchTrainer, Trainer
 from fedge.checkpoint import CheckpointError, load_tree, save_tree
 from fedge.messages import ClientInfo, Result, Task, Weights
@@ -128,7 +128,7 @@ class ClientAgent:
     def handle(self, task: Task) -> Result:
         """Run the handler registered for task.type from the model of the right snapshot, and snapshot the
         model after a mutating task; the result's metrics get the process's `rss_bytes` and `peak_rss_bytes`
-        (edge_client.memory; in one process shared by several clients they are the process's). An unknown type,
+        (fedge.memory; in one process shared by several clients they are the process's). An unknown type,
         or a round older than every kept snapshot, raises TaskError."""
         result = self.run_handler(task)
         return replace(result, metrics=result.metrics | memory_metrics())

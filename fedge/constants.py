@@ -21,7 +21,7 @@ EVAL_BATCH_SIZE = 512
 # one epoch), time over the floor of 2 ideal workers at 2, 5, 10, 20, 40 clients per computation: cnn1 0.76, 0.65,
 # 0.63, 0.65, 0.68; cnn4 1.08, 1.07, 1.03, 1.22, 1.45.
 BATCHED_CPU_CLIENTS = 10
-# The memory metrics every task reply carries (edge_client.memory): the client process's current and peak RSS.
+# The memory metrics every task reply carries (fedge.memory): the client process's current and peak RSS.
 MEMORY_METRICS = ("rss_bytes", "peak_rss_bytes")
 
 # Partitioning (pFedClub §4.1: 72 % train / 20 % test / 8 % public; 2 classes per client).

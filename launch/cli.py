@@ -55,6 +55,16 @@ def _shape(text: str) -> tuple[int, int, int]:
     return c, h, w
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def cmd_zoo(args: argparse.Namespace) -> None:
     from export import ExportError
     from export.training_program import check_trainable
@@ -307,13 +317,25 @@ def cmd_server(args: argparse.Namespace) -> None:
 
 
 def cmd_client(args: argparse.Namespace) -> int:
+    from fedge.torch_build import warn_cuda_without_gpu
     from launch.client import client_agents, run_clients, set_threads
 
+    warn_cuda_without_gpu()
     cfg = run_config(args, ("dataset", "data", "data_dir"))
     set_threads(args.threads)
     ids = [i.strip() for i in args.id.split(",") if i.strip()]
     agents = client_agents(cfg, ids, args.model, args.profile, args.state_dir)
     return run_clients(agents, lambda cid: broker_settings(args, args.username or cid), cfg)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from device_profiles import get_profile
+    from launch.doctor import report, text
+
+    profile = get_profile(args.profile) if args.profile else None
+    r = report(profile, args.input, args.classes, args.batch_size, args.widths)
+    print(json.dumps(r, indent=2) if args.json else text(r))
+    return 1 if r["problems"] else 0
 
 
 def cmd_broker(args: argparse.Namespace) -> None:
@@ -413,6 +435,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=C.DEFAULT_SEED)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_data)
+
+    p = sub.add_parser(
+        "doctor",
+        help="check this machine before it joins a fleet: torch build, memory, which zoo models it can train",
+        description="Measure in a fresh interpreter what `import torch` and a few training steps cost here, and "
+        "list per zoo model whether the device profile admits it and whether it fits the memory available now. "
+        "Exit status 1 when a problem is found (e.g. a CUDA build of torch without a GPU), with its fix.",
+    )
+    p.add_argument("--profile", help="device profile to check the zoo against (e.g. rpi-4; `fedge profiles`)")
+    p.add_argument("--input", type=_shape, default=(1, 28, 28), help="the run's input shape CxHxW (default 1x28x28)")
+    p.add_argument("--classes", type=_positive, default=10, help="the run's number of classes (default 10)")
+    p.add_argument("--batch-size", type=_positive, default=C.DEFAULT_BATCH_SIZE, help="the run's batch size")
+    p.add_argument(
+        "--widths", choices=C.WIDTHS, default=C.DEFAULT_WIDTHS, help=f"width preset (default {C.DEFAULT_WIDTHS})"
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("strategies", help="list the strategies and their options")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from edge_client.memory import memory_metrics, peak_rss_bytes, rss_bytes
+from fedge.memory import memory_metrics, peak_rss_bytes, rss_bytes
 from fedge.messages import Task
 from fedge.tasks import TrainTask
 from launch.client import make_agent
