@@ -3,7 +3,8 @@ the CPU like the CPU build, but maps a few hundred MB of CUDA libraries for noth
 218 MB of RSS after `import torch` on aarch64, and a 4.7 GB venv against the CPU build's few hundred MB).
 
 `python -m fedge.torch_build` measures, in a fresh interpreter, what `import torch` and a few training steps cost
-this machine and prints it as JSON (`fedge doctor` runs it and reports it).
+this machine and prints it as JSON (`fedge doctor` runs it and reports it); with `--problems`, only the build's
+problems on this machine, without training (what a probe that died of one of them could not say).
 """
 
 from __future__ import annotations
@@ -64,12 +65,54 @@ def cuda_without_gpu(build: TorchBuild) -> str | None:
     )
 
 
-def warn_cuda_without_gpu() -> str | None:
-    """Log cuda_without_gpu's line, once, for this process's torch (a client at start-up); returns it."""
-    line = cuda_without_gpu(torch_build())
-    if line:
+def cpu_features(cpuinfo: str | None = None) -> set[str] | None:
+    """The CPU's feature flags (the first `Features` line of /proc/cpuinfo, as aarch64 Linux writes it); None where
+    there is no such line (x86 writes `flags`) or no /proc/cpuinfo."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            return None
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "Features":
+            return set(value.split())
+    return None
+
+
+def bundled_nvpl() -> list[str]:
+    """NVIDIA Performance Libraries bundled in this torch (torch/lib/libnvpl_*): PyPI's aarch64 CUDA build does
+    its CPU BLAS with them, the CPU build with OpenBLAS."""
+    import torch
+
+    return sorted(p.name for p in (Path(torch.__file__).parent / "lib").glob("libnvpl_*"))
+
+
+def armv8_0_crash(features: set[str] | None, nvpl: list[str], build: TorchBuild) -> str | None:
+    """One line when this torch will die with SIGILL on this CPU: an aarch64 CPU without ARMv8.1's atomics (LSE;
+    no `atomics` in its Features: the Cortex-A72 of a Raspberry Pi 4, the Cortex-A53 of a Zero 2 W) and NVPL BLAS,
+    whose multi-threaded GEMM executes `ldaddal` (found with gdb on a core dump under qemu's cortex-a72: issue 32)."""
+    if features is None or "atomics" in features or not nvpl:
+        return None
+    return (
+        f"torch {build.version} bundles NVIDIA's NVPL BLAS ({nvpl[0]}), built for ARMv8.1+ atomics this CPU lacks "
+        f"(no 'atomics' in /proc/cpuinfo's Features, as on a Raspberry Pi 4 or Zero 2 W): training with more than "
+        f"one thread dies with SIGILL (Illegal instruction); install the CPU build instead: {CPU_INSTALL}"
+    )
+
+
+def build_problems() -> list[str]:
+    """Every one-line problem of this process's torch on this machine (imports torch)."""
+    build = torch_build()
+    return [line for line in (armv8_0_crash(cpu_features(), bundled_nvpl(), build), cuda_without_gpu(build)) if line]
+
+
+def warn_build_problems() -> list[str]:
+    """Log build_problems' lines, once each, for this process's torch (a client at start-up); returns them."""
+    lines = build_problems()
+    for line in lines:
         log.warning("%s", line)
-    return line
+    return lines
 
 
 def cuda_libraries(smaps: str) -> dict[str, int]:
@@ -109,12 +152,12 @@ def probe() -> dict[str, Any]:
     after_import = rss_bytes()
     build = torch_build()
     libraries = cuda_libraries(_own_smaps())
+    problems = build_problems()
 
     from fedge.spec import build as build_model
     from fedge.zoo import create
 
-    torch.set_num_threads(1)
-    model = build_model(create(PROBE_MODEL, PROBE_INPUT, PROBE_CLASSES, "cpu"))
+    model = build_model(create(PROBE_MODEL, PROBE_INPUT, PROBE_CLASSES, "cpu"))  # at torch's threads, as a client
     optimizer = torch.optim.Adam(model.parameters())
     x, y = torch.randn(PROBE_BATCH, *PROBE_INPUT), torch.randint(0, PROBE_CLASSES, (PROBE_BATCH,))
     for _ in range(PROBE_STEPS):
@@ -123,6 +166,8 @@ def probe() -> dict[str, Any]:
         optimizer.step()
     return {
         "build": asdict(build),
+        "threads": torch.get_num_threads(),
+        "build_problems": problems,
         "import_seconds": seconds,
         "rss_before_import": before,
         "rss_after_import": after_import,
@@ -133,4 +178,4 @@ def probe() -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(probe()))
+    print(json.dumps(build_problems() if sys.argv[1:] == ["--problems"] else probe()))

@@ -317,10 +317,10 @@ def cmd_server(args: argparse.Namespace) -> None:
 
 
 def cmd_client(args: argparse.Namespace) -> int:
-    from fedge.torch_build import warn_cuda_without_gpu
+    from fedge.torch_build import warn_build_problems
     from launch.client import client_agents, run_clients, set_threads
 
-    warn_cuda_without_gpu()
+    warn_build_problems()
     cfg = run_config(args, ("dataset", "data", "data_dir"))
     set_threads(args.threads)
     ids = [i.strip() for i in args.id.split(",") if i.strip()]

@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,31 +20,41 @@ from typing import Any
 
 from device_profiles import DeviceProfile, fits, training_fits, training_footprint_bytes
 from device_profiles.constants import RUNTIME_OPTIMIZER
-from fedge.torch_build import TorchBuild, cuda_without_gpu
+from fedge.errors import UserError
+from fedge.torch_build import TorchBuild
 from fedge.zoo import MODELS, create
 
 MB = 1e6
 PROBE_TIMEOUT_S = 600.0  # `import torch` from an SD card under emulation can take minutes
 
 
-class ProbeFailed(RuntimeError):
+class ProbeFailed(UserError):
     """The fresh interpreter that measures torch did not finish; the message has its exit status and stderr."""
 
 
-def probe_runtime(timeout: float = PROBE_TIMEOUT_S) -> dict[str, Any]:
-    """fedge.torch_build's measurements, from a fresh interpreter of this Python (so that nothing imported
-    here is counted)."""
+def _fresh(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """`python -m fedge.torch_build ARGS` in a fresh interpreter of this Python (nothing imported here counts)."""
     root = str(Path(__file__).resolve().parents[1])  # the folder holding the packages, installed or checked out
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     try:
-        done = subprocess.run(
-            [sys.executable, "-m", "fedge.torch_build"], capture_output=True, text=True, timeout=timeout, env=env
+        return subprocess.run(
+            [sys.executable, "-m", "fedge.torch_build", *args], capture_output=True, text=True, timeout=timeout, env=env
         )
     except subprocess.TimeoutExpired:
-        raise ProbeFailed(f"importing torch and training {timeout:.0f} s did not finish") from None
-    if done.returncode != 0:
-        raise ProbeFailed(f"the torch probe exited with {done.returncode}: {done.stderr.strip()[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+        raise ProbeFailed(f"importing torch and training did not finish in {timeout:.0f} s") from None
+
+
+def probe_runtime(timeout: float = PROBE_TIMEOUT_S) -> dict[str, Any]:
+    """fedge.torch_build's measurements. A probe killed by a signal (SIGILL: an instruction this CPU lacks) is
+    reported with what the build's own check finds, without training."""
+    done = _fresh([], timeout)
+    if done.returncode == 0:
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    died = f"killed by {signal.Signals(-done.returncode).name}" if done.returncode < 0 else f"exit {done.returncode}"
+    checked = _fresh(["--problems"], timeout)
+    causes = json.loads(checked.stdout.strip().splitlines()[-1]) if checked.returncode == 0 else []
+    why = " ".join(causes) or done.stderr.strip()[-2000:]
+    raise ProbeFailed(f"training a few steps in a fresh interpreter failed ({died}): {why}")
 
 
 def meminfo(text: str | None = None) -> dict[str, int]:
@@ -109,9 +120,10 @@ def model_rows(
     return rows
 
 
-def problems(build: TorchBuild, runtime: dict[str, Any], rows: list[dict[str, Any]], here: dict[str, Any]) -> list[str]:
-    """What stands between this machine and a client, each with what to do."""
-    found = [line for line in [cuda_without_gpu(build)] if line]
+def problems(runtime: dict[str, Any], rows: list[dict[str, Any]], here: dict[str, Any]) -> list[str]:
+    """What stands between this machine and a client, each with what to do: the build's (the probe's
+    build_problems) and memory."""
+    found = list(runtime["build_problems"])
     if here["memory_available"] is not None and not any(r["fits_memory_now"] for r in rows):
         found.append(
             f"{here['memory_available'] / MB:.0f} MB of memory available is not enough for the runtime "
@@ -136,7 +148,7 @@ def report(
         "profile": profile.name if profile else None,
         "batch_size": batch_size,
         "models": rows,
-        "problems": problems(build, runtime, rows, here),
+        "problems": problems(runtime, rows, here),
     }
 
 

@@ -42,10 +42,26 @@ def test_memory_verdicts_count_the_measured_runtime_beside_the_footprint():
     assert not any(r["fits_memory_now"] for r in tight)
     here = {"memory_available": int(cnn1["needs_mb"] * MB) - 1}
     build = TorchBuild("2.13.0+cu130", "13.0", False)
-    found = problems(build, {"rss_after_training": 300 * MB}, tight, here)
+    found = problems({"rss_after_training": 300 * MB, "build_problems": [cuda_without_gpu(build)]}, tight, here)
     assert found[0] == cuda_without_gpu(build) and "not enough for the runtime" in found[1]
 
 
 def test_meminfo_reads_total_and_available():
     text = "MemTotal:        3884324 kB\nMemFree:          100000 kB\nMemAvailable:    2000000 kB\n"
     assert meminfo(text) == {"MemTotal": 3884324 * 1024, "MemAvailable": 2000000 * 1024}
+
+
+def test_a_probe_killed_by_sigill_is_reported_with_the_builds_own_diagnosis(monkeypatch, capsys):
+    import subprocess
+
+    from launch import doctor
+
+    cause = "torch 2.13.0+cu130 bundles NVIDIA's NVPL BLAS ..."
+    replies = {
+        (): subprocess.CompletedProcess([], -4, "", "qemu: uncaught target signal 4 (Illegal instruction)"),
+        ("--problems",): subprocess.CompletedProcess([], 0, json.dumps([cause]) + "\n", ""),
+    }
+    monkeypatch.setattr(doctor, "_fresh", lambda args, timeout: replies[tuple(args)])
+    assert main(["doctor"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "(killed by SIGILL): " + cause in err

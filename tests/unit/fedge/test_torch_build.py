@@ -6,7 +6,16 @@ import logging
 import pytest
 
 from fedge import torch_build as tb
-from fedge.torch_build import CPU_INSTALL, TorchBuild, cuda_libraries, cuda_without_gpu, probe, warn_cuda_without_gpu
+from fedge.torch_build import (
+    CPU_INSTALL,
+    TorchBuild,
+    armv8_0_crash,
+    cpu_features,
+    cuda_libraries,
+    cuda_without_gpu,
+    probe,
+    warn_build_problems,
+)
 from launch.cli import main
 
 pytestmark = pytest.mark.timeout(120)
@@ -33,8 +42,22 @@ def test_fedge_client_on_a_cuda_build_without_a_gpu_warns_once_before_anything_e
 
 def test_this_machines_cpu_build_is_not_warned_about(caplog):
     with caplog.at_level(logging.WARNING):
-        assert warn_cuda_without_gpu() is None
+        assert warn_build_problems() == []
     assert not caplog.records
+
+
+PI4_FEATURES = {"fp", "asimd", "evtstrm", "crc32", "cpuid"}  # a Raspberry Pi 4's Cortex-A72: ARMv8.0, no LSE
+PI4_CPUINFO = "processor\t: 0\nBogoMIPS\t: 108.00\nFeatures\t: fp asimd evtstrm crc32 cpuid\nCPU part\t: 0xd08\n"
+
+
+def test_nvpl_on_a_cpu_without_armv8_1_atomics_is_a_sigill_foretold():
+    assert cpu_features(PI4_CPUINFO) == PI4_FEATURES
+    assert cpu_features("processor\t: 0\nflags\t\t: fpu vme sse2\n") is None  # x86 says `flags`
+    line = armv8_0_crash(PI4_FEATURES, ["libnvpl_blas_core.so.0"], PI)
+    assert "\n" not in line and "SIGILL" in line and line.endswith(CPU_INSTALL)
+    assert armv8_0_crash(PI4_FEATURES | {"atomics"}, ["libnvpl_blas_core.so.0"], PI) is None  # a Pi 5's A76
+    assert armv8_0_crash(PI4_FEATURES, [], TorchBuild("2.13.0+cpu", None, False)) is None  # OpenBLAS
+    assert armv8_0_crash(None, ["libnvpl_blas_core.so.0"], PI) is None  # not aarch64
 
 
 SMAPS = """\
