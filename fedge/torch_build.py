@@ -1,6 +1,7 @@
 """Which torch build a device runs and what it costs it: a CUDA build on a machine without a usable GPU trains on
 the CPU like the CPU build, but maps a few hundred MB of CUDA libraries for nothing (issue 32 measured 491 against
-218 MB of RSS after `import torch` on aarch64, and a 4.7 GB venv against the CPU build's few hundred MB).
+218 MB of RSS after `import torch`, natively on x86_64, and a 4.7 GB venv on aarch64); and on an ARMv8.0 Pi,
+PyPI's aarch64 build dies with SIGILL (armv8_0_crash).
 
 `python -m fedge.torch_build` measures, in a fresh interpreter, what `import torch` and a few training steps cost
 this machine and prints it as JSON (`fedge doctor` runs it and reports it); with `--problems`, only the build's
@@ -9,6 +10,7 @@ problems on this machine, without training (what a probe that died of one of the
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import re
@@ -22,7 +24,18 @@ log = logging.getLogger(__name__)
 # The one install that gives the CPU build on every platform, aarch64 (a Raspberry Pi) included: PyPI serves a
 # CUDA build of torch 2.13 for aarch64 and x86_64 alike.
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
-CPU_INSTALL = f"pip install --index-url {CPU_INDEX} 'torch==2.13.*'"
+
+
+def _torch_requirement() -> str:
+    """fedge's own torch requirement (pyproject.toml, as installed), e.g. "torch==2.13.*"."""
+    try:
+        requirements = importlib.metadata.requires("fedge") or []
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        requirements = []
+    return next((r.split(";")[0].strip() for r in requirements if re.match(r"torch\b", r)), "torch")
+
+
+CPU_INSTALL = f"pip install --index-url {CPU_INDEX} '{_torch_requirement()}'"
 # Shared libraries of CUDA, its math libraries, NCCL and torch's CUDA half, by file name (libcurl is not one).
 _CUDA_LIBRARY = re.compile(
     r"/lib(cudart|cublas|cublaslt|cudnn\w*|cufft|cufile|curand|cusolver|cusparse\w*|cupti|nccl|nvrtc|nvjitlink"
