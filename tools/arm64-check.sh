@@ -196,14 +196,14 @@ wait "$SERVER" || SERVED=$?
 
 # 6. The verdict, from the run folder.
 "$(dirname "$HOSTFEDGE")/python" - "$WORK/run/fedavg" "$WORK/doctor.json" "$DOWNLOAD_MB" "$VENV_MB" "$PEAK_DISK_MB" \
-    "$DOCTOR" <<'EOF'
+    "$DOCTOR" "$WORK/doctor.err" <<'EOF'
 import json
 import sys
 from pathlib import Path
 
 from launch.doctor import text
 
-run, doctor_file, download, venv, peak, doctor_status = sys.argv[1:]
+run, doctor_file, download, venv, peak, doctor_status, doctor_err = sys.argv[1:]
 summary = json.loads((Path(run) / "summary.json").read_text())
 rows = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
 arm = [r for r in rows if r["client"] == "2"]
@@ -225,7 +225,8 @@ print(f"arm64 client: {sum(r['trained'] for r in arm)} of {len(arm)} rounds trai
 print(f"final accuracy per client: {summary['final_accuracy']['per_client']}")
 problems = []
 if doctor_status != "0":
-    problems.append(f"fedge doctor found problems: {doctor.get('problems')}")
+    said = doctor.get("problems") or [line for line in Path(doctor_err).read_text().splitlines() if line.startswith("fedge")]
+    problems.append(f"fedge doctor found problems: {said}")
 if summary["never_trained"] or summary["rejected_replies"]:
     problems.append(f"never trained {summary['never_trained']}, rejected {summary['rejected_replies']}")
 if not arm or not all(r["trained"] for r in arm):
