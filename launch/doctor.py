@@ -53,7 +53,7 @@ def probe_runtime(timeout: float = PROBE_TIMEOUT_S) -> dict[str, Any]:
     died = f"killed by {signal.Signals(-done.returncode).name}" if done.returncode < 0 else f"exit {done.returncode}"
     checked = _fresh(["--problems"], timeout)
     causes = json.loads(checked.stdout.strip().splitlines()[-1]) if checked.returncode == 0 else []
-    why = " ".join(causes) or done.stderr.strip()[-2000:]
+    why = "; ".join(causes) or done.stderr.strip()[-2000:]
     raise ProbeFailed(f"training a few steps in a fresh interpreter failed ({died}): {why}")
 
 
