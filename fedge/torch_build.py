@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from fedge.errors import UserError
+
 log = logging.getLogger(__name__)
 # The one install that gives the CPU build on every platform, aarch64 (a Raspberry Pi) included: PyPI serves a
 # CUDA build of torch 2.13 for aarch64 and x86_64 alike.
@@ -38,8 +40,8 @@ def _torch_requirement() -> str:
 CPU_INSTALL = f"pip install --index-url {CPU_INDEX} '{_torch_requirement()}'"
 # Shared libraries of CUDA, its math libraries, NCCL and torch's CUDA half, by file name (libcurl is not one).
 _CUDA_LIBRARY = re.compile(
-    r"/lib(cudart|cublas|cublaslt|cudnn\w*|cufft|cufile|curand|cusolver|cusparse\w*|cupti|nccl|nvrtc|nvjitlink"
-    r"|nvtoolsext|nvshmem\w*|nvperf\w*|torch_cuda|c10_cuda)[.-][^/]*$",
+    r"/lib(cudart|cublas|cudnn|cufft|cufile|curand|cusolver|cusparse|cupti|nccl|nvrtc|nvjitlink|nvtoolsext|nvshmem"
+    r"|nvperf|torch_cuda|c10_cuda)\w*[.-][^/]*$",
     re.IGNORECASE,
 )
 # What the probe trains to measure the runtime's memory after a backward pass and optimiser steps.
@@ -120,9 +122,19 @@ def build_problems() -> list[str]:
     return [line for line in (armv8_0_crash(cpu_features(), bundled_nvpl(), build), cuda_without_gpu(build)) if line]
 
 
-def warn_build_problems() -> list[str]:
-    """Log build_problems' lines, once each, for this process's torch (a client at start-up); returns them."""
-    lines = build_problems()
+class TorchBuildError(UserError):
+    """This torch cannot train here as asked; the message says why and what to do."""
+
+
+def check_client_build(threads: int) -> list[str]:
+    """At a client's start: log each of build_problems' lines and return them; raise TorchBuildError instead
+    when this torch would die of SIGILL training at `threads` > 1 (armv8_0_crash); at one thread it only warns
+    (one thread trained under qemu's cortex-a72, issue 32)."""
+    build = torch_build()
+    crash = armv8_0_crash(cpu_features(), bundled_nvpl(), build)
+    if crash and threads > 1:
+        raise TorchBuildError(f"{crash}; or run this client with --threads 1 (slower)")
+    lines = [line for line in (crash, cuda_without_gpu(build)) if line]
     for line in lines:
         log.warning("%s", line)
     return lines
@@ -133,9 +145,9 @@ def cuda_libraries(smaps: str) -> dict[str, int]:
     resident: dict[str, int] = {}
     library = None
     for line in smaps.splitlines():
-        fields = line.split()
+        fields = line.split(maxsplit=5)  # a header's path, the sixth field, may hold spaces
         if len(fields) >= 5 and "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's header line
-            path = fields[5] if len(fields) > 5 else ""
+            path = fields[5].strip() if len(fields) > 5 else ""
             library = Path(path).name if _CUDA_LIBRARY.search(path) else None
             if library is not None:
                 resident.setdefault(library, 0)

@@ -317,12 +317,14 @@ def cmd_server(args: argparse.Namespace) -> None:
 
 
 def cmd_client(args: argparse.Namespace) -> int:
-    from fedge.torch_build import warn_build_problems
+    import torch
+
+    from fedge.torch_build import check_client_build
     from launch.client import client_agents, run_clients, set_threads
 
-    warn_build_problems()
-    cfg = run_config(args, ("dataset", "data", "data_dir"))
     set_threads(args.threads)
+    check_client_build(torch.get_num_threads())
+    cfg = run_config(args, ("dataset", "data", "data_dir"))
     ids = [i.strip() for i in args.id.split(",") if i.strip()]
     agents = client_agents(cfg, ids, args.model, args.profile, args.state_dir)
     return run_clients(agents, lambda cid: broker_settings(args, args.username or cid), cfg)

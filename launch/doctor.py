@@ -50,7 +50,12 @@ def probe_runtime(timeout: float = PROBE_TIMEOUT_S) -> dict[str, Any]:
     done = _fresh([], timeout)
     if done.returncode == 0:
         return json.loads(done.stdout.strip().splitlines()[-1])
-    died = f"killed by {signal.Signals(-done.returncode).name}" if done.returncode < 0 else f"exit {done.returncode}"
+    died = f"exit {done.returncode}"
+    if done.returncode < 0:
+        try:
+            died = f"killed by {signal.Signals(-done.returncode).name}"
+        except ValueError:  # a signal Python has no name for
+            died = f"killed by signal {-done.returncode}"
     checked = _fresh(["--problems"], timeout)
     causes = json.loads(checked.stdout.strip().splitlines()[-1]) if checked.returncode == 0 else []
     why = "; ".join(causes) or done.stderr.strip()[-2000:]
@@ -155,11 +160,9 @@ def report(
 def text(r: dict[str, Any]) -> str:
     """The report as a few lines and a table."""
     m, t = r["machine"], r["torch"]
-    memory = (
-        f"memory {m['memory_total'] / MB:.0f} MB ({m['memory_available'] / MB:.0f} MB available)"
-        if m["memory_total"]
-        else "memory unknown"
-    )
+    memory = "memory unknown" if not m["memory_total"] else f"memory {m['memory_total'] / MB:.0f} MB"
+    if m["memory_total"] and m["memory_available"] is not None:
+        memory += f" ({m['memory_available'] / MB:.0f} MB available)"
     libraries = t["cuda_libraries"]
     lines = [
         f"machine: {m['arch']}, {m['system']}, Python {m['python']}, {m['cores']} cores, {memory}, "

@@ -155,7 +155,7 @@ def _rounds(
     except RoundFailed as e:
         runlog.write_json("summary.json", e.summary | extra | transport.report())
         raise
-    summary |= extra | {"wall_seconds": coordinator.wall_seconds()} | transport.report()
+    summary |= extra | transport.report()
     runlog.write_json("summary.json", summary)
     write_plots(runlog.rows(), summary, out, f"{cfg.strategy} on {cfg.dataset}, zoo {cfg.zoo} ({cfg.widths} widths)")
     finals = strategy.final_models()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import statistics
@@ -135,7 +136,7 @@ def run_identity(
         "seed": seed,
         "active": active,
         "widths": widths,
-        "options": dict(options or {}),
+        "options": json.loads(json.dumps(dict(options or {}))),  # as a checkpoint holds them: tuples as lists
     }
 
 
@@ -153,10 +154,13 @@ def check_resumable(tree: Tree, identity: Mapping[str, Any], out: Path) -> Tree:
             log.warning("the checkpoint in %s predates recording %s; resuming without checking them", out, key)
             continue
         theirs = tree.get(key, IDENTITY_BEFORE_RECORDED.get(key))
-        if key == "options" and isinstance(theirs, dict):  # name the first option that differs
-            differ = [k for k in sorted(set(theirs) | set(mine)) if theirs.get(k) != mine.get(k)]
-            if differ:
-                key, theirs, mine = f"option {differ[0]}", theirs.get(differ[0]), mine.get(differ[0])
+        if key == "options" and isinstance(theirs, dict):
+            # an option the checkpoint lacks was added to the strategy after it was written: not checked; one it
+            # has that this run lacks was removed and changes nothing. Compared as JSON (NaN equals NaN).
+            differ = [k for k in sorted(set(theirs) & set(mine)) if json.dumps(theirs[k]) != json.dumps(mine[k])]
+            if not differ:
+                continue
+            key, theirs, mine = f"option {differ[0]}", theirs[differ[0]], mine[differ[0]]
         if theirs != mine:
             raise CheckpointError(
                 f"the checkpoint in {out} was written with {key}={theirs!r}, this run has "
@@ -188,7 +192,6 @@ class Coordinator:
         self.profiles = {cid: get_profile(info.profile) for cid, info in clients.items()}
         self.server_seconds: list[float] = []
         self.wall_before = 0.0  # wall seconds of the earlier calls (chunks, or runs before a crash) of a resumed run
-        self.started = time.perf_counter()
         self.participated: set[str] = set()
         self.final: dict[str, float] = {}
         self.last_mean = float("nan")
@@ -533,6 +536,7 @@ class Coordinator:
                     "per_client": per_client,
                 },
                 "server_seconds": self.server_seconds,
+                "wall_seconds": self.wall_seconds(),
                 "never_trained": sorted(set(self.clients) - self.participated, key=client_order),
                 "rejected_replies": dict(self.rejected),
                 "clipped_updates": {

@@ -4,7 +4,7 @@
 # the host for aarch64 (the offline path of docs/raspberry-pi.md), runs `fedge doctor` in it, then one short
 # federation on the embedded broker with one arm64 client beside two host clients, each on its own .npz. Prints the
 # download and install sizes, `import torch` time and RSS under emulation, and whether every client trained every
-# round it was selected. Exit status 0: every check passed; 1: a check failed; 2: bad usage or host.
+# round it was selected (all are, every round). Exit status 0: every check passed; 1: a check failed; 2: bad usage or host.
 #
 #   sudo tools/arm64-check.sh                     # from nothing ~20-30 min; with the cached root, minutes
 #   sudo tools/arm64-check.sh --torch-index URL   # where the aarch64 torch comes from (default: PyTorch's CPU index)
@@ -20,7 +20,6 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 CACHE=${FEDGE_ARM64_CACHE:-/var/cache/fedge-arm64}
 MIRROR=${FEDGE_DEBIAN_MIRROR:-http://deb.debian.org/debian}
 TORCH_INDEX=https://download.pytorch.org/whl/cpu
-TORCH_SPEC=$(grep -o '"torch==[^"]*"' "$REPO/pyproject.toml" | tr -d '"')
 PY=3.11 # bookworm's Python, the Pi's
 ROUNDS=2
 PI=4
@@ -44,6 +43,8 @@ case $PI in
     5) QEMU_CPU=cortex-a76 PART=0xd0b FEATURES="fp asimd evtstrm crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp" ;;
     *) echo "arm64-check: --pi takes 4 or 5" >&2; exit 2 ;;
 esac
+TORCH_SPEC=$(grep -o '"torch==[^"]*"' "$REPO/pyproject.toml" | tr -d '"') ||
+    { echo "arm64-check: no torch==... requirement in $REPO/pyproject.toml" >&2; exit 2; }
 [ "$(id -u)" = 0 ] || { echo "arm64-check: run as root (debootstrap, chroot, mounts)" >&2; exit 2; }
 [ "$(uname -m)" = x86_64 ] || { echo "arm64-check: needs an x86_64 host, this is $(uname -m)" >&2; exit 2; }
 command -v apt-get >/dev/null || { echo "arm64-check: needs a Debian or Ubuntu host (apt-get)" >&2; exit 2; }
@@ -96,7 +97,8 @@ fi
 mount -t proc proc "$ROOT/proc"
 mount --bind /sys "$ROOT/sys"
 mount --bind /dev "$ROOT/dev"
-# qemu-user shows the host's x86 /proc/cpuinfo, on which torch's cpuinfo crashes: show the Pi's.
+# qemu-user before 8.1 (Debian bookworm's is 7.2) shows the host's x86 /proc/cpuinfo, on which torch's cpuinfo
+# crashes: show the Pi's (qemu 8.1 and later make up an arm one of their own, and this mount does not apply).
 CPUINFO=$WORK/cpuinfo
 for i in 0 1 2 3; do
     printf 'processor\t: %d\nBogoMIPS\t: 108.00\nFeatures\t: %s\nCPU implementer\t: 0x41\n' "$i" "$FEATURES"
@@ -118,7 +120,9 @@ say "downloading $TORCH_SPEC for aarch64 from $TORCH_INDEX"
 timeout "$STEP_TIMEOUT" "$HOSTPY" -m pip download -q "${AARCH64[@]}" --no-deps --index-url "$TORCH_INDEX" "$TORCH_SPEC" ||
     fail "no aarch64 wheel of $TORCH_SPEC at $TORCH_INDEX (reachable from here? --torch-index chooses another)"
 say "downloading the rest of the device install for aarch64 from PyPI"
-timeout "$STEP_TIMEOUT" "$HOSTPY" -m pip download -q "${AARCH64[@]}" --find-links "$WHEELS" "$WHEELS"/fedge-*.whl
+# the torch wheel just downloaded, named as a requirement: PyPI's torch of a later 2.13 patch must not replace it
+timeout "$STEP_TIMEOUT" "$HOSTPY" -m pip download -q "${AARCH64[@]}" --find-links "$WHEELS" "$WHEELS"/fedge-*.whl \
+    "$WHEELS"/torch-*.whl
 DOWNLOAD_MB=$(mb "$WHEELS")
 say "wheels: $(ls "$WHEELS" | wc -l) files, $DOWNLOAD_MB MB: $(ls "$WHEELS" | sed 's/-[0-9].*//' | sort -u | tr '\n' ' ')"
 
@@ -131,12 +135,12 @@ VENV_MB=$(mb "$ROOT/opt/fedge/.venv")
 PEAK_DISK_MB=$((DOWNLOAD_MB + VENV_MB)) # the wheels and the venv are on the device together at the end
 rm -rf "$ROOT/tmp/wheels"
 say "installed: venv $VENV_MB MB; wheels and venv together (the peak on the device): $PEAK_DISK_MB MB"
-in_root /opt/fedge/.venv/bin/pip list 2>/dev/null | sed 's/^/    /'
+in_root /opt/fedge/.venv/bin/pip list 2>/dev/null | sed 's/^/    /' || true
 
 # 4. fedge doctor on the device: the torch build, import time and RSS (emulated), what a Pi 4 can train.
-say "fedge doctor --profile rpi-4 on the device"
+say "fedge doctor --profile rpi-$PI on the device"
 DOCTOR=0
-in_root /opt/fedge/.venv/bin/fedge doctor --profile rpi-4 --json >"$WORK/doctor.json" 2>"$WORK/doctor.err" || DOCTOR=$?
+in_root /opt/fedge/.venv/bin/fedge doctor --profile "rpi-$PI" --json >"$WORK/doctor.json" 2>"$WORK/doctor.err" || DOCTOR=$?
 grep '^fedge' "$WORK/doctor.err" | sed 's/^/    /' || true
 
 # 5. One federation: embedded broker, server and two clients on the host, client 2 in the arm64 root.
@@ -145,7 +149,7 @@ DATA=$ROOT/data
 mkdir -p "$DATA" "$WORK/run"
 HOSTFEDGE=${FEDGE:-$REPO/.venv/bin/fedge}
 [ -x "$HOSTFEDGE" ] || HOSTFEDGE=$(command -v fedge) || fail "no fedge on the host (make install, or FEDGE=path)"
-"$(dirname "$HOSTFEDGE")/python" - "$DATA" "$REPO/../shared/data/mnist.npz" <<'EOF'
+"$(dirname "$HOSTFEDGE")/python" - "$DATA" "${FEDGE_MNIST:-$REPO/../shared/data/mnist.npz}" <<'EOF'
 import sys
 from pathlib import Path
 
@@ -169,7 +173,7 @@ EOF
 PORT=$((20000 + RANDOM % 20000))
 cat >"$ROOT/run.json" <<EOF
 {"zoo": "cnn1", "strategy": "fedavg", "clients": 3, "active": 3, "rounds": $ROUNDS, "local_epochs": 1,
- "run_id": "arm64", "profiles": ["rpi-4"], "data_dir": "/data/{id}.npz", "input_shape": [1, 28, 28],
+ "run_id": "arm64", "profiles": ["rpi-$PI"], "data_dir": "/data/{id}.npz", "input_shape": [1, 28, 28],
  "class_names": ["0","1","2","3","4","5","6","7","8","9"], "norm_mean": [0.13], "norm_std": [0.31],
  "register_timeout_s": 1800, "round_deadline_s": 1800, "heartbeat_s": 30}
 EOF
@@ -182,12 +186,15 @@ timeout "$STEP_TIMEOUT" "$HOSTFEDGE" server --broker "mqtt://127.0.0.1:$PORT" --
     --password-file "$ROOT/passwords" --out "$WORK/run/fedavg" --no-progress \
     >"$WORK/server.log" 2>&1 &
 SERVER=$!
+PIDS+=("$SERVER")
 for id in 0 1; do
     timeout "$STEP_TIMEOUT" "$HOSTFEDGE" client --broker "mqtt://127.0.0.1:$PORT" --config "$ROOT/run.json" --id $id \
         --data-dir "$DATA/$id.npz" --password-file "$ROOT/passwords" >"$WORK/client$id.log" 2>&1 &
     PIDS+=($!)
 done
-in_root /opt/fedge/.venv/bin/fedge client --broker "mqtt://127.0.0.1:$PORT" --config /run.json --id 2 \
+# started directly, not through in_root, so that $! is timeout itself, which passes a kill on to the client
+timeout "$STEP_TIMEOUT" chroot "$ROOT" /usr/bin/env -i HOME=/root PATH=/usr/bin:/bin QEMU_CPU="$QEMU_CPU" \
+    /opt/fedge/.venv/bin/fedge client --broker "mqtt://127.0.0.1:$PORT" --config /run.json --id 2 \
     --data-dir /data/2.npz --password-file /passwords >"$WORK/client2.log" 2>&1 &
 PIDS+=($!)
 SERVED=0
@@ -231,6 +238,9 @@ if summary["never_trained"] or summary["rejected_replies"]:
     problems.append(f"never trained {summary['never_trained']}, rejected {summary['rejected_replies']}")
 if not arm or not all(r["trained"] for r in arm):
     problems.append("the arm64 client did not train every round it was selected")
+untrained = sorted({(r["round"], r["client"]) for r in rows if not r["trained"]})
+if untrained:
+    problems.append(f"(round, client) selected and not trained: {untrained}")
 print("PASS" if not problems else "FAIL: " + "; ".join(problems))
 sys.exit(1 if problems else 0)
 EOF

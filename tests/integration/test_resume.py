@@ -168,3 +168,9 @@ def test_a_checkpoint_from_before_options_were_recorded_resumes_unchecked(tmp_pa
     assert "predates recording options" in caplog.text
     with pytest.raises(CheckpointError, match="option every_round=True, this run has False"):
         check_resumable(identity, run_identity("local", ["0", "1"], 0, 2, options={"every_round": False}), tmp_path)
+    # an option added to the strategy after the checkpoint was written, one removed since, NaN and a tuple
+    now = run_identity("local", ["0", "1"], 0, 2, options={"every_round": True, "new": 1, "x": float("nan")})
+    then = run_identity("local", ["0", "1"], 0, 2, options={"every_round": True, "old": 2, "x": float("nan")})
+    assert check_resumable(then, now, tmp_path) is then
+    pair = run_identity("local", ["0"], 0, 1, options={"sizes": (1, 2)})
+    assert pair["options"] == {"sizes": [1, 2]} and check_resumable(pair, pair, tmp_path) is pair

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from device_profiles import get_profile
 from fedge.torch_build import TorchBuild, cuda_without_gpu
@@ -11,9 +12,11 @@ from launch.cli import main
 from launch.doctor import meminfo, model_rows, problems
 
 pytestmark = pytest.mark.timeout(300)
+CPU_BUILD = pytest.mark.skipif(torch.version.cuda is not None, reason="checks this machine's CPU build of torch")
 MB = 1_000_000
 
 
+@CPU_BUILD
 def test_doctor_measures_this_machine_and_lists_every_zoo_model(capsys):
     code = main(["doctor", "--profile", "rpi-zero-2w", "--json"])
     r = json.loads(capsys.readouterr().out)
@@ -27,6 +30,7 @@ def test_doctor_measures_this_machine_and_lists_every_zoo_model(capsys):
     assert "cnn1" in admitted and "mobilenet_v3" not in admitted  # 1.53 M params > the Zero 2 W's 0.8 M
 
 
+@CPU_BUILD
 def test_doctor_text_names_the_build_and_the_verdict(capsys):
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
