@@ -32,8 +32,8 @@ def measure(model: str, dataset: str, threads: int) -> dict[str, float]:
     import torch
 
     from device_profiles import training_footprint_bytes
-    from fedge.memory import peak_rss_bytes, rss_bytes
     from fedge.config import config_from
+    from fedge.memory import peak_rss_bytes, rss_bytes
     from fedge.messages import Task
     from fedge.tasks import TrainTask
     from launch.client import make_agent

@@ -10,9 +10,9 @@ from typing import Callable
 
 import torch
 
-from fedge.memory import memory_metrics
 from edge_client.training import TorchTrainer, Trainer
 from fedge.checkpoint import CheckpointError, load_tree, save_tree
+from fedge.memory import memory_metrics
 from fedge.messages import ClientInfo, Result, Task, Weights
 from fedge.registry import Registry
 from fedge.seeding import derive_seed
