@@ -116,10 +116,15 @@ def armv8_0_crash(features: set[str] | None, nvpl: list[str], build: TorchBuild)
     )
 
 
+def _crash_and_cuda() -> tuple[str | None, str | None]:
+    """armv8_0_crash's and cuda_without_gpu's lines for this process's torch on this machine (imports torch)."""
+    build = torch_build()
+    return armv8_0_crash(cpu_features(), bundled_nvpl(), build), cuda_without_gpu(build)
+
+
 def build_problems() -> list[str]:
     """Every one-line problem of this process's torch on this machine (imports torch)."""
-    build = torch_build()
-    return [line for line in (armv8_0_crash(cpu_features(), bundled_nvpl(), build), cuda_without_gpu(build)) if line]
+    return [line for line in _crash_and_cuda() if line]
 
 
 class TorchBuildError(UserError):
@@ -130,11 +135,10 @@ def check_client_build(threads: int) -> list[str]:
     """At a client's start: log each of build_problems' lines and return them; raise TorchBuildError instead
     when this torch would die of SIGILL training at `threads` > 1 (armv8_0_crash); at one thread it only warns
     (one thread trained under qemu's cortex-a72, issue 32)."""
-    build = torch_build()
-    crash = armv8_0_crash(cpu_features(), bundled_nvpl(), build)
+    crash, cuda = _crash_and_cuda()
     if crash and threads > 1:
         raise TorchBuildError(f"{crash}; or run this client with --threads 1 (slower)")
-    lines = [line for line in (crash, cuda_without_gpu(build)) if line]
+    lines = [line for line in (crash, cuda) if line]
     for line in lines:
         log.warning("%s", line)
     return lines
