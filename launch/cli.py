@@ -246,27 +246,39 @@ def broker_settings(args: argparse.Namespace, username: str | None) -> Any:
 
 
 def print_summary(summary: dict[str, Any]) -> None:
+    """The end table: a row for every client of the run, what became of it (summary.json's client_status), its final
+    accuracy where it was evaluated; then the mean, saying over how many of how many clients."""
+    from fedge.messages import client_order
+
     final, phi, teacher = summary["final_accuracy"], summary.get("phi", {}), summary.get("teacher_params", {})
     evaluated = summary.get("eval_models", {})  # a strategy that evaluates clients on models it chose (FedTrans)
+    status = summary.get("client_status", {})
+    accuracy = final["per_client"]
+    clients = sorted(set(summary["models"]) | set(accuracy), key=client_order)
     rows = [
         {
             "client": cid,
-            "model": summary["models"][cid],
+            "model": summary["models"].get(cid, "-"),
             "evaluated on": evaluated.get(cid, "-"),
-            "runtime": summary["runtimes"][cid],
-            "accuracy": f"{acc:.4f}",
+            "runtime": summary["runtimes"].get(cid, "-"),
+            "status": status[cid]["status"] if cid in status else "-",
+            "accuracy": f"{accuracy[cid]:.4f}" if cid in accuracy else "-",
             "mean teacher params": f"{teacher[cid]:,.0f}" if cid in teacher else "-",
             "phi": f"{phi[cid]:+.3f}" if cid in phi else "-",
         }
-        for cid, acc in final["per_client"].items()
+        for cid in clients
     ]
-    columns = ["client", "model"] + (["evaluated on"] if evaluated else []) + ["runtime", "accuracy"]
+    columns = ["client", "model"] + (["evaluated on"] if evaluated else []) + ["runtime", "status", "accuracy"]
     print(_table(rows, columns + (["mean teacher params", "phi"] if phi else [])))
+    others = [f"client {cid} {s['status']}: {s['reason']}" for cid, s in status.items() if s["status"] != "trained"]
+    if others:
+        print("\n" + "\n".join(others))
     mean = "n/a (no client was evaluated)" if final["mean"] is None else f"{final['mean']:.4f}"
-    rejected = summary.get("rejected_messages") or {}
-    if rejected:
-        print(f"\nrejected messages: {', '.join(f'{k} {v}' for k, v in sorted(rejected.items()))}")
-    print(f"\nmean final accuracy {mean} over {len(rows)} clients; run folder: {summary['out']}")
+    for what, key in (("refused replies", "rejected_replies"), ("rejected messages", "rejected_messages")):
+        counts = summary.get(key) or {}
+        if counts:
+            print(f"\n{what}: {', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}")
+    print(f"\nmean final accuracy {mean} over {len(accuracy)} of {len(clients)} clients; run folder: {summary['out']}")
 
 
 def cmd_run(args: argparse.Namespace) -> None:

@@ -38,6 +38,7 @@ from server.bounds import (
     upload_norm,
     with_tensors,
 )
+from server.client_status import ClientLedger
 from server.clock import ClientClock, RunClock, client_clock, task_epochs
 from server.runlog import RunLog
 from server.strategy import Strategy, StrategyError
@@ -202,6 +203,7 @@ class Coordinator:
         self.discarded: list[int] = []  # rounds whose aggregate was not finite and was thrown away
         self.failed: list[dict[str, int]] = []
         self.clock = RunClock()  # simulated seconds, training MACs and bytes (server/clock.py)
+        self.ledger = ClientLedger(self.clients)  # what became of each client (server/client_status.py)
         self.bar: tqdm | None = None
 
     def accepted(self, results: Mapping[str, Result], tasks: Mapping[str, Task]) -> dict[str, Result]:
@@ -237,6 +239,7 @@ class Coordinator:
         for cid, (code, message) in reasons.items():
             log.warning("rejected reply from client %s: %s", cid, message)
             self.rejected[code] += 1
+            self.ledger.refused(cid, code, message)
             keep.pop(cid, None)
         for cid, res in keep.items():
             self.upload_norms.update({f"{cid}/{role}": norms[cid, role][0] for role in res.models})
@@ -353,6 +356,7 @@ class Coordinator:
             "last_mean": self.last_mean,
             "rejected": dict(self.rejected),
             "failed_rounds": list(self.failed),
+            "client_counts": self.ledger.state(),
             "upload_norms": dict(self.upload_norms),
             "buffer_norms": dict(self.buffer_norms),
             "update_bounds": self.bounds.state(),
@@ -374,6 +378,7 @@ class Coordinator:
             self.clock.load_state(tree.get("sim_clock"))  # absent in checkpoints from before the clock: zeros
             self.bounds.load_state(tree.get("update_bounds"))  # absent before update bounds: an empty history
             self.buffer_norms = dict(tree.get("buffer_norms", {}))  # absent before buffer bounds: fresh references
+            self.ledger.load_state(tree.get("client_counts"))  # absent before client status: zero counts
             self.strategy.load_state(tree["strategy_state"])
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"the checkpoint in {self.runlog.out} lacks or garbles a field: {e}") from None
@@ -404,6 +409,8 @@ class Coordinator:
             server = time.perf_counter() - start
             self.show(f"{len(tasks)} clients training")
             replies = self.exchange(tasks)
+            self.ledger.sent(tasks)
+            self.ledger.unanswered(set(tasks) - set(replies))
             bounds = self.bounds.state()  # a try that fails aggregates nothing, so its updates join no history
             results = self.accepted(replies, tasks)
             if len(results) >= self.loop.min_replies:
@@ -439,6 +446,7 @@ class Coordinator:
         """Aggregate a round that met its quorum, evaluate, and record; returns the mean accuracy evaluated.
         `missing`: a selected client never replied (the simulated clock then charges the deadline, if any)."""
         self.participated |= set(results)
+        self.ledger.accepted(results)
         clocks = self.client_clocks(tasks, results)
         if len(results) < len(tasks):
             log.warning("round %d: %d of %d clients replied", rnd, len(results), len(tasks))
@@ -450,7 +458,9 @@ class Coordinator:
         eval_tasks = self.strategy.evaluation(rnd, sorted(final) if last else active)
         server += time.perf_counter() - start
         self.show(f"{len(eval_tasks)} clients evaluating")
-        evals = self.accepted(self.exchange(eval_tasks), eval_tasks)
+        replies = self.exchange(eval_tasks)
+        self.ledger.unanswered(set(eval_tasks) - set(replies))
+        evals = self.accepted(replies, eval_tasks)
         self.server_seconds.append(server)
         round_fields = self.clock.close_round(clocks, missing, self.loop.deadline_s)
         self.runlog.append_rows(
@@ -538,6 +548,7 @@ class Coordinator:
                 "server_seconds": self.server_seconds,
                 "wall_seconds": self.wall_seconds(),
                 "never_trained": sorted(set(self.clients) - self.participated, key=client_order),
+                "client_status": self.ledger.summary(per_client),
                 "rejected_replies": dict(self.rejected),
                 "clipped_updates": {
                     cid: self.bounds.clipped[cid] for cid in sorted(self.bounds.clipped, key=client_order)

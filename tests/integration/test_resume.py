@@ -74,7 +74,7 @@ def test_a_crashed_run_resumes_bit_identically(tmp_path, monkeypatch, strategy):
 
     resumed = run_simulation(config(tmp_path / "crashed", strategy), progress=False, resume=True)
 
-    for key in ("final_accuracy", "never_trained", "rejected_replies", "phi", "teacher_params"):
+    for key in ("final_accuracy", "never_trained", "client_status", "rejected_replies", "phi", "teacher_params"):
         assert resumed.get(key) == straight.get(key), key
     a, b = (load_tree(tmp_path / run / CHECKPOINT_FILE) for run in ("straight", "crashed"))
     assert a["next_round"] == b["next_round"] == 3
