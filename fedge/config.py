@@ -15,7 +15,7 @@ import types
 import typing
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 from fedge import constants as C
 from fedge.errors import UserError
@@ -235,17 +235,72 @@ def parse_overrides(pairs: Sequence[str]) -> dict[str, str]:
     return out
 
 
+@dataclass(frozen=True)
+class PaperFleet:
+    """The run-level keys a strategy's paper ran on, where the run's defaults cannot serve the strategy, and why."""
+
+    values: Mapping[str, Any]
+    why: str
+
+
+# strategy -> the fleet `fedge run --strategy NAME` gets for each key of it the run does not set (a flag, --set or the
+# config file wins). Here, in the core, not with the strategies: `fedge client` reads a run's TOML the same way and
+# must find the same zoo and partition without importing the server.
+PAPER_FLEETS: dict[str, PaperFleet] = {
+    "fedavg": PaperFleet({"zoo": "cnn1"}, "FedAvg averages one shared architecture: every client on cnn1"),
+    "dcpfl": PaperFleet(
+        {"zoo": C.FEDGH_ZOO},
+        "DC-PFL shares one classifier head: FedGH's five CNNs on one 500-d representation (DC-PFL §5, after FedGH)",
+    ),
+    "fedgh": PaperFleet(
+        {"zoo": C.FEDGH_ZOO}, "FedGH shares one header: its five CNNs on one 500-d representation (FedGH §5)"
+    ),
+    "fedmn": PaperFleet(
+        {"zoo": "fedmn_2x2x2_cnn1", "partition": "clustered", "alpha": 0.4, "label_clusters": 3},
+        "FedMN trains one modular network, its Table II pool [2x2x2] on cnn1 encoders, on FedEM's clustered split "
+        "(3 class groups, Dir(0.4))",
+    ),
+    "fedtrans": PaperFleet(
+        {"zoo": "cnn1,cnn3", "profiles": ("rpi-zero-2w", "rpi-4")},
+        "FedTrans grows models for capacities over 29x apart (§5.1): Pi Zero 2 W (9.2 M MACs) and Pi 4 (290 M), "
+        "31.5x, in turn, each registering a model it runs (cnn1, cnn3)",
+    ),
+    "heterofl": PaperFleet(
+        {"zoo": "cnn1,cnn3", "profiles": ("rpi-zero-2w", "rpi-4")},
+        "HeteroFL cuts width slices for capacities far apart (FedTrans's comparison, over 29x): Pi Zero 2 W "
+        "(9.2 M MACs) and Pi 4 (290 M) in turn, each registering a model it runs (cnn1, cnn3)",
+    ),
+}
+
+
+def paper_fleet(strategy: str, given: Collection[str]) -> dict[str, Any]:
+    """The keys of `strategy`'s PAPER_FLEETS entry that are not among the `given` (set by the user); {} for a
+    strategy the run's defaults serve."""
+    fleet = PAPER_FLEETS.get(strategy)
+    return {} if fleet is None else {k: v for k, v in fleet.values.items() if k not in given}
+
+
 def load_config(path: str | Path | None, overrides: Mapping[str, Any]) -> RunConfig:
-    """Defaults, then the file (if any: TOML, or JSON as written by to_json), then overrides; every layer
-    is checked."""
-    cfg = RunConfig()
+    """Defaults, then the keys of the strategy's paper fleet the file and overrides do not set, then the file (if
+    any: TOML, or JSON as written by to_json), then overrides; every layer is checked."""
+    return load_config_chosen(path, overrides)[0]
+
+
+def load_config_chosen(path: str | Path | None, overrides: Mapping[str, Any]) -> tuple[RunConfig, dict[str, Any]]:
+    """load_config, and the keys it took from the strategy's PAPER_FLEETS entry (what `fedge run` prints)."""
+    values: Mapping[str, Any] = {}
     if path is not None:
         json_file = str(path).endswith(".json")
         try:
             text = Path(path).read_text()
-            cfg = config_from(json.loads(text) if json_file else tomllib.loads(text), cfg)
+            values = json.loads(text) if json_file else tomllib.loads(text)
         except OSError as e:
             raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
         except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
             raise ConfigError(f"config file {path} is not valid {'JSON' if json_file else 'TOML'}: {e}") from None
-    return config_from(overrides, cfg)
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"config file {path} must hold a table of keys, got {type(values).__name__}")
+    strategy = str(overrides.get("strategy", values.get("strategy", C.DEFAULT_STRATEGY)))
+    chosen = paper_fleet(strategy, set(values) | set(overrides))
+    cfg = config_from(values, config_from(chosen))
+    return config_from(overrides, cfg), chosen

@@ -37,6 +37,7 @@ DEFAULT_STRATEGY = "pfedclub"
 DEFAULT_DATASET = "mnist-5k"
 DEFAULT_PARTITION = "noniid"
 DEFAULT_ZOO = "III"
+FEDGH_ZOO = "fedgh"  # the zoo giving client i FedGH's CNN i mod 5 (fedge/zoo.py)
 DEFAULT_CLIENTS = 8
 DEFAULT_ACTIVE = 4
 DEFAULT_ROUNDS = 5

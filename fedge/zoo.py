@@ -359,7 +359,6 @@ def _fedgh_cnn(name: str) -> Factory:
 for _name in FEDGH_CNNS:
     register_model(_name)(_fedgh_cnn(_name))
 
-FEDGH_ZOO = "fedgh"
 # pFedClub §4.1: how many of N=50 clients get each model (Zoo I, II, III).
 ZOOS: dict[str, dict[str, int]] = {
     "I": {"cnn1": 8, "cnn2": 7, "cnn3": 7, "cnn4": 7, "mobilenet_v1": 7, "mobilenet_v2": 7, "mobilenet_v3": 7},
@@ -378,13 +377,13 @@ def assign_models(zoo: str, num_clients: int, seed: int) -> list[str]:
     """
     if num_clients < 1:
         raise ZooError(f"number of clients must be positive, got {num_clients}")
-    names = list(FEDGH_CNNS) if zoo == FEDGH_ZOO else zoo.split(",")
+    names = list(FEDGH_CNNS) if zoo == C.FEDGH_ZOO else zoo.split(",")
     if all(is_model(n) for n in names):
         return [names[i % len(names)] for i in range(num_clients)]
     if zoo not in ZOOS:
         raise ZooError(
-            f"unknown zoo {zoo!r}; use one of {', '.join([*ZOOS, FEDGH_ZOO])}, a model name, or comma-separated model "
-            f"names ({', '.join(MODELS)}, an MLP such as mlp8, or a FedMN pool such as fedmn_2x2x2_cnn1)"
+            f"unknown zoo {zoo!r}; use one of {', '.join([*ZOOS, C.FEDGH_ZOO])}, a model name, or comma-separated "
+            f"model names ({', '.join(MODELS)}, an MLP such as mlp8, or a FedMN pool such as fedmn_2x2x2_cnn1)"
         )
     weights = ZOOS[zoo]
     total = sum(weights.values())

@@ -69,7 +69,7 @@ def cmd_zoo(args: argparse.Namespace) -> None:
     from export import ExportError
     from export.training_program import check_trainable
     from fedge.heads import HeadError, representation_size
-    from fedge.zoo import FEDGH_CNNS, FEDGH_ZOO, MODELS, ZOOS, create
+    from fedge.zoo import FEDGH_CNNS, MODELS, ZOOS, create
 
     rows = []
     for name in MODELS:
@@ -99,7 +99,7 @@ def cmd_zoo(args: argparse.Namespace) -> None:
         print("\nzoo presets (models: clients out of 50, pFedClub §4.1):")
         for zoo, weights in ZOOS.items():
             print(f"  {zoo:4s} " + ", ".join(f"{m}: {n}" for m, n in weights.items()))
-        print(f"  {FEDGH_ZOO} client i gets model i mod 5 of {', '.join(FEDGH_CNNS)} (FedGH, DC-PFL)")
+        print(f"  {C.FEDGH_ZOO} client i gets model i mod 5 of {', '.join(FEDGH_CNNS)} (FedGH, DC-PFL)")
         print(
             "\nmodel families: fedmn_<units>_<encoder> is a FedMN pool (e.g. fedmn_2x2x2_cnn1: 2 encoders, 2 MLP "
             "blocks, 2 output blocks;\n  the encoder is a model above without its last block, or fc); mlp<depth> an "
@@ -190,11 +190,21 @@ RUN_FLAGS = (
 
 
 def run_config(args: argparse.Namespace, flags: Sequence[str] = RUN_FLAGS) -> Any:
-    """The RunConfig of a command: defaults, then --config, then the named flags, then --set."""
-    from fedge.config import load_config, parse_overrides
+    """The RunConfig of a command: defaults, then the strategy's paper fleet (fedge.config.PAPER_FLEETS) for each of
+    its keys nothing below sets, then --config, then the named flags, then --set. What the paper fleet chose is
+    printed, with why."""
+    from fedge.config import PAPER_FLEETS, load_config_chosen, parse_overrides
 
     overrides = {k: getattr(args, k) for k in flags if getattr(args, k, None) is not None}
-    return load_config(args.config, overrides | parse_overrides(args.set or []))
+    cfg, chosen = load_config_chosen(args.config, overrides | parse_overrides(args.set or []))
+    if chosen:
+        keys = ", ".join(f"{k}={','.join(v) if isinstance(v, tuple) else v}" for k, v in chosen.items())
+        print(
+            f"{cfg.strategy} runs on its paper's fleet: {keys}. {PAPER_FLEETS[cfg.strategy].why}. "
+            "A flag, --set or the config file sets any of these keys instead.",
+            file=sys.stderr,
+        )
+    return cfg
 
 
 def strategies_text() -> str:
@@ -301,7 +311,12 @@ def cmd_run(args: argparse.Namespace) -> None:
     cfg = dataclasses.replace(
         cfg, out=cfg.out or str(default_out(cfg)), server_threads=cfg.server_threads or 1, workers=workers
     )
-    print("fedge run with config:\n" + cfg.to_json(), file=sys.stderr)
+    print(
+        f"fedge run: {cfg.strategy} on {cfg.dataset} ({cfg.partition}), zoo {cfg.zoo}, {cfg.clients} clients "
+        f"({cfg.active} per round) on {', '.join(cfg.profiles)}, {cfg.rounds} rounds of {cfg.local_epochs} local "
+        f"epochs, seed {cfg.seed}, {cfg.transport}; every setting in {cfg.out}/config.json",
+        file=sys.stderr,
+    )
     if cfg.transport == "inproc":
         summary = run_simulation(cfg, progress=args.progress)
     else:

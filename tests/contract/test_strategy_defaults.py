@@ -1,0 +1,66 @@
+"""Every registered strategy runs with `fedge run --strategy NAME` and no flag that picks its fleet (issue 33): a
+strategy the run's defaults cannot serve gets its paper's fleet (fedge.config.PAPER_FLEETS), the run says what it
+chose and why, and a flag, --set or the config file still wins. The other flags below only shrink the run (one round
+of one epoch on 40 samples per client, in one process)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fedge.config import PAPER_FLEETS, RunConfig, load_config, load_config_chosen
+from launch.cli import main
+from server.strategy import STRATEGIES
+
+pytestmark = pytest.mark.timeout(240)
+SCALE = ["--transport", "inproc", "--workers", "1", "--rounds", "1", "--local-epochs", "1", "--no-progress"]
+SCALE_KEYS = {"max_samples_per_client": 40, "max_public_samples": 40, "export_onnx": "false"}
+# where a strategy has these options: its server step in seconds (pFedClub's and pFedHR's stitch fine-tuning)
+FAST_OPTIONS = {"finetune_epochs": 1, "finetune_min_steps": 0, "max_candidates": 2}
+
+
+def small(name: str) -> list[str]:
+    known = {option for option, *_ in STRATEGIES.get(name).options_type.describe()}
+    keys = SCALE_KEYS | {k: v for k, v in FAST_OPTIONS.items() if k in known}
+    return SCALE + [arg for k, v in keys.items() for arg in ("--set", f"{k}={v}")]
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_every_strategy_runs_with_only_its_name(name, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["run", "--strategy", name, "--out", str(out), *small(name)]) == 0
+    printed = capsys.readouterr()
+    config = json.loads((out / "config.json").read_text())
+    fleet = PAPER_FLEETS.get(name)
+    if fleet is not None:
+        assert f"{name} runs on its paper's fleet" in printed.err and fleet.why in printed.err
+        for key, value in fleet.values.items():
+            assert config[key] == (list(value) if isinstance(value, tuple) else value), key
+    else:
+        assert "paper's fleet" not in printed.err
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["client_status"]) == RunConfig().clients
+    assert f"of {RunConfig().clients} clients" in printed.out
+
+
+def test_a_flag_the_config_file_or_set_wins_over_the_paper_fleet(tmp_path):
+    cfg, chosen = load_config_chosen(None, {"strategy": "fedmn", "partition": "dirichlet"})
+    assert cfg.partition == "dirichlet" and "partition" not in chosen and cfg.zoo == "fedmn_2x2x2_cnn1"
+    toml = tmp_path / "run.toml"
+    toml.write_text('strategy = "fedtrans"\nzoo = "cnn1"\n')
+    cfg, chosen = load_config_chosen(toml, {})
+    assert cfg.zoo == "cnn1" and chosen == {"profiles": ("rpi-zero-2w", "rpi-4")}
+    assert load_config(toml, {"profiles": "rpi-4"}).profiles == ("rpi-4",)
+    # a run's config.json names every key, so a client or a resumed server reading it gets exactly that run
+    assert load_config_chosen(None, {"strategy": "dcpfl", "zoo": "cnn2"}) == (
+        RunConfig(strategy="dcpfl", zoo="cnn2"),
+        {},
+    )
+    written = tmp_path / "config.json"
+    written.write_text(RunConfig(strategy="fedavg").to_json())
+    assert load_config_chosen(written, {}) == (RunConfig(strategy="fedavg"), {})
+
+
+def test_every_paper_fleet_is_a_registered_strategys():
+    assert set(PAPER_FLEETS) <= set(STRATEGIES)
