@@ -17,7 +17,7 @@ tasks on a client whose own model is a modular network (fedge/modular.py).
   router in between), and the most likely route (evaluation), each with a forced path to the output if it has none;
 - upload the router and the blocks the route used (line 13), and the three routes.
 
-Our choices where the paper is silent (README deviations): blocks train with the run's optimizer (Adam at `lr`, as
+Our choices where the paper is silent (docs/deviations.md): blocks train with the run's optimizer (Adam at `lr`, as
 every fedge strategy), the router with SGD at the task's `router_lr`; the router's passes run in eval mode (no
 dropout), so Π is one deterministic function of the data; a router with BatchNorm (a MobileNet φx) first re-estimates
 its running statistics over the data (one pass in training mode, cumulative averages).

@@ -18,7 +18,7 @@ the output; only used blocks are computed in evaluation.
 What travels (§II-E): a client downloads the router and the blocks its route *reaches* (the paper's active blocks,
 whose input is not 0: every encoder, and the blocks connected to them), since training computes them all: a path that
 is off still needs its predecessor's output for its straight-through gradient. It uploads the router and the blocks
-it *used*, the only ones that trained (README deviations: uploading a reachable block whose output is discarded would
+it *used*, the only ones that trained (docs/deviations.md: uploading a reachable block whose output is discarded would
 send back what it downloaded and pull the average toward it).
 
 The layer also holds the routing hypernetwork (§II-D: φx, φy, h of Eqs. 8-10), which forward never runs, and the

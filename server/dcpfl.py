@@ -19,7 +19,7 @@ FedGH, from the same parts: clients train on CE alone (λ = 0) and upload class 
 server takes one SGD step of the header per (client, class) prototype, in client order (the step the authors' code
 meant: theirs calls the last client's optimizer, so the header never trains, original-code-notes §5.2).
 
-Our choices where the papers are silent (README deviations): clients train with the run's optimizer (Adam at
+Our choices where the papers are silent (docs/deviations.md): clients train with the run's optimizer (Adam at
 `lr`, as every fedge strategy; the paper's SGD 0.01 applies to the server's steps, option `server_lr`); λ
 (`aux_lambda`) defaults to 0.1 and the calibration to `calibration_steps` full-batch SGD steps; the personalized
 model a client is evaluated on is its own extractor with the head as its local training left it (w_k of Eq. 5).

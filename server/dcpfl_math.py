@@ -147,7 +147,7 @@ def pool(parts: Sequence[ClassStats], num_classes: int, max_share: float = 1.0) 
         if not held:
             continue
         n = sum(k for k, _ in held)
-        if max_share < 1:  # deviation (README): the paper weights by the reported counts alone
+        if max_share < 1:  # deviation (docs/deviations.md): the paper weights by the reported counts alone
             shares = capped_shares([k for k, _ in held], max_share)
             if any(abs(share * n - k) > 1e-9 * n for share, (k, _) in zip(shares, held)):
                 held = [(share * n, p) for share, (_, p) in zip(shares, held)]  # type: ignore[misc]

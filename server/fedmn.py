@@ -16,7 +16,7 @@ What fedge does as the paper does (the client half is edge_client/fedmn.py):
 - the encoder warm-up (§IV-B pretrains the encoders with FedAvg): `warmup_rounds` rounds with every path on, the
   router untouched, i.e. FedAvg of the whole pool.
 
-Where fedge departs or chooses (README deviations):
+Where fedge departs or chooses (docs/deviations.md):
 - a client's route for round t is the one it sampled at the end of its previous task, with its router as local
   training left it: Algorithm 1 samples it at the start of round t (lines 6-7) with the same local router, before
   copying from the server (line 9); sampling it a task earlier is what lets the server send only that route's

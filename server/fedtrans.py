@@ -2,12 +2,12 @@
 widening and deepening of its most active cells, into a chain of models; each client trains a model its capacity
 allows, sampled by its utilities (Eqs. 2-4); models share weights softly, small to large (Eq. 5).
 
-Our choices where the paper is open (README deviations): sim(M_i, M_j) is the mean of the cells' matching degrees
+Our choices where the paper is open (docs/deviations.md): sim(M_i, M_j) is the mean of the cells' matching degrees
 (fedtrans_math.model_similarity); t in Eq. (5)'s η^t counts the rounds since M_j was made; Eq. (5)'s weights are
 normalised to sum to one; DoC is taken on the newest model's median training loss of the rounds it was trained; a
 model that trained no client this round is left as it is unless a smaller model shares into it.
 
-Growth needs a quorum (README deviations): a point of the newest model's loss curve (Eq. 1) and of its cell
+Growth needs a quorum (docs/deviations.md): a point of the newest model's loss curve (Eq. 1) and of its cell
 activeness is the median over at least `growth_quorum` distinct clients' reports, so one liar moves a point only
 between the honest reports beside it: it cannot force, stall or steer growth beyond the spread of the honest
 clients' own reports (with 1-2 reporters it sets the point). A round with fewer reporters adds theirs (each

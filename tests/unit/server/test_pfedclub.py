@@ -256,7 +256,7 @@ def test_the_fast_candidate_path_chooses_what_plain_weights_would_within_float_r
 def test_lockstep_chooses_the_same_teachers_bit_for_bit_on_cnn_blocks():
     # Lockstep runs a frozen pool block once for all candidates holding it, one backward for all. The CNNs' blocks
     # give each sample the same bits at any batch size on CPU; some MobileNet depthwise and 1x1 convolutions at 28x28
-    # do not (oneDNN picks another kernel for the larger batch: README, docs/results.md).
+    # do not (oneDNN picks another kernel for the larger batch: docs/deviations.md, docs/results.md).
     cids = ("0", "1", "2")
     teachers, records, largest = {}, {}, {}
     for lockstep in (False, True):
