@@ -246,6 +246,8 @@ PBKDF2_SALT_BYTES = 12
 MQTT_QOS = 1  # at least once: receivers deduplicate by message id and chunk
 FRAME_QUEUE_LENGTH = 16  # received frames waiting to be checked; a full queue makes paho (and TCP) wait
 FLUSH_TIMEOUT_S = 5.0  # a disconnecting endpoint waits this long for its last messages to leave
+# The server's close: how long it waits for live clients to say "offline" after their stop, re-sending it this often
+STOP_WAIT_S, STOP_RESEND_S = 5.0, 1.0
 WILL_TTL_S = 365 * 24 * 3600.0  # a will is composed at connect time and may be published much later
 MAX_TTL_S = WILL_TTL_S  # the longest life an envelope may claim (a will's); longer, or not positive, is "bad_ttl"
 CONNECT_TIMEOUT_S = 60.0  # server and clients give up reaching the broker after this long

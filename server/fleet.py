@@ -28,6 +28,8 @@ from fedge.constants import (
     RECONNECT_MAX_S,
     REPLY_SLACK_BYTES,
     ROUND_DEADLINE_S,
+    STOP_RESEND_S,
+    STOP_WAIT_S,
     TASK_RESEND_INTERVAL_S,
 )
 from fedge.envelope import Envelope, WireError
@@ -141,16 +143,30 @@ class Fleet:
             self.frozen = True
             return dict(self.clients)
 
-    def close(self) -> None:
-        """Tell every client the run is over, announce going offline, and disconnect."""
-        for cid in sorted(self.clients, key=client_order):
-            self.link.publish(
-                topics.client_topic(self.run, topics.DOWNLINK, cid),
-                "task",
-                max(self.round, 0),
-                encode_task(Task("stop", max(self.round, 0))),
-                sender=topics.SERVER_ID,
-            )
+    def close(self, wait_s: float = STOP_WAIT_S) -> None:
+        """Tell every client the run is over, announce going offline, and disconnect. The stop is sent again every
+        STOP_RESEND_S to each client still alive that has not said "offline" (a stop can be lost: with the embedded
+        broker, a client's stop sent just before the server hung up was seen never to arrive, and the client then
+        waited until `fedge run` killed it), for at most `wait_s` seconds."""
+        deadline = time.monotonic() + wait_s
+        left = sorted(self.clients, key=client_order)
+        while left:
+            for cid in left:
+                self.link.publish(
+                    topics.client_topic(self.run, topics.DOWNLINK, cid),
+                    "task",
+                    max(self.round, 0),
+                    encode_task(Task("stop", max(self.round, 0))),
+                    sender=topics.SERVER_ID,
+                )
+            with self.cond:
+                self.cond.wait_for(
+                    lambda waiting=left: not any(self.alive(cid) for cid in waiting),
+                    max(0.0, min(STOP_RESEND_S, deadline - time.monotonic())),
+                )
+                left = [cid for cid in left if self.alive(cid)]
+            if time.monotonic() >= deadline:
+                break
         self.link.publish(
             topics.server_topic(self.run),
             "status",

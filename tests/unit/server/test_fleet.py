@@ -84,3 +84,16 @@ def test_a_reply_larger_than_its_task_allows_is_refused_before_it_is_kept():
         assert fed.fleet.exchange({"0": Task("train", 1)}, limits={"0": 8}) == {}
         assert fed.fleet.inbox.rejected["too_large"] >= 1 and fed.fleet.results == {}
         assert list(fed.fleet.exchange({"0": Task("train", 2)})) == ["0"]  # the registration's limit: accepted
+
+
+def test_a_lost_stop_is_sent_again_until_the_client_says_offline():
+    """The run's end: a stop the broker loses (seen with the embedded broker as the server hung up) is sent again, so
+    the client stops instead of waiting for a server that is gone; a client already stopped is not waited for."""
+    with FakeFederation() as fed:
+        first, second = fed.client("0"), fed.client("1")
+        fed.net.drop_next(lambda topic, env: topic == fed.task_topic("1") and env.type == "task")
+        fed.fleet.close()
+        wait_until(lambda: first.done() and second.done(), "both clients to stop")
+        assert [topic for topic, _ in fed.net.dropped] == [fed.task_topic("1")]
+        assert fed.fleet.offline == {"0", "1"}
+        assert [fed.net.count("task", fed.task_topic(cid)) for cid in "01"] == [1, 1]  # the lost one is in `dropped`
