@@ -40,7 +40,7 @@ DEFAULT_ZOO = "III"
 FEDGH_ZOO = "fedgh"  # the zoo giving client i FedGH's CNN i mod 5 (fedge/zoo.py)
 DEFAULT_CLIENTS = 8
 DEFAULT_ACTIVE = 4
-DEFAULT_ROUNDS = 5
+DEFAULT_ROUNDS = 3  # the default run in under a minute on 2 cores (was 5 before issue 33)
 DEFAULT_LOCAL_EPOCHS = 10  # pFedClub §4.1
 DEFAULT_SEED = 0
 DEFAULT_RUNS_DIR = "runs"
@@ -83,7 +83,9 @@ KD_LAMBDA = 0.2
 NT_XENT_TAU = 0.07
 FINETUNE_EPOCHS = 3
 PFEDCLUB_PLUS_ETA = 0.1
-MAX_CANDIDATES = 16  # pFedClub's cap on a client's CMSR candidates, drawn uniformly (0: all; see server/cmsr.py)
+# pFedClub's cap on a client's CMSR candidates, drawn uniformly (0: all; see server/cmsr.py). 4, not the 16 of before
+# issue 33: the default run's server step at 16 took 81 of its 148 s (docs/deviations.md); bench/reproduce.py keeps 16
+MAX_CANDIDATES = 4
 CMSR_SHUFFLE_LIMIT = 1 << 20  # up to this many CMSR paths, a capped draw shuffles them all; beyond, draws lazily
 CMSR_MAX_DRAWS_PER_CANDIDATE = 64  # capped draws refused this often (pFedClub+'s bound) → list the acceptable ones
 ABLATIONS = ("none", "max", "min", "noc", "nbc")

@@ -48,7 +48,8 @@ def test_table3_is_five_variants_per_partition_and_seed_plus_local(tmp_path):
     }
     first = club[0]
     assert first.values["options"] == {
-        "clusters": 4, "kd_lambda": 0.2, "finetune_epochs": 3, "public": "unlabeled", "ablation": "none"
+        "clusters": 4, "kd_lambda": 0.2, "finetune_epochs": 3, "public": "unlabeled", "ablation": "none",
+        "max_candidates": 16,
     }  # fmt: skip
     assert (first.values["zoo"], first.values["dataset"], first.values["lr"]) == ("III", "cifar10", 1e-3)
     assert first.values["classes_per_client"] == 2 and first.values["export_onnx"] is False
