@@ -110,4 +110,6 @@ def test_the_probe_measures_this_cpu_build():
     measured = probe()  # torch is imported already in the test process: only the build and the training are new
     assert measured["build"] == {"version": PI.version.replace("cu130", "cpu"), "cuda": None, "gpu": False}
     assert measured["cuda_libraries"] == {}
-    assert 0 < measured["rss_after_import"] <= measured["rss_after_training"]
+    # both measured; their order holds in a fresh interpreter (tests/unit/test_doctor.py), not in this long-lived
+    # process, which may hand memory back between the two (seen: 49 KB less after training in a full run)
+    assert measured["rss_after_import"] > 0 and measured["rss_after_training"] > 0
