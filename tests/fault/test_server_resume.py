@@ -9,7 +9,7 @@ import pytest
 
 from fedge.checkpoint import CheckpointError, load_tree, save_tree, tree_digest
 
-from helpers.federation import Federation, make_config, wait_until
+from helpers.federation import Federation, make_config, run_inproc, wait_until
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -22,15 +22,6 @@ def next_round(out) -> int:
         return 0
 
 
-def run_uninterrupted(tmp_path, cfg) -> dict:
-    with Federation(tmp_path, cfg) as fed:
-        clients = fed.start_clients([str(i) for i in range(cfg.clients)])
-        server = fed.start_server_process("--out", cfg.out)
-        assert server.wait(300) == 0, server.log()
-        assert clients.wait(60) == 0, clients.log()
-    return json.loads((tmp_path.parent / "reference" / "summary.json").read_text())
-
-
 def test_server_killed_mid_run_resumes_to_the_uninterrupted_result(tmp_path):
     settings = dict(
         strategy="pfedclub",
@@ -40,8 +31,9 @@ def test_server_killed_mid_run_resumes_to_the_uninterrupted_result(tmp_path):
         max_samples_per_client=None,
         round_deadline_s=60.0,
         seed=11,
+        server_threads=1,  # as the reference in this process: the same bits as over MQTT (test_transports_agree.py)
     )
-    reference = run_uninterrupted(tmp_path / "fed-ref", make_config(tmp_path / "reference", **settings))
+    reference = run_inproc(make_config(tmp_path / "reference", **settings))
     cfg = make_config(tmp_path / "run", **settings)
     out = tmp_path / "run"
     with Federation(tmp_path / "fed", cfg) as fed:

@@ -43,6 +43,22 @@ def config(out, strategy, **kw):
     return config_from(base | small | kw)
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """uninterrupted(strategy, **kw): the summary and folder of the run of config(.., strategy, **kw) that is never
+    interrupted, run once per module (the crashed runs of several tests are compared with the same one)."""
+    runs = {}
+
+    def run(strategy, **kw):
+        key = (strategy, tuple(sorted(kw.items())))
+        if key not in runs:
+            out = tmp_path_factory.mktemp(f"straight-{strategy}")
+            runs[key] = run_simulation(config(out, strategy, **kw), progress=False), out
+        return runs[key]
+
+    return run
+
+
 def check_clock(straight, crashed, checkpoint_of_round_1, strategy):
     """The resumed run's simulated clock continues from the checkpoint's counters exactly, and matches the
     uninterrupted run's (the simulated seconds up to a reply's few bytes of wall-clock metrics)."""
@@ -63,8 +79,8 @@ def check_clock(straight, crashed, checkpoint_of_round_1, strategy):
 
 
 @pytest.mark.parametrize("strategy", ["fedavg", "pfedclub", "pfedhr"])
-def test_a_crashed_run_resumes_bit_identically(tmp_path, monkeypatch, strategy):
-    straight = run_simulation(config(tmp_path / "straight", strategy), progress=False)
+def test_a_crashed_run_resumes_bit_identically(tmp_path, monkeypatch, strategy, uninterrupted):
+    straight, straight_out = uninterrupted(strategy)
     crash_at(monkeypatch, rnd=2, nth=2)
     with pytest.raises(Crash):
         run_simulation(config(tmp_path / "crashed", strategy), progress=False)
@@ -76,12 +92,12 @@ def test_a_crashed_run_resumes_bit_identically(tmp_path, monkeypatch, strategy):
 
     for key in ("final_accuracy", "never_trained", "client_status", "rejected_replies", "phi", "teacher_params"):
         assert resumed.get(key) == straight.get(key), key
-    a, b = (load_tree(tmp_path / run / CHECKPOINT_FILE) for run in ("straight", "crashed"))
+    a, b = (load_tree(out / CHECKPOINT_FILE) for out in (straight_out, tmp_path / "crashed"))
     assert a["next_round"] == b["next_round"] == 3
     assert tree_digest(a["strategy_state"]) == tree_digest(b["strategy_state"])
-    assert rows_without_wall_clock(tmp_path / "crashed") == rows_without_wall_clock(tmp_path / "straight")
+    assert rows_without_wall_clock(tmp_path / "crashed") == rows_without_wall_clock(straight_out)
     assert len(resumed["server_seconds"]) == 3
-    check_clock(tmp_path / "straight", tmp_path / "crashed", saved, strategy)
+    check_clock(straight_out, tmp_path / "crashed", saved, strategy)
     assert a["sim_clock"]["train_macs"] == b["sim_clock"]["train_macs"] == resumed["train_macs_total"]
     assert b["sim_clock"]["seconds"] == resumed["sim_seconds_total"]
     assert resumed["sim_seconds_total"] == pytest.approx(straight["sim_seconds_total"], abs=SIM_SLACK_S)
@@ -97,11 +113,13 @@ def test_a_crashed_run_resumes_bit_identically(tmp_path, monkeypatch, strategy):
         ("pfedclub", {"engine": "batched", "workers": 2}),  # Zoo I's 3 of 5: groups of one, the serial run's bits
     ],
 )
-def test_a_run_on_workers_crashed_in_aggregation_resumes_bit_identically(tmp_path, monkeypatch, strategy, mode):
+def test_a_run_on_workers_crashed_in_aggregation_resumes_bit_identically(
+    tmp_path, monkeypatch, strategy, mode, uninterrupted
+):
     # Every client of round 2 trained (on its worker, which snapshotted it) before the server died: the resumed
     # run's new workers (or batched clients) re-run round 2 from the snapshots before it.
     together = strategy == "fedavg" and mode.get("engine") == "batched"
-    straight = run_simulation(config(tmp_path / "straight", strategy, **(mode if together else {})), progress=False)
+    straight, straight_out = uninterrupted(strategy, **(mode if together else {}))
     aggregate = Coordinator.aggregate
 
     def crashing(coordinator, rnd, results):
@@ -118,10 +136,10 @@ def test_a_run_on_workers_crashed_in_aggregation_resumes_bit_identically(tmp_pat
     resumed = run_simulation(config(tmp_path / "crashed", strategy, **mode), progress=False, resume=True)
 
     assert resumed["final_accuracy"] == straight["final_accuracy"]
-    assert rows_without_wall_clock(tmp_path / "crashed") == rows_without_wall_clock(tmp_path / "straight")
-    crashed, clean = (checkpoint_without_wall_clock(tmp_path / run) for run in ("crashed", "straight"))
+    assert rows_without_wall_clock(tmp_path / "crashed") == rows_without_wall_clock(straight_out)
+    crashed, clean = (checkpoint_without_wall_clock(out) for out in (tmp_path / "crashed", straight_out))
     assert same_tree(crashed, clean)
-    assert same_tree(final_snapshots(tmp_path / "crashed"), final_snapshots(tmp_path / "straight"))
+    assert same_tree(final_snapshots(tmp_path / "crashed"), final_snapshots(straight_out))
 
 
 def test_resume_refuses_another_configuration_and_a_missing_checkpoint(tmp_path):

@@ -226,7 +226,8 @@ def one_thread():
 def test_a_tiny_reproduction_runs_then_is_reused(tmp_path, capsys, one_thread):
     argv = ["--preset", "table1", "--datasets", "digits", "--zoos", "III", "--public", "unlabeled", "--threads", "1"]
     argv += ["--partition", "noniid", "--seeds", "0", "--scale", "smoke", "--device", "cpu", "--out", str(tmp_path)]
-    argv += ["--set", "finetune_min_steps=12"]  # what is checked here is running and reusing, not the 225-step floor
+    # what is checked here is running and reusing, not the 225-step floor nor pFedClub's 16 candidates
+    argv += ["--set", "finetune_min_steps=12", "--set", "max_candidates=2"]
 
     assert reproduce.main(argv) == 0
     first = capsys.readouterr()
@@ -248,7 +249,7 @@ def test_a_reproduction_in_chunks_pauses_after_whole_rounds_and_continues_to_the
     the rows and numbers are those of the run in one go."""
     argv = ["--preset", "table1", "--datasets", "digits", "--zoos", "III", "--public", "unlabeled", "--threads", "1"]
     argv += ["--partition", "noniid", "--seeds", "0", "--scale", "smoke", "--device", "cpu", "--no-local"]
-    argv += ["--set", "finetune_min_steps=12"]
+    argv += ["--set", "finetune_min_steps=12", "--set", "max_candidates=2"]
     assert reproduce.main(argv + ["--out", str(tmp_path / "whole")]) == 0
     chunked = argv + ["--out", str(tmp_path / "chunks"), "--chunk-minutes", "0.0001"]
     statuses = []
