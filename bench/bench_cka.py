@@ -2,7 +2,7 @@
 
 Run `python bench/bench_cka.py [--device cpu|cuda] [--budget 4] [--threads T]`. Not a test: prints the hardware and a
 table. Five Zoo-I models (random weights) on 1×28×28 random "public" samples give B = 52 blocks.
-- vectorised: server.cka.block_similarity over all blocks (Grams of shared in/out tensors computed once).
+- vectorised: methods.reassembly.cka.block_similarity over all blocks (Grams of shared in/out tensors computed once).
 - naive: a double loop over the upper triangle of block pairs calling linear_cka twice per pair (inputs,
   outputs), in float32 like the vectorised path. It runs for at most `--budget` seconds over pairs in a
   fixed random order and is then extrapolated to all pairs by the pair count (marked "~").
@@ -30,9 +30,9 @@ from fedge import zoo  # noqa: E402
 from fedge.constants import DEFAULT_WIDTHS, WIDTHS  # noqa: E402
 from fedge.messages import Weights  # noqa: E402
 from fedge.spec import build  # noqa: E402
-from server.cka import block_similarity, choose_method, linear_cka  # noqa: E402
-from server.features import block_features  # noqa: E402
-from server.grouping import group_blocks  # noqa: E402
+from methods.reassembly.cka import block_similarity, choose_method, linear_cka  # noqa: E402
+from methods.reassembly.features import block_features  # noqa: E402
+from methods.reassembly.grouping import group_blocks  # noqa: E402
 
 MODELS = ("cnn2", "cnn4", "mobilenet_v1", "mobilenet_v2", "mobilenet_v3")
 SIZES = (400, 3300)

@@ -2,9 +2,9 @@
 
     python bench/floor.py [--threads 1] [--public 400] [--epochs 3] [--batch 64] [--blocks]
 
-A candidate's stitch fine-tuning (server/finetune.py `_train_group`, pFedClub Eq. (2)) and its Eq. (4) matching
-forward must do at least `candidate_flops` floating-point operations; at the best dense rate this machine reaches
-on one torch thread (`machine_rate`) that takes `candidate_flops / machine_rate` seconds: the floor.
+A candidate's stitch fine-tuning (methods/reassembly/finetune.py `_train_group`, pFedClub Eq. (2)) and its Eq. (4)
+matching forward must do at least `candidate_flops` floating-point operations; at the best dense rate this machine
+reaches on one torch thread (`machine_rate`) that takes `candidate_flops / machine_rate` seconds: the floor.
 bench/server_step.py prints its measured seconds per candidate over that floor (`floor_lines`). `block_rates` times
 each block of a model as it runs (forward + backward-to-input, eval mode), to show which blocks run far below the
 floor's rate (depthwise convolutions and BatchNorm are memory-bound). Run as a script it prints the floor of every
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fedge.constants import DEFAULT_WIDTHS  # noqa: E402
 from fedge.spec import ModelSpec, build  # noqa: E402
 from fedge.zoo import ZOOS, create  # noqa: E402
-from server.fastblocks import fold_batchnorm  # noqa: E402
+from methods.reassembly.fastblocks import fold_batchnorm  # noqa: E402
 
 FLOPS_PER_MAC = 2  # a multiply-accumulate is two FLOPs (torch.utils.flop_counter's convention)
 RATE_REPEATS = 8  # machine_rate: timed repeats of each workload after one warm-up; the best one counts
@@ -286,7 +286,7 @@ def block_rates(
     """Each block of `spec` (fresh weights, eval mode, frozen) on a random batch of its in_shape: forward and
     backward to its input at `threads` torch threads, best of `repeats` after a warm-up. FLOPs are counted as
     finetune_flops counts them (2 x MACs each way), so a rate far below machine_rate marks a memory-bound block.
-    fold: each block as pFedClub's candidates run it (server/fastblocks.py: BatchNorm folded, channels-last
+    fold: each block as pFedClub's candidates run it (methods/reassembly/fastblocks.py: BatchNorm folded, channels-last
     convolutions and inputs). batch, threads or repeats < 1 raise ValueError."""
     if batch < 1 or repeats < 1:
         raise ValueError(f"batch and repeats must be >= 1, got {batch} and {repeats}")

@@ -49,17 +49,17 @@ from fedge.zoo import assign_models  # noqa: E402
 from launch.client import make_agent  # noqa: E402
 from launch.runs import partition_config  # noqa: E402
 from launch.server import strategy_config  # noqa: E402
-from server.assemble import assemble, assemble_modules, candidate_spec  # noqa: E402
-from server.features import block_features  # noqa: E402
-from server.finetune import (  # noqa: E402
+from methods.pfedhr.candidates import block_operations, depth_order, pfedhr_candidates  # noqa: E402
+from methods.reassembly.assemble import assemble, assemble_modules, candidate_spec  # noqa: E402
+from methods.reassembly.features import block_features  # noqa: E402
+from methods.reassembly.finetune import (  # noqa: E402
     best_match,
     finetune_candidates,
     module_logits,
     public_logits,
     train_stitch_modules,
 )
-from server.pfedhr_candidates import block_operations, depth_order, pfedhr_candidates  # noqa: E402
-from server.reassembly import STAGES, ReassemblyStrategy  # noqa: E402
+from methods.reassembly.strategy import STAGES, ReassemblyStrategy  # noqa: E402
 from server.strategy import PublicData, create_strategy  # noqa: E402
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -14,6 +15,7 @@ from edge_client.training import TorchTrainer, Trainer
 from fedge.checkpoint import CheckpointError, load_tree, save_tree
 from fedge.memory import memory_metrics
 from fedge.messages import ClientInfo, Result, Task, Weights
+from fedge.plugins import load_methods
 from fedge.registry import Registry
 from fedge.seeding import derive_seed
 from fedge.spec import ModelSpec, SpecModel, build
@@ -51,7 +53,9 @@ class TaskKind:
     batchable: bool = False
 
 
-TASKS: Registry[TaskKind] = Registry("task type", TaskError)
+# train, train_model, evaluate (edge_client.tasks) and kd_train (edge_client.distill), and the client halves of the
+# `fedge.methods` entry points (fedge.plugins), loaded when first read
+TASKS: Registry[TaskKind] = Registry("task type", TaskError, partial(load_methods, "client"))
 
 
 def register_task(name: str, mutates: bool = True, batchable: bool = False) -> Callable[[TaskHandler], TaskHandler]:

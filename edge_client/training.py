@@ -115,7 +115,7 @@ def fit(
     objective: Objective | None = None,
 ) -> TrainStats:
     """Train in place with Adam on CE, plus λ·KL to a teacher when `kd` is given (pFedClub Eq. (5)), or on the
-    batch losses `objective` gives (DC-PFL's CE + λ·L_kd, edge_client/dcpfl.py). `after_backward` is called
+    batch losses `objective` gives (DC-PFL's CE + λ·L_kd, methods/dcpfl/client.py). `after_backward` is called
     after every step's backward pass, before the optimiser steps (FedTrans reads the gradients there).
 
     Without `kd` (or with λ = 0) the updates are exactly those of plain CE training; the KL is then

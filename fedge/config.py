@@ -243,40 +243,23 @@ class PaperFleet:
     why: str
 
 
-# strategy -> the fleet `fedge run --strategy NAME` gets for each key of it the run does not set (a flag, --set or the
-# config file wins). Here, in the core, not with the strategies: `fedge client` reads a run's TOML the same way and
-# must find the same zoo and partition without importing the server.
-PAPER_FLEETS: dict[str, PaperFleet] = {
-    "fedavg": PaperFleet({"zoo": "cnn1"}, "FedAvg averages one shared architecture: every client on cnn1"),
-    "dcpfl": PaperFleet(
-        {"zoo": C.FEDGH_ZOO},
-        "DC-PFL shares one classifier head: FedGH's five CNNs on one 500-d representation (DC-PFL §5, after FedGH)",
-    ),
-    "fedgh": PaperFleet(
-        {"zoo": C.FEDGH_ZOO}, "FedGH shares one header: its five CNNs on one 500-d representation (FedGH §5)"
-    ),
-    "fedmn": PaperFleet(
-        {"zoo": "fedmn_2x2x2_cnn1", "partition": "clustered", "alpha": 0.4, "label_clusters": 3},
-        "FedMN trains one modular network, its Table II pool [2x2x2] on cnn1 encoders, on FedEM's clustered split "
-        "(3 class groups, Dir(0.4))",
-    ),
-    "fedtrans": PaperFleet(
-        {"zoo": "cnn1,cnn3", "profiles": ("rpi-zero-2w", "rpi-4")},
-        "FedTrans grows models for capacities over 29x apart (§5.1): Pi Zero 2 W (9.2 M MACs) and Pi 4 (290 M), "
-        "31.5x, in turn, each registering a model it runs (cnn1, cnn3)",
-    ),
-    "heterofl": PaperFleet(
-        {"zoo": "cnn1,cnn3", "profiles": ("rpi-zero-2w", "rpi-4")},
-        "HeteroFL cuts width slices for capacities far apart (FedTrans's comparison, over 29x): Pi Zero 2 W "
-        "(9.2 M MACs) and Pi 4 (290 M) in turn, each registering a model it runs (cnn1, cnn3)",
-    ),
-}
+def paper_fleets() -> dict[str, PaperFleet]:
+    """strategy -> the fleet `fedge run --strategy NAME` gets for each key of it the run does not set (a flag, --set
+    or the config file wins): the PAPER_FLEETS of every declared method package (fedge.plugins), read from the
+    package itself, not its server half: `fedge client` reads a run's TOML the same way and must find the same zoo
+    and partition without importing server code."""
+    from fedge.plugins import package_attributes
+
+    fleets: dict[str, PaperFleet] = {}
+    for declared in package_attributes("PAPER_FLEETS").values():
+        fleets |= declared
+    return fleets
 
 
 def paper_fleet(strategy: str, given: Collection[str]) -> dict[str, Any]:
-    """The keys of `strategy`'s PAPER_FLEETS entry that are not among the `given` (set by the user); {} for a
-    strategy the run's defaults serve."""
-    fleet = PAPER_FLEETS.get(strategy)
+    """The keys of `strategy`'s paper fleet (paper_fleets) that are not among the `given` (set by the user); {} for
+    a strategy the run's defaults serve."""
+    fleet = paper_fleets().get(strategy)
     return {} if fleet is None else {k: v for k, v in fleet.values.items() if k not in given}
 
 
@@ -287,7 +270,7 @@ def load_config(path: str | Path | None, overrides: Mapping[str, Any]) -> RunCon
 
 
 def load_config_chosen(path: str | Path | None, overrides: Mapping[str, Any]) -> tuple[RunConfig, dict[str, Any]]:
-    """load_config, and the keys it took from the strategy's PAPER_FLEETS entry (what `fedge run` prints)."""
+    """load_config, and the keys it took from the strategy's paper fleet (what `fedge run` prints)."""
     values: Mapping[str, Any] = {}
     if path is not None:
         json_file = str(path).endswith(".json")

@@ -29,7 +29,7 @@ PUBLIC_FRACTION = 0.08
 TEST_FRACTION_OF_CLIENT = 0.20 / 0.92
 CLASSES_PER_CLIENT = 2
 DIRICHLET_ALPHA = 0.5
-ROUTER_LR = 1.0  # FedMN's router SGD step on its gradient summed over a task's batches (server/fedmn.py)
+ROUTER_LR = 1.0  # FedMN's router SGD step on its gradient summed over a task's batches (methods/fedmn/server.py)
 LABEL_CLUSTERS = 3  # partition "clustered": FedEM's class groups (its CIFAR-10 setting, which FedMN uses, has 3)
 
 # The embedded default run: small enough for a laptop, heterogeneous enough to mean something.
@@ -83,8 +83,9 @@ KD_LAMBDA = 0.2
 NT_XENT_TAU = 0.07
 FINETUNE_EPOCHS = 3
 PFEDCLUB_PLUS_ETA = 0.1
-# pFedClub's cap on a client's CMSR candidates, drawn uniformly (0: all; see server/cmsr.py). 4, not the 16 of before
-# issue 33: the default run's server step at 16 took 81 of its 148 s (docs/deviations.md); bench/reproduce.py keeps 16
+# pFedClub's cap on a client's CMSR candidates, drawn uniformly (0: all; see methods/pfedclub/cmsr.py). 4, not the 16
+# of before issue 33: the default run's server step at 16 took 81 of its 148 s (docs/deviations.md); bench/reproduce.py
+# keeps 16
 MAX_CANDIDATES = 4
 CMSR_SHUFFLE_LIMIT = 1 << 20  # up to this many CMSR paths, a capped draw shuffles them all; beyond, draws lazily
 CMSR_MAX_DRAWS_PER_CANDIDATE = 64  # capped draws refused this often (pFedClub+'s bound) → list the acceptable ones
@@ -200,18 +201,18 @@ MAX_CLIENT_SHARE = 0.5
 # ‖mean gradient‖/‖W‖ is far below 1 in practice) and is left out, counted in summary.json (`ignored_reports`).
 MAX_REPORTED_LOSS = 1e4
 MAX_REPORTED_ACTIVENESS = 1e4
-# FedTrans growth (server/fedtrans.py): DoC (Eq. 1) and cell activeness advance only on reports of at least this many
-# distinct clients of the newest model, so that their median is bounded by honest reports when one client lies; a
-# round with fewer reporters adds its reports to a pool that carries over to later rounds until this many clients
-# (each with its latest report) have reported.
+# FedTrans growth (methods/fedtrans/server.py): DoC (Eq. 1) and cell activeness advance only on reports of at least
+# this many distinct clients of the newest model, so that their median is bounded by honest reports when one client
+# lies; a round with fewer reporters adds its reports to a pool that carries over to later rounds until this many
+# clients (each with its latest report) have reported.
 MIN_GROWTH_REPORTERS = 3
-# DC-PFL / FedGH statistics uploads (server/dcpfl_math.statistics_rejection) and BatchNorm running statistics
+# DC-PFL / FedGH statistics uploads (methods/dcpfl/maths.statistics_rejection) and BatchNorm running statistics
 # (server/bounds.buffer_rejection). Features of a trained network are O(1-100); a class mean or running mean entry
 # beyond this, or a covariance or running variance entry beyond its square, is a lie.
 MAX_FEATURE_MAGNITUDE = 1e6
 SYMMETRY_TOLERANCE = 1e-5  # max |Σ − Σᵀ| allowed, relative to max |Σ| (the client sends Σ exactly symmetric)
 PSD_TOLERANCE = 1e-4  # smallest eigenvalue allowed: −this x the largest (float32 rounding of a PSD matrix)
-# DC-PFL / FedGH statistics against the round (server/dcpfl_math.scale_rejections): a reply holding a class whose
+# DC-PFL / FedGH statistics against the round (methods/dcpfl/maths.scale_rejections): a reply holding a class whose
 # mean norm ‖µ_c‖ or spread √tr Σ_c exceeds STATISTICS_SCALE_FACTOR x its reference is refused ("statistics_scale").
 # The reference: the median over the round's replies holding the class, when at least STATISTICS_MIN_REPLIES do;
 # else the round's scale (the median over at least that many replies of each one's median over its classes); else

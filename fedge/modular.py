@@ -317,7 +317,7 @@ def _params(a: dict[str, Any], s: Shape) -> int:
 
 def _macs(a: dict[str, Any], s: Shape) -> int:
     """Forward MACs of the whole pool (every encoder and block: the most any route costs); the router is charged
-    where it runs, over the client's data (server/fedmn.py)."""
+    where it runs, over the client's data (methods/fedmn/server.py)."""
     p = _parts(a, s)
     widths = (p.embedding, *p.widths)
     blocks = sum(n * widths[i] * widths[i + 1] for i, n in enumerate(p.layout.units[1:]))

@@ -60,39 +60,6 @@ class TrainTask:
         return read_config(cls, config)
 
 
-@dataclass(frozen=True)
-class DCTrainTask(TrainTask):
-    """A `dc_train` task (DC-PFL, FedGH): local training as TrainTask, plus λ of DC-PFL Eq. (4) (the weight of the
-    auxiliary loss L_kd toward the global class means the task carries; 0 = CE alone, Eq. (2)) and whether to
-    upload each class's covariance (Eq. 7) beside its mean and count (FedGH uploads means only)."""
-
-    aux_lambda: float = 0.0
-    covariance: bool = True
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not self.aux_lambda >= 0:
-            raise TaskConfigError(f"aux_lambda must be >= 0, got {self.aux_lambda}")
-
-
-@dataclass(frozen=True)
-class ModularTrainTask(TrainTask):
-    """A `modular_train` task (FedMN): local training as TrainTask, the relaxed Bernoulli's temperature τ of Eq. (5)
-    this round, the router's SGD learning rate, and whether the route is learnt (false: every path on, the router
-    untouched: the warm-up, or a client whose route the server does not know yet)."""
-
-    route_temperature: float = 1.0
-    router_lr: float = C.ROUTER_LR
-    learn_routing: bool = True
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not (self.route_temperature > 0 and self.router_lr > 0):
-            raise TaskConfigError(
-                f"route_temperature and router_lr must be > 0, got {self.route_temperature}, {self.router_lr}"
-            )
-
-
 def is_cell_weight(name: str, shape: Sequence[int]) -> bool:
     """Whether a state tensor is a conv or linear weight: a FedTrans cell, whose ‖mean gradient‖/‖W‖ a `train_model`
     reply reports under its name in the `activeness` record (both halves use this one rule)."""

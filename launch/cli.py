@@ -16,6 +16,7 @@ from fedge.errors import UserError
 from fedge.extras import missing_extra
 from fedge.partition import SCHEMES
 from launch.export_commands import add_export_parsers
+from launch.new_method import add_new_method_parser
 
 # Errors whose message tells the user what to do; anything else is a bug and keeps its traceback. Each command
 # imports what it needs when it runs, so `fedge client` loads neither the server nor the embedded broker.
@@ -68,8 +69,8 @@ def _positive(text: str) -> int:
 def cmd_zoo(args: argparse.Namespace) -> None:
     from export import ExportError
     from export.training_program import check_trainable
-    from fedge.heads import HeadError, representation_size
     from fedge.zoo import FEDGH_CNNS, MODELS, ZOOS, create
+    from methods.dcpfl.heads import HeadError, representation_size
 
     rows = []
     for name in MODELS:
@@ -190,17 +191,17 @@ RUN_FLAGS = (
 
 
 def run_config(args: argparse.Namespace, flags: Sequence[str] = RUN_FLAGS) -> Any:
-    """The RunConfig of a command: defaults, then the strategy's paper fleet (fedge.config.PAPER_FLEETS) for each of
+    """The RunConfig of a command: defaults, then the strategy's paper fleet (fedge.config.paper_fleets) for each of
     its keys nothing below sets, then --config, then the named flags, then --set. What the paper fleet chose is
     printed, with why."""
-    from fedge.config import PAPER_FLEETS, load_config_chosen, parse_overrides
+    from fedge.config import load_config_chosen, paper_fleets, parse_overrides
 
     overrides = {k: getattr(args, k) for k in flags if getattr(args, k, None) is not None}
     cfg, chosen = load_config_chosen(args.config, overrides | parse_overrides(args.set or []))
     if chosen:
         keys = ", ".join(f"{k}={','.join(v) if isinstance(v, tuple) else v}" for k, v in chosen.items())
         print(
-            f"{cfg.strategy} runs on its paper's fleet: {keys}. {PAPER_FLEETS[cfg.strategy].why}. "
+            f"{cfg.strategy} runs on its paper's fleet: {keys}. {paper_fleets()[cfg.strategy].why}. "
             "A flag, --set or the config file sets any of these keys instead.",
             file=sys.stderr,
         )
@@ -488,6 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_parser(sub)
     add_deploy_parsers(sub)
     add_export_parsers(sub)
+    add_new_method_parser(sub)
     return parser
 
 

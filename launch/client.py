@@ -23,6 +23,7 @@ from fedge.messages import Weights
 from fedge.mqtt import Broker, connector
 from fedge.own_data import own_data_limit, read_own_data
 from fedge.partition import ClientShard, Partition
+from fedge.plugins import load_methods
 from fedge.seeding import derive_seed
 from fedge.topics import check_id
 from fedge.zoo import assign_models, create
@@ -143,7 +144,10 @@ def run_clients(
     connect_timeout: float = C.CONNECT_TIMEOUT_S,
 ) -> int:
     """`fedge client`: serve each agent over its own MQTT connection (one thread each, one trains at a
-    time) until the server ends the run; returns the exit code (2 if the server refused a client)."""
+    time) until the server ends the run; returns the exit code (2 if the server refused a client). The methods'
+    client halves load first (fedge.plugins), so a method package that fails to import stops the client here,
+    before it registers, not at its first task."""
+    load_methods("client")
     compute = threading.Lock()
     clients = [
         EdgeClient(

@@ -21,11 +21,11 @@ from fedge.partition import Partition
 from fedge.spec import ModelSpec
 from fedge.transport import Transport
 from launch.runs import client_classes, data_task, load_partitioned, resolve_device, run_folder, run_metadata
+from methods.reassembly.strategy import STAGES
 from server.aggregation import Aggregation
 from server.coordinator import Coordinator, LoopConfig, RoundFailed, check_resumable, run_identity
 from server.fleet import Fleet
 from server.plots import plot_accuracy, plot_phi, plot_server_time, plot_time_to_accuracy
-from server.reassembly import STAGES
 from server.registration import registration_check
 from server.runlog import CHECKPOINT_FILE, RunLog
 from server.strategy import PublicData, Strategy, StrategyConfig, create_strategy, parse_options

@@ -1,3 +1,2 @@
-"""The coordinator (the one round loop) and the registered server-side strategies."""
-
-from server import dcpfl, fedavg, fedmn, fedtrans, heterofl, local, pfedclub, pfedhr  # noqa: F401  (registers the strategies)
+"""The round machinery: the coordinator (the one round loop), the fleet, the clock, registration, the run log, plots,
+bounds on uploads, and the Strategy base whose registry the methods (methods/, fedge.plugins) fill."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -17,6 +18,7 @@ from fedge.config import ConfigError, coerce
 from fedge.errors import UserError
 from fedge.messages import ClientInfo, Result, Task, Weights, client_order
 from fedge.payloads import Expected
+from fedge.plugins import load_methods
 from fedge.registry import Registry
 from fedge.spec import ModelSpec
 from fedge.tasks import TrainTask
@@ -200,7 +202,8 @@ class Strategy:
         restore. A tree that does not fit this strategy and fleet raises StrategyError."""
 
 
-STRATEGIES: Registry[type[Strategy]] = Registry("strategy", StrategyError)
+# filled by the server halves of the `fedge.methods` entry points (fedge.plugins) when first read
+STRATEGIES: Registry[type[Strategy]] = Registry("strategy", StrategyError, partial(load_methods, "server"))
 
 
 def register_strategy(

@@ -1,5 +1,5 @@
 """Every registered strategy runs with `fedge run --strategy NAME` and no flag that picks its fleet (issue 33): a
-strategy the run's defaults cannot serve gets its paper's fleet (fedge.config.PAPER_FLEETS), the run says what it
+strategy the run's defaults cannot serve gets its paper's fleet (fedge.config.paper_fleets), the run says what it
 chose and why, and a flag, --set or the config file still wins. The other flags below only shrink the run (one round
 of one epoch on 40 samples per client, in one process)."""
 
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from fedge.config import PAPER_FLEETS, RunConfig, load_config, load_config_chosen
+from fedge.config import RunConfig, load_config, load_config_chosen, paper_fleets
 from launch.cli import main
 from server.strategy import STRATEGIES
 
@@ -32,7 +32,7 @@ def test_every_strategy_runs_with_only_its_name(name, tmp_path, capsys):
     assert main(["run", "--strategy", name, "--out", str(out), *small(name)]) == 0
     printed = capsys.readouterr()
     config = json.loads((out / "config.json").read_text())
-    fleet = PAPER_FLEETS.get(name)
+    fleet = paper_fleets().get(name)
     if fleet is not None:
         assert f"{name} runs on its paper's fleet" in printed.err and fleet.why in printed.err
         for key, value in fleet.values.items():
@@ -63,4 +63,4 @@ def test_a_flag_the_config_file_or_set_wins_over_the_paper_fleet(tmp_path):
 
 
 def test_every_paper_fleet_is_a_registered_strategys():
-    assert set(PAPER_FLEETS) <= set(STRATEGIES)
+    assert set(paper_fleets()) <= set(STRATEGIES)

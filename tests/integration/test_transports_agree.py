@@ -46,7 +46,7 @@ def fleet(out: Path, strategy: str, **overrides):
     return make_config(out, strategy=strategy, **values)
 
 
-@pytest.mark.parametrize("strategy", sorted(STRATEGIES.entries))
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
 def test_on_workers_and_over_mqtt_each_client_ends_with_the_in_process_runs_model(strategy, tmp_path, threads_restored):
     run_simulation(fleet(tmp_path / "inproc", strategy), progress=False)
     # 3 clients on 2 workers: when the one with a single client is done first, it takes the other's second client

@@ -10,7 +10,7 @@ import pytest
 
 from fedge.layers import LayerSpec
 from fedge.spec import make_spec
-from server.assemble import candidate_spec
+from methods.reassembly.assemble import candidate_spec
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))  # bench/ is scripts, not an installed package

@@ -9,15 +9,15 @@ import torch
 
 import edge_client  # noqa: F401  (registers the task handlers)
 from edge_client.agent import ClientAgent, ClientData, TaskError
-from edge_client.dcpfl import anchored_objective, aux_loss
 from edge_client.tasks import train_config
 from edge_client.training import TrainConfig, fit
-from fedge.class_stats import COUNTS, COVARIANCES, GLOBAL_MEANS, KNOWN_CLASSES, MEANS, class_statistics
-from fedge.heads import extract, head_spec, head_state, put_head
 from fedge.messages import Task, Weights
 from fedge.spec import build
-from fedge.tasks import DCTrainTask
 from fedge.zoo import create
+from methods.dcpfl.class_stats import COUNTS, COVARIANCES, GLOBAL_MEANS, KNOWN_CLASSES, MEANS, class_statistics
+from methods.dcpfl.client import anchored_objective, aux_loss
+from methods.dcpfl.heads import extract, head_spec, head_state, put_head
+from methods.dcpfl.tasks import DCTrainTask
 
 pytestmark = pytest.mark.timeout(120)
 

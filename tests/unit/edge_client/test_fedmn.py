@@ -1,4 +1,4 @@
-"""FedMN's client (edge_client/fedmn.py): relaxed Bernoulli samples (Eq. 5) average to the path probabilities, the
+"""FedMN's client (methods/fedmn/client.py): relaxed Bernoulli samples (Eq. 5) average to the path probabilities, the
 router's gradient through Π (Eqs. 9-10) reaches every router parameter and matches autograd through the whole graph
 and finite differences, and the modular_train / modular_evaluate tasks on an agent: only the route's blocks come
 and go, blocks off the route stay as they were, the router learns only when asked, malformed tasks are refused and a
@@ -10,15 +10,6 @@ from torch.nn import functional as F
 
 import edge_client  # noqa: F401  (registers the task handlers)
 from edge_client.agent import ClientAgent, ClientData, TaskError
-from edge_client.fedmn import (
-    logistic_noise,
-    noise_given,
-    path_logits,
-    refresh_batchnorm,
-    relaxed_bernoulli,
-    router_backward,
-    straight_through,
-)
 from edge_client.training import evaluate
 from fedge.messages import Task
 from fedge.modular import (
@@ -34,8 +25,17 @@ from fedge.modular import (
     uploaded,
 )
 from fedge.spec import build
-from fedge.tasks import ModularTrainTask
 from fedge.zoo import create
+from methods.fedmn.client import (
+    logistic_noise,
+    noise_given,
+    path_logits,
+    refresh_batchnorm,
+    relaxed_bernoulli,
+    router_backward,
+    straight_through,
+)
+from methods.fedmn.tasks import ModularTrainTask
 
 pytestmark = pytest.mark.timeout(120)
 SPEC = create("fedmn_2x2x2_fc", (1, 4, 4), 10)

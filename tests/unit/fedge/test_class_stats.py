@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fedge.class_stats import class_statistics
+from methods.dcpfl.class_stats import class_statistics
 
 pytestmark = pytest.mark.timeout(60)
 C, D = 6, 5

@@ -4,11 +4,11 @@ extractor-then-head being the whole model."""
 import pytest
 import torch
 
-from fedge.heads import HeadError, extract, head_spec, head_state, put_head, representation_size
 from fedge.layers import LayerSpec as L
 from fedge.spec import build, make_spec
 from fedge.weights import load_module
 from fedge.zoo import FEDGH_CNNS, create
+from methods.dcpfl.heads import HeadError, extract, head_spec, head_state, put_head, representation_size
 
 pytestmark = pytest.mark.timeout(60)
 SHAPE = (1, 28, 28)

@@ -11,8 +11,8 @@ from fedge.layers import LayerSpec as L
 from fedge.messages import Weights
 from fedge.spec import Origin, build, make_block, make_spec
 from fedge.zoo import create
-from server.assemble import assemble, candidate_spec, size_problems, stitched_blocks, stitched_params
-from server.blocks import split_blocks
+from methods.reassembly.assemble import assemble, candidate_spec, size_problems, stitched_blocks, stitched_params
+from methods.reassembly.blocks import split_blocks
 
 pytestmark = pytest.mark.timeout(120)
 SHAPE = (1, 28, 28)

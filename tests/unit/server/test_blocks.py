@@ -6,7 +6,7 @@ import torch
 from fedge.messages import Weights
 from fedge.spec import build
 from fedge.zoo import create
-from server.blocks import model_of, split_blocks
+from methods.reassembly.blocks import model_of, split_blocks
 
 pytestmark = pytest.mark.timeout(60)
 

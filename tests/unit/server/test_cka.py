@@ -10,7 +10,7 @@ import torch
 from fedge.messages import Weights
 from fedge.spec import build
 from fedge.zoo import create
-from server.cka import (
+from methods.reassembly.cka import (
     block_similarity,
     choose_method,
     cka_matrix,
@@ -19,7 +19,7 @@ from server.cka import (
     minibatch_cka_matrix,
     unbiased_gram,
 )
-from server.features import BlockFeatures, block_features
+from methods.reassembly.features import BlockFeatures, block_features
 
 pytestmark = pytest.mark.timeout(120)
 

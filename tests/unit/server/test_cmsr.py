@@ -6,7 +6,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from server.cmsr import (
+from methods.pfedclub.cmsr import (
     CmsrOptions,
     _Paths,
     block_positions,

@@ -5,13 +5,21 @@ ablation."""
 import pytest
 import torch
 
-from fedge.class_stats import COUNTS, COVARIANCES, GLOBAL_MEANS, KNOWN_CLASSES, MEANS, ClassStats, class_statistics
-from fedge.heads import head_spec
 from fedge.messages import ClientInfo, Result
-from fedge.tasks import DCTrainTask
 from fedge.weights import load_module
 from fedge.zoo import create
-from server.dcpfl_math import ce_step, pool
+from methods.dcpfl.class_stats import (
+    COUNTS,
+    COVARIANCES,
+    GLOBAL_MEANS,
+    KNOWN_CLASSES,
+    MEANS,
+    ClassStats,
+    class_statistics,
+)
+from methods.dcpfl.heads import head_spec
+from methods.dcpfl.maths import ce_step, pool
+from methods.dcpfl.tasks import DCTrainTask
 from server.strategy import StrategyConfig, StrategyError, create_strategy
 
 pytestmark = pytest.mark.timeout(120)

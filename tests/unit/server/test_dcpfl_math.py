@@ -11,11 +11,11 @@ from hypothesis import strategies as st
 from torch.nn import functional as F
 
 from fedge import constants as K
-from fedge.class_stats import ClassStats, class_statistics
-from fedge.heads import head_spec
 from fedge.spec import build
 from fedge.zoo import create
-from server.dcpfl_math import (
+from methods.dcpfl.class_stats import ClassStats, class_statistics
+from methods.dcpfl.heads import head_spec
+from methods.dcpfl.maths import (
     calibrate,
     ce_step,
     gaussian_samples,

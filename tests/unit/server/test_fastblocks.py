@@ -9,9 +9,9 @@ from fedge.messages import Weights
 from fedge.spec import SpecModel, build
 from fedge.weights import load_module
 from fedge.zoo import MODELS, create
-from server.assemble import assemble
-from server.blocks import split_blocks
-from server.fastblocks import FastBlocks, fast_blocks, fold_batchnorm
+from methods.reassembly.assemble import assemble
+from methods.reassembly.blocks import split_blocks
+from methods.reassembly.fastblocks import FastBlocks, fast_blocks, fold_batchnorm
 
 pytestmark = pytest.mark.timeout(120)
 SHAPES = [(1, 28, 28), (3, 32, 32)]

@@ -8,7 +8,7 @@ import torch
 from fedge import zoo
 from fedge.messages import Weights
 from fedge.spec import build
-from server.features import BlockFeatures, block_features, to_vectors
+from methods.reassembly.features import BlockFeatures, block_features, to_vectors
 
 pytestmark = pytest.mark.timeout(120)
 

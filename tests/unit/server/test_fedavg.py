@@ -5,8 +5,8 @@ import torch
 
 from fedge.messages import ClientInfo, Result, Weights
 from fedge.zoo import create
+from methods.fedavg.server import FedAvg, FedAvgOptions
 from server.aggregation import capped_shares, weighted_average
-from server.fedavg import FedAvg, FedAvgOptions
 from server.strategy import StrategyConfig, StrategyError
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,4 +1,4 @@
-"""The fedmn strategy (server/fedmn.py): the warm-up and a client without a route train every path, later rounds
+"""The fedmn strategy (methods/fedmn/server.py): the warm-up and a client without a route train every path, later rounds
 send exactly the route's blocks, aggregation is FedAvg when every block is used and leaves an unused block as it was,
 an upload is refused for an inactive block, a wrong shape or another route, the temperature anneals, and the clock
 charges the router's passes."""

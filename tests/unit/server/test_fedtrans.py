@@ -18,7 +18,7 @@ from fedge.layers import LayerSpec as L
 from fedge.messages import ClientInfo, Result, Weights
 from fedge.spec import ModelSpec, build, make_spec
 from fedge.zoo import create
-from server.fedtrans import FedTrans, weight_cells
+from methods.fedtrans.server import FedTrans, weight_cells
 from server.strategy import StrategyConfig, StrategyError, create_strategy
 
 CONFIG = StrategyConfig(local_epochs=1, batch_size=8, lr=1e-3, seed=0)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from server.fedtrans_math import (
+from methods.fedtrans.maths import (
     assignment_probabilities,
     degree_of_convergence,
     lineage_map,

@@ -11,8 +11,8 @@ from fedge.layers import LayerSpec as L
 from fedge.messages import Weights
 from fedge.spec import ModelSpec, Origin, build, make_block
 from fedge.weights import load_module
-from server.fastblocks import fast_blocks
-from server.finetune import (
+from methods.reassembly.fastblocks import fast_blocks
+from methods.reassembly.finetune import (
     FinetuneConfig,
     augment,
     finetune_candidates,

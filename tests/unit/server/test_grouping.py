@@ -8,9 +8,9 @@ import torch
 from fedge import zoo
 from fedge.messages import Weights
 from fedge.spec import build
-from server.cka import block_similarity
-from server.features import block_features
-from server.grouping import group_blocks
+from methods.reassembly.cka import block_similarity
+from methods.reassembly.features import block_features
+from methods.reassembly.grouping import group_blocks
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -15,11 +15,11 @@ from fedge.config import ConfigError
 from fedge.messages import ClientInfo, Result, Weights
 from fedge.spec import build, tensor_shapes
 from fedge.zoo import create
+from methods.fedtrans.transforms import Cell, widen
+from methods.heterofl.server import HeteroFL, HeteroFLOptions, parse_rates
 from server.capacity import compatible
-from server.heterofl import HeteroFL, HeteroFLOptions, parse_rates
 from server.slices import crop
 from server.strategy import StrategyConfig, StrategyError
-from server.transforms import Cell, widen
 
 pytestmark = pytest.mark.timeout(120)
 CONFIG = StrategyConfig(local_epochs=1, batch_size=8, lr=1e-3, seed=0)

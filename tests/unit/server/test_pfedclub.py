@@ -13,10 +13,10 @@ from fedge.seeding import derive_seed
 from fedge.spec import build, make_spec
 from fedge.tasks import TrainTask
 from fedge.zoo import create
-from server.assemble import assemble, candidate_spec
-from server.finetune import best_match, finetune_candidates, public_logits
-from server.pfedclub import own_io
-from server.reassembly import Pool
+from methods.pfedclub.server import own_io
+from methods.reassembly.assemble import assemble, candidate_spec
+from methods.reassembly.finetune import best_match, finetune_candidates, public_logits
+from methods.reassembly.strategy import Pool
 from server.strategy import PublicData, StrategyConfig, StrategyError, create_strategy
 
 pytestmark = pytest.mark.timeout(120)

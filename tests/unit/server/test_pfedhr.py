@@ -4,13 +4,13 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-import server.pfedhr
+import methods.pfedhr.server
 from fedge.config import ConfigError
 from fedge.messages import ClientInfo, Result, Weights
 from fedge.spec import build
 from fedge.zoo import create
-from server.finetune import FinetuneConfig, finetune_model, match_score, public_logits
-from server.pfedhr_candidates import block_operations, depth_order, pfedhr_candidates
+from methods.pfedhr.candidates import block_operations, depth_order, pfedhr_candidates
+from methods.reassembly.finetune import FinetuneConfig, finetune_model, match_score, public_logits
 from server.strategy import PublicData, StrategyConfig, create_strategy
 
 pytestmark = pytest.mark.timeout(120)
@@ -48,7 +48,7 @@ def test_match_scores_are_against_a_finetuned_copy_and_the_upload_stays_bit_iden
         copies[model.spec.blocks[0].origin.client] = (model, out := finetune_model(model, *args, **kwargs))
         return out
 
-    monkeypatch.setattr(server.pfedhr, "finetune_model", spy)
+    monkeypatch.setattr(methods.pfedhr.server, "finetune_model", spy)
     s, results = make(), uploads(list(MODELS))
     before = {cid: snapshot(r.models["local"]) for cid, r in results.items()}
     s.aggregate(0, results)
@@ -112,13 +112,13 @@ def test_unlabeled_public_data_finetune_the_copy_without_labels(monkeypatch):
         seen.append((y, cfg.labeled))
         return finetune_model(model, x, y, cfg, device)
 
-    monkeypatch.setattr(server.pfedhr, "finetune_model", spy)
+    monkeypatch.setattr(methods.pfedhr.server, "finetune_model", spy)
     s = make(public="unlabeled")
     s.aggregate(0, uploads(list(MODELS)))
     assert seen == [(None, False)] * len(MODELS) and set(s.teachers) == set(MODELS)
 
 
-# --- finetune_model (server/finetune.py), the whole-model fine-tuning pFedHR uses ---------------
+# --- finetune_model (methods/reassembly/finetune.py), the whole-model fine-tuning pFedHR uses ---------------
 
 
 @pytest.mark.parametrize("labeled", [True, False])

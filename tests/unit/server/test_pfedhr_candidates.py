@@ -5,8 +5,8 @@ import random
 import numpy as np
 import pytest
 
-from server.blocks import split_blocks
-from server.pfedhr_candidates import CandidateSearch, block_operations, depth_order, operation_of, pfedhr_candidates
+from methods.pfedhr.candidates import CandidateSearch, block_operations, depth_order, operation_of, pfedhr_candidates
+from methods.reassembly.blocks import split_blocks
 
 pytestmark = pytest.mark.timeout(120)
 CONV, FC = "conv", "fc"

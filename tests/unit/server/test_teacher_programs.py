@@ -19,9 +19,9 @@ from fedge.teacher_program import (
     weights_digest,
 )
 from fedge.zoo import create
+from methods.reassembly.teacher_programs import TeacherPrograms
 from server.clock import client_clock
 from server.strategy import PublicData, StrategyConfig, create_strategy
-from server.teacher_programs import TeacherPrograms
 
 pytestmark = pytest.mark.timeout(120)
 PUBLIC = PublicData(torch.randn(32, 1, 8, 8, generator=torch.Generator().manual_seed(0)), torch.arange(32) % 10)

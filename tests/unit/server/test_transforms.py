@@ -6,11 +6,11 @@ import torch
 from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-import server.transforms as T
+import methods.fedtrans.transforms as T
 from fedge.layers import LayerSpec as L
 from fedge.spec import build, make_spec
 from fedge.zoo import create
-from server.transforms import Cell, TransformError, can_deepen, can_widen, cells, deepen, widen
+from methods.fedtrans.transforms import Cell, TransformError, can_deepen, can_widen, cells, deepen, widen
 
 pytestmark = pytest.mark.timeout(300)
 CNNS = ["cnn1", "cnn2", "cnn3", "cnn4"]

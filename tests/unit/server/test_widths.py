@@ -7,8 +7,8 @@ from fedge.layers import LayerSpec as L
 from fedge.layers import Residual, Scaler, SpecError
 from fedge.spec import build, make_spec, tensor_shapes
 from fedge.zoo import MODELS, create
+from methods.heterofl.widths import scale_width, scaled, with_scalers
 from server.slices import crop
-from server.widths import scale_width, scaled, with_scalers
 
 pytestmark = pytest.mark.timeout(120)
 RATES = (1, 0.5, 0.25, 0.125, 0.0625)
