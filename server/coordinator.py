@@ -97,16 +97,24 @@ def sample_clients(client_ids: Sequence[str], active: int, seed: int, rnd: int) 
 
 
 def rejection(
-    res: Result, task: Task | None, info: ClientInfo, expected: Expected, profile: DeviceProfile
+    res: Result,
+    task: Task | None,
+    info: ClientInfo,
+    expected: Expected,
+    profile: DeviceProfile,
+    evaluation: bool = False,
 ) -> tuple[str, str] | None:
     """(reason code, message) when a reply cannot be used, else None: it must answer the open task, report a
     sane example count and finite metrics, and carry what the strategy declared it expects for that task (models of
-    the declared architectures with weights matching their spec, named tensors, records: payload_rejection)."""
+    the declared architectures with weights matching their spec, named tensors, records: payload_rejection). The
+    reply to an evaluation (an `evaluate` task, or any task of the strategy's `evaluation`: FedMN's
+    modular_evaluate, FedAvg+'s tune_evaluate) counts test examples and must report an accuracy in [0, 1]."""
     if task is None or res.client_id != info.client_id or res.round != task.round or res.type != task.type:
         return "no_open_task", f"answers no open task (round {res.round}, type {res.type!r})"
     if res.error is not None:
         return "client_failed", f"the client could not execute {task.type} of round {task.round}: {res.error}"
-    limit = info.num_test if task.type == "evaluate" else info.num_train
+    evaluation = evaluation or task.type == "evaluate"
+    limit = info.num_test if evaluation else info.num_train
     if (
         isinstance(res.num_examples, bool)
         or not isinstance(res.num_examples, int)
@@ -116,7 +124,7 @@ def rejection(
     bad = [k for k, v in res.metrics.items() if not isinstance(v, (int, float)) or not math.isfinite(v)]
     if bad:
         return "metrics", f"metrics {bad} are not finite numbers"
-    if task.type == "evaluate" and not 0 <= res.metrics.get("accuracy", -1) <= 1:
+    if evaluation and not 0 <= res.metrics.get("accuracy", -1) <= 1:
         return "metrics", "an evaluation without an accuracy in [0, 1]"
     return payload_rejection(res, expected, info, profile)
 
@@ -206,10 +214,12 @@ class Coordinator:
         self.ledger = ClientLedger(self.clients)  # what became of each client (server/client_status.py)
         self.bar: tqdm | None = None
 
-    def accepted(self, results: Mapping[str, Result], tasks: Mapping[str, Task]) -> dict[str, Result]:
-        """The replies that pass `rejection`, the strategy's own `reply_rejection`, `beyond_bound`, `norm_outliers`,
-        sane BatchNorm statistics and the round's update bounds (server/bounds.py), with their updates clipped;
-        each other one is logged in one line and counted."""
+    def accepted(
+        self, results: Mapping[str, Result], tasks: Mapping[str, Task], evaluation: bool = False
+    ) -> dict[str, Result]:
+        """The replies that pass `rejection` (`evaluation`: the tasks are the strategy's evaluation), the strategy's
+        own `reply_rejection`, `beyond_bound`, `norm_outliers`, sane BatchNorm statistics and the round's update
+        bounds (server/bounds.py), with their updates clipped; each other one is logged in one line and counted."""
         keep, reasons = {}, {}
         for cid, res in results.items():
             task = tasks.get(cid)
@@ -217,7 +227,7 @@ class Coordinator:
                 reason: tuple[str, str] | None = ("unknown_client", "not a registered client")
             else:
                 expected = self.strategy.expects(task, self.clients[cid]) if task is not None else Expected()
-                reason = rejection(res, task, self.clients[cid], expected, self.profiles[cid])
+                reason = rejection(res, task, self.clients[cid], expected, self.profiles[cid], evaluation)
                 if reason is None and task is not None:
                     reason = self.strategy.reply_rejection(task, self.clients[cid], res)
             if reason is None:
@@ -460,7 +470,7 @@ class Coordinator:
         self.show(f"{len(eval_tasks)} clients evaluating")
         replies = self.exchange(eval_tasks)
         self.ledger.unanswered(set(eval_tasks) - set(replies))
-        evals = self.accepted(replies, eval_tasks)
+        evals = self.accepted(replies, eval_tasks, evaluation=True)
         self.server_seconds.append(server)
         round_fields = self.clock.close_round(clocks, missing, self.loop.deadline_s)
         self.runlog.append_rows(

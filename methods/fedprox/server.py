@@ -15,14 +15,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from fedge.config import ConfigError
 from fedge.messages import ClientInfo, Task
 from fedge.payloads import Expected
 from methods.fedavg.server import FedAvg, FedAvgOptions
 from methods.fedprox.tasks import ProxTrainTask
-from server.strategy import option, register_strategy
+from server.strategy import option, register_strategy, torch_profiles
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,10 @@ class FedProxOptions(FedAvgOptions):
 @register_strategy("fedprox", FedProxOptions)
 class FedProx(FedAvg):
     """Homogeneous fleets only: FedAvg's global model, averaging and checkpoint; the clients' `prox_train`."""
+
+    def setup(self, clients: Mapping[str, ClientInfo]) -> None:
+        torch_profiles(self.name, clients, "trains with a proximal term on every client")
+        super().setup(clients)
 
     def plan(self, rnd: int, active: Sequence[str]) -> dict[str, Task]:
         self.shares = {}

@@ -12,6 +12,7 @@ import torch
 
 from edge_client.agent import INITIAL_ROUND
 from fedge.checkpoint import load_tree
+from fedge.config import paper_fleets
 from launch.simulation import one_thread, run_simulation
 from server.runlog import CHECKPOINT_FILE
 from server.strategy import STRATEGIES
@@ -28,8 +29,14 @@ from helpers.federation import (
 )
 
 pytestmark = pytest.mark.timeout(300)
-ZOOS = {"fedavg": "cnn1", "heterofl": "cnn1", "fedtrans": "cnn1", "dcpfl": "fedgh", "fedgh": "fedgh"}
-ZOOS["fedmn"] = "fedmn_2x2x2_cnn1"
+# the zoo of the strategy's paper fleet (FedAvg and its relatives: cnn1; DC-PFL, FedGH: FedGH's CNNs; FedMN: its pool),
+# but one model for the multi-width methods; Zoo I for the others
+ZOOS = {"heterofl": "cnn1", "fedtrans": "cnn1"}
+
+
+def zoo(strategy: str) -> str:
+    fleet = paper_fleets().get(strategy)
+    return ZOOS.get(strategy) or (fleet.values.get("zoo", "I") if fleet is not None else "I")
 
 
 @pytest.fixture
@@ -42,7 +49,7 @@ def threads_restored():
 def fleet(out: Path, strategy: str, **overrides):
     """3 clients, 2 rounds, the server at one torch thread; Zoo I's CNNs (three architectures, so the reassembly
     methods stitch) unless the strategy needs one model or one head."""
-    values = {"zoo": ZOOS.get(strategy, "I"), "server_threads": 1, "round_deadline_s": 120.0} | overrides
+    values = {"zoo": zoo(strategy), "server_threads": 1, "round_deadline_s": 120.0} | overrides
     return make_config(out, strategy=strategy, **values)
 
 
