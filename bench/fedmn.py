@@ -1,27 +1,29 @@
-"""FedMN against FedAvg and local training: the FedMN paper's Table II on CIFAR-10 (FedEM's clustered split: the classes
-in 3 groups, each group split over the clients by Dir(0.4); every client active every round) and its Fig. 2 (accuracy
-after 20 rounds against the parameters transmitted: FedMN pools [1×b×c] of 8, 9 and 10 blocks, the paper's [1×4×3],
-[1×3×4], [1×2×5], [1×5×2] and every such split at 9 and 10, on a fully connected encoder, each against FedAvg on an
-MLP of as many layers, 256 hidden units), with how the clients' routings evolve, scaled down for a CPU, over seeds.
+"""FedMN against FedAvg, FedProx, FedAvg+, pFedMe and local training: the FedMN paper's Table II on CIFAR-10 (FedEM's
+clustered split: the classes in 3 groups, each group split over the clients by Dir(0.4); every client active every
+round) and its Fig. 2 (accuracy after 20 rounds against the parameters transmitted: FedMN pools [1×b×c] of 8, 9 and
+10 blocks, the paper's [1×4×3], [1×3×4], [1×2×5], [1×5×2] and every such split at 9 and 10, on a fully connected
+encoder, each against FedAvg on an MLP of as many layers, 256 hidden units), with how the clients' routings evolve,
+scaled down for a CPU, over seeds.
 
     python bench/fedmn.py --jobs 2                                    # both views, 3 seeds
     python bench/fedmn.py --views table2 --seeds 0 --rounds 5         # a quick look
 
 Every run is an in-process `fedge run` (a finished run folder under --out is reused, so an interrupted benchmark
-resumes; --chunk-minutes stops after whole rounds, to be continued by the same command); the numbers are also written
-to <out>/results.json. Accuracy is each client's personalized model on its own test split (FedMN: the global pool on
-the client's most likely routing; FedAvg: the global model; local: its own), mean ± std over seeds of the mean over
-clients. Parameters transmitted: FedMN's rows count what each client downloaded and uploaded (its route's blocks and
-the routing hypernetwork, which is exchanged every round), FedAvg's the whole model down and up per trained client;
-the bytes on the wire are measured for both.
+resumes; --chunk-minutes stops after whole rounds, to be continued by the same command); the numbers are also
+written to <out>/results.json. Accuracy is each client's personalized model on its own test split (FedMN: the global
+pool on the client's most likely routing; FedAvg, FedProx: the global model; FedAvg+: the global model tuned on the
+client's data; pFedMe: its personalized θ; local: its own), mean ± std over seeds of the mean over clients.
+Parameters transmitted: FedMN's rows count what each client downloaded and uploaded (its route's blocks and the
+routing hypernetwork, which is exchanged every round), FedAvg's the whole model down and up per trained client; the
+bytes on the wire are measured for both.
 
-Directions checked (the paper's claims; accuracy on the per-seed paired differences): Table II FedMN > FedAvg >
-local; Fig. 2 each FedMN pool transmits fewer parameters than FedAvg's MLP of as many blocks and is more accurate,
-and the 10-layer MLP trails the 8-layer one under FedAvg. Differences between methods mean something only where
-federation beats training alone (FedAvg > local): if it does not at the default scale, raise --samples, --clients,
---rounds. Routing evolution: per round, how many distinct routings the clients hold and how many clients changed
-theirs since the previous round. Use OMP_NUM_THREADS=1 on a small machine and --jobs to run settings side by side.
-"""
+Directions checked (the paper's claims; accuracy on the per-seed paired differences): Table II FedMN above FedAvg,
+FedProx, FedAvg+ and pFedMe, FedAvg+ and pFedMe above FedAvg, FedAvg > local; Fig. 2 each FedMN pool transmits fewer
+parameters than FedAvg's MLP of as many blocks and is more accurate, and the 10-layer MLP trails the 8-layer one
+under FedAvg. Differences between methods mean something only where federation beats training alone (FedAvg >
+local): if it does not at the default scale, raise --samples, --clients, --rounds. Routing evolution: per round, how
+many distinct routings the clients hold and how many clients changed theirs since the previous round. Use
+OMP_NUM_THREADS=1 on a small machine and --jobs to run settings side by side."""
 
 from __future__ import annotations
 
@@ -48,8 +50,16 @@ from server.strategy import parse_options  # noqa: E402
 
 DATASET, INPUT, CLASSES = "cifar10", (3, 32, 32), 10
 # Table II: label -> strategy; the model is the encoder's zoo model, FedMN's the [2×2×2] pool on that encoder.
-TABLE2: dict[str, str] = {"local": "local", "FedAvg": "fedavg", "FedMN": "fedmn"}
-PAPER_TABLE2 = {"local": 70.2, "FedAvg": 78.2, "FedMN": 83.4}  # CIFAR-10, %
+TABLE2: dict[str, str] = {
+    "local": "local",
+    "FedAvg": "fedavg",
+    "FedProx": "fedprox",
+    "FedAvg+": "fedavg+",
+    "pFedMe": "pfedme",
+    "FedMN": "fedmn",
+}
+# CIFAR-10, %; FedMN reuses FedEM's numbers for its baselines (its §IV-C)
+PAPER_TABLE2 = {"local": 70.2, "FedAvg": 78.2, "FedProx": 78.0, "FedAvg+": 82.3, "pFedMe": 81.7, "FedMN": 83.4}
 TABLE2_POOL = "2x2x2"
 # Fig. 2: label -> (strategy, zoo model, blocks), all at the `paper` width preset (the fc pools' hidden width 256,
 # §IV-D). The paper lists its 8-block pools, [1×b×c] with b + c = 7 and b, c ≥ 2, and says only "different
@@ -238,11 +248,16 @@ def table2(results: dict[str, list[dict[str, Any]]], rounds: int, clients: int) 
 
 
 def checks2(results: dict[str, list[dict[str, Any]]]) -> list[str]:
-    """Table II's directions, FedMN > FedAvg > local, on the per-seed paired differences (bench/paired.py)."""
+    """Table II's directions on the per-seed paired differences (bench/paired.py): FedMN above every other method,
+    FedAvg > local, and the personalized baselines FedAvg+ and pFedMe above FedAvg (the paper's CIFAR-10 row)."""
     acc = {m: [r["acc"] for r in runs] for m, runs in results.items()}
     out = []
-    if {"FedMN", "FedAvg"} <= set(acc):
-        out.append(paired_verdict("FedMN", acc["FedMN"], "FedAvg", acc["FedAvg"]))
+    for other in ("FedAvg", "FedProx", "FedAvg+", "pFedMe"):
+        if {"FedMN", other} <= set(acc):
+            out.append(paired_verdict("FedMN", acc["FedMN"], other, acc[other]))
+    for personalized in ("FedAvg+", "pFedMe"):
+        if {personalized, "FedAvg"} <= set(acc):
+            out.append(paired_verdict(personalized, acc[personalized], "FedAvg", acc["FedAvg"]))
     if {"FedAvg", "local"} <= set(acc):
         out.append(
             paired_verdict("FedAvg", acc["FedAvg"], "local", acc["local"])

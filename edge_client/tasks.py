@@ -27,6 +27,20 @@ def train_settings(task: Task, kind: type[T] = TrainTask) -> T:
         raise TaskError(f"task {task.type} of round {task.round}: {e}") from None
 
 
+def from_global(agent: ClientAgent, task: Task, kind: type[T]) -> T:
+    """The settings of a task that trains the sent `global` model with a loop of its own (not the runtime's `fit`:
+    FedProx's, Per-FedAvg's, pFedMe's), read as `kind`, after adopting that model into the client's own. TaskError
+    on another runtime than torch (an ExecuTorch training program runs only its own loss), for a task without a
+    global model, or with a bad config."""
+    settings = train_settings(task, kind)
+    if agent.trainer.runtime != "torch":
+        raise TaskError(f"client {agent.client_id}: the {agent.trainer.runtime} runtime cannot train {task.type}")
+    if "global" not in task.models:
+        raise TaskError(f"task {task.type} of round {task.round} carries no global model")
+    agent.adopt(task.models["global"])
+    return settings
+
+
 def train_config(agent: ClientAgent, task: Task, settings: TrainTask | None = None) -> TrainConfig:
     """The trainer's settings for a task: its TrainTask (`settings` when the handler read its config already, as
     a subclass) with this client's seed for this round; TaskError when the task's config is bad."""

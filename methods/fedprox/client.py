@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from edge_client.agent import ClientAgent, TaskError, register_task
-from edge_client.tasks import train_config, train_settings, training_result
+from edge_client.agent import ClientAgent, register_task
+from edge_client.tasks import from_global, train_config, training_result
 from edge_client.training import Objective, fit
 from fedge.messages import Result, Task
 from methods.fedprox.tasks import ProxTrainTask
@@ -39,12 +39,7 @@ def prox_train_task(agent: ClientAgent, task: Task) -> Result:
     """Adopt the task's `global` model, train on Eq. (2) for the task's epochs, and upload the model as `local`,
     with the last epoch's mean proximal term ‖w − w^t‖² as `prox_term`. Only the torch runtime: an ExecuTorch
     training program has no proximal term. A task without a global model raises TaskError."""
-    settings = train_settings(task, ProxTrainTask)
-    if agent.trainer.runtime != "torch":
-        raise TaskError(f"client {agent.client_id}: the {agent.trainer.runtime} runtime cannot train prox_train")
-    if "global" not in task.models:
-        raise TaskError(f"task prox_train of round {task.round} carries no global model")
-    agent.adopt(task.models["global"])
+    settings = from_global(agent, task, ProxTrainTask)
     x, y = agent.data.x_train, agent.data.y_train
     start = time.perf_counter()
     stats = fit(

@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from edge_client.agent import ClientAgent, TaskError, register_task
-from edge_client.tasks import train_config, train_settings, training_result
+from edge_client.tasks import from_global, train_config, train_settings, training_result
 from edge_client.training import evaluate
 from fedge.messages import Result, Task
 from methods.perfedavg.tasks import MetaTask
@@ -54,12 +54,7 @@ def meta_train_task(agent: ClientAgent, task: Task) -> Result:
     """Adopt the task's `global` model; for each of the task's epochs, draw the training data in random batches
     and take one meta step per consecutive pair (D, D') (a last lone batch waits for the next epoch's draw); upload
     the model as `local`. The reported loss is the mean of the last epoch's losses at w̃. Only the torch runtime."""
-    settings = train_settings(task, MetaTask)
-    if agent.trainer.runtime != "torch":
-        raise TaskError(f"client {agent.client_id}: the {agent.trainer.runtime} runtime cannot train meta_train")
-    if "global" not in task.models:
-        raise TaskError(f"task meta_train of round {task.round} carries no global model")
-    agent.adopt(task.models["global"])
+    settings = from_global(agent, task, MetaTask)
     x, y = agent.data.x_train, agent.data.y_train
     if len(y) < 2:
         raise TaskError(f"client {agent.client_id}: a meta step needs two batches, it has {len(y)} example(s)")

@@ -9,8 +9,8 @@ import time
 import torch
 from torch.nn import functional as F
 
-from edge_client.agent import ClientAgent, TaskError, register_task
-from edge_client.tasks import train_config, train_settings, training_result
+from edge_client.agent import ClientAgent, register_task
+from edge_client.tasks import from_global, train_config, training_result
 from fedge.messages import Result, Task, Weights
 from methods.pfedme.tasks import MoreauTask
 
@@ -40,12 +40,7 @@ def pfedme_train_task(agent: ClientAgent, task: Task) -> Result:
     """Adopt the task's `global` model as both θ and w; for each of the task's epochs, one `moreau_step` per random
     batch of the training data. The own model keeps θ (what the client is evaluated on); the upload `local` is w
     (θ's buffers, e.g. BatchNorm statistics, with w's parameters). Only the torch runtime."""
-    settings = train_settings(task, MoreauTask)
-    if agent.trainer.runtime != "torch":
-        raise TaskError(f"client {agent.client_id}: the {agent.trainer.runtime} runtime cannot train pfedme_train")
-    if "global" not in task.models:
-        raise TaskError(f"task pfedme_train of round {task.round} carries no global model")
-    agent.adopt(task.models["global"])
+    settings = from_global(agent, task, MoreauTask)
     names = [n for n, p in agent.model.named_parameters() if p.requires_grad]
     local = [p.detach().clone() for n, p in agent.model.named_parameters() if p.requires_grad]
     x, y = agent.data.x_train, agent.data.y_train

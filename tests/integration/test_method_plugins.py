@@ -39,6 +39,17 @@ def fedge(env, *argv, timeout=300):
     )
 
 
+def pytest_process(env, cwd, *argv):
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *argv],
+        capture_output=True,
+        text=True,
+        timeout=500,
+        env=env,
+        cwd=cwd,
+    )
+
+
 def test_new_method_refuses_a_taken_name_and_a_bad_one(tmp_path, capsys):
     assert cli_main(["new-method", "fedavg", "--dir", str(tmp_path)]) == 2
     assert cli_main(["new-method", "Bad-Name", "--dir", str(tmp_path)]) == 2
@@ -75,28 +86,14 @@ def test_the_installed_method_runs_in_process_and_over_the_embedded_broker(plugi
 
 def test_the_methods_own_test_passes(plugin):
     folder, env = plugin
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(folder / "tests")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=folder,
-    )
+    done = pytest_process(env, folder, str(folder / "tests"))
     assert done.returncode == 0, done.stdout[-3000:]
     assert re.search(r"\b1 passed", done.stdout), done.stdout[-1000:]
 
 
 def test_fedges_contract_tests_cover_the_installed_method_unedited(plugin):
     _, env = plugin
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/contract", "-k", NAME],
-        capture_output=True,
-        text=True,
-        timeout=500,
-        env=env,
-        cwd=REPO,
-    )
+    done = pytest_process(env, REPO, "tests/contract", "-k", NAME)
     assert done.returncode == 0, done.stdout[-4000:]
     passed = int(re.search(r"(\d+) passed", done.stdout).group(1))
     assert passed >= 8, done.stdout[-2000:]  # every per-strategy contract (8 today), not a handful
