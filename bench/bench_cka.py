@@ -26,10 +26,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fedge import zoo  # noqa: E402
 from fedge.constants import DEFAULT_WIDTHS, WIDTHS  # noqa: E402
-from fedge.messages import Weights  # noqa: E402
-from fedge.spec import build  # noqa: E402
+from fedge.model import zoo  # noqa: E402
+from fedge.model.spec import build  # noqa: E402
+from fedge.wire.messages import Weights  # noqa: E402
 from methods.reassembly.cka import block_similarity, choose_method, linear_cka  # noqa: E402
 from methods.reassembly.features import block_features  # noqa: E402
 from methods.reassembly.grouping import group_blocks  # noqa: E402
@@ -144,7 +144,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--budget", type=float, default=4.0, help="seconds per naive-loop measurement")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--widths", choices=WIDTHS, default=DEFAULT_WIDTHS, help="zoo width preset (fedge/zoo.py)")
+    parser.add_argument(
+        "--widths", choices=WIDTHS, default=DEFAULT_WIDTHS, help="zoo width preset (fedge/model/zoo.py)"
+    )
     args = parser.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)

@@ -34,8 +34,8 @@ def measure(model: str, dataset: str, threads: int) -> dict[str, float]:
     from device_profiles import training_footprint_bytes
     from fedge.config import config_from
     from fedge.memory import peak_rss_bytes, rss_bytes
-    from fedge.messages import Task
     from fedge.tasks import TrainTask
+    from fedge.wire.messages import Task
     from launch.client import make_agent
     from launch.runs import load_partitioned
 
@@ -70,7 +70,7 @@ def main() -> None:
         return
     sys.path.insert(0, str(ROOT))
     from device_profiles import list_profiles
-    from fedge.zoo import MODELS
+    from fedge.model.zoo import MODELS
 
     rows = {}
     for model in args.models or list(MODELS):

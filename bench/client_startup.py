@@ -29,8 +29,8 @@ import paho.mqtt.client as paho
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedge.access import generate_users  # noqa: E402
-from fedge.embedded_broker import EmbeddedBroker  # noqa: E402
+from fedge.brokers.access import generate_users  # noqa: E402
+from fedge.brokers.embedded_broker import EmbeddedBroker  # noqa: E402
 
 HEAVY = (
     "server",

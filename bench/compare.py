@@ -120,7 +120,7 @@ def main() -> None:
     p.add_argument("--public-samples", type=int, default=500)
     p.add_argument("--eta", type=float, default=0.1)
     p.add_argument("--out", default="runs/bench-compare")
-    p.add_argument("--widths", choices=WIDTHS, default=DEFAULT_WIDTHS, help="zoo width preset (fedge/zoo.py)")
+    p.add_argument("--widths", choices=WIDTHS, default=DEFAULT_WIDTHS, help="zoo width preset (fedge/model/zoo.py)")
     args = p.parse_args()
     print(f"hardware: {hardware()}")
     print(

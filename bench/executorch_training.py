@@ -30,12 +30,12 @@ from export.parity import gated_training_program, train_mode  # noqa: E402
 from export.pte import teacher_logits_pte  # noqa: E402
 from export.training_program import trainable_form  # noqa: E402
 from fedge import constants as C  # noqa: E402
-from fedge.data import load_dataset  # noqa: E402
+from fedge.data.datasets import load_dataset  # noqa: E402
+from fedge.data.partition import stratified_sample  # noqa: E402
 from fedge.distill import kd_loss  # noqa: E402
-from fedge.messages import Weights  # noqa: E402
-from fedge.partition import stratified_sample  # noqa: E402
-from fedge.spec import build  # noqa: E402
-from fedge.zoo import MODELS, create  # noqa: E402
+from fedge.model.spec import build  # noqa: E402
+from fedge.model.zoo import MODELS, create  # noqa: E402
+from fedge.wire.messages import Weights  # noqa: E402
 
 KD_LAMBDA, TEMPERATURE, SGD_LR, MOMENTUM = C.KD_LAMBDA, C.KD_TEMPERATURE, C.SGD_LR, C.SGD_MOMENTUM
 
@@ -66,7 +66,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3, help="epochs timed per runtime (median)")
-    p.add_argument("--widths", choices=C.WIDTHS, default=C.DEFAULT_WIDTHS, help="zoo width preset (fedge/zoo.py)")
+    p.add_argument("--widths", choices=C.WIDTHS, default=C.DEFAULT_WIDTHS, help="zoo width preset (fedge/model/zoo.py)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     ds = load_dataset(args.dataset, args.data)

@@ -32,11 +32,11 @@ from export.onnx import INPUT_NAME, export_onnx  # noqa: E402
 from export.pte import export_pte  # noqa: E402
 from export.run_models import load_final_model, parity_sample, run_config  # noqa: E402
 from fedge.constants import DEFAULT_WIDTHS, WIDTHS  # noqa: E402
-from fedge.data import load_dataset  # noqa: E402
+from fedge.data.datasets import load_dataset  # noqa: E402
 from fedge.executorch_program import dense  # noqa: E402
-from fedge.spec import build  # noqa: E402
-from fedge.weights import load_module  # noqa: E402
-from fedge.zoo import MODELS, create  # noqa: E402
+from fedge.model.spec import build  # noqa: E402
+from fedge.model.weights import load_module  # noqa: E402
+from fedge.model.zoo import MODELS, create  # noqa: E402
 
 RUNTIMES = ("eager", "ORT", "ET")
 FEDERATION = {
@@ -185,7 +185,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=200)
     p.add_argument("--run-dir", default=None, help="reuse this pFedClub run folder's teachers")
     p.add_argument("--teachers", type=int, default=4, help="at most this many teachers (clients 0, 1, ...)")
-    p.add_argument("--widths", choices=WIDTHS, default=DEFAULT_WIDTHS, help="zoo width preset (fedge/zoo.py)")
+    p.add_argument("--widths", choices=WIDTHS, default=DEFAULT_WIDTHS, help="zoo width preset (fedge/model/zoo.py)")
     args = p.parse_args()
 
     torch.set_num_threads(args.threads)

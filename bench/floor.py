@@ -29,8 +29,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fedge.constants import DEFAULT_WIDTHS  # noqa: E402
-from fedge.spec import ModelSpec, build  # noqa: E402
-from fedge.zoo import ZOOS, create  # noqa: E402
+from fedge.model.spec import ModelSpec, build  # noqa: E402
+from fedge.model.zoo import ZOOS, create  # noqa: E402
 from methods.reassembly.fastblocks import fold_batchnorm  # noqa: E402
 
 FLOPS_PER_MAC = 2  # a multiply-accumulate is two FLOPs (torch.utils.flop_counter's convention)

@@ -79,7 +79,7 @@ from bench.reproduce_plan import (  # noqa: E402
 from bench.reproduce_report import CellStats, SeedResult, read_run, render, to_json  # noqa: E402
 from bench.runs import STATES, UNFINISHED, add_chunk_flag, chunk_deadline, folder_state, run_kept  # noqa: E402
 from fedge.config import ConfigError, parse_overrides  # noqa: E402
-from fedge.zoo import ZOOS  # noqa: E402
+from fedge.model.zoo import ZOOS  # noqa: E402
 
 
 def execute(run: Run, workers: int = 1, stop_at: float | None = None) -> tuple[SeedResult | None, str]:

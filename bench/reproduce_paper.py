@@ -167,8 +167,8 @@ def setup_rows(runs: Sequence[Any], seeds: Sequence[int]) -> list[tuple[str, str
         ("client batch size", "not stated (authors' code: 10)", cfg.batch_size, None, "run key batch_size"),
         ("server fine-tuning batch", "not stated (authors' code: 8)", C.FINETUNE_BATCH_SIZE, None,
          "fedge.constants.FINETUNE_BATCH_SIZE (fixed)"),
-        ("model widths", "not stated (Appendix B: layers only)", getattr(cfg, "widths", "fedge/zoo.py's"), None,
-         "fedge/zoo.py"),
+        ("model widths", "not stated (Appendix B: layers only)", getattr(cfg, "widths", "fedge/model/zoo.py's"), None,
+         "fedge/model/zoo.py"),
     ]  # fmt: skip
 
 
@@ -178,7 +178,7 @@ def notes(runs: Sequence[Any], args: argparse.Namespace) -> list[str]:
         "SVHN (Tables 1 and 3, and Fig. 3's dataset) is not available here: its columns are not run, and Fig. 3 is "
         "compared on directions only.",
         "non-IID: each client's two classes are drawn at random among the least-used classes so far, so every class "
-        "is held by equally many clients (fedge/partition.py); the paper only says each client randomly holds two "
+        "is held by equally many clients (fedge/data/partition.py); the paper only says each client randomly holds two "
         "classes. The public 8 % is a random 8 % of every class.",
         "The paper gives no batch sizes and no model widths (see the table); the accuracy it reports is 'average "
         "client accuracy' with no more detail, so both the final and the last-3 mean are reported.",

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 from bench.reproduce_paper import Cell
 from fedge import constants as C
 from fedge.config import ConfigError, RunConfig, config_from, run_keys
-from fedge.zoo import ZOOS
+from fedge.model.zoo import ZOOS
 from launch.server import resolve_options
 from server.strategy import STRATEGIES
 

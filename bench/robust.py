@@ -29,10 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.compare import hardware  # noqa: E402
 from fedge import constants as C  # noqa: E402
+from fedge.brokers.transport import Handler  # noqa: E402
 from fedge.config import RunConfig, config_from  # noqa: E402
-from fedge.messages import Result, Task, Weights  # noqa: E402
-from fedge.modular import NEXT_ROUTE, ROUTING  # noqa: E402
-from fedge.transport import Handler  # noqa: E402
+from fedge.model.modular import NEXT_ROUTE, ROUTING  # noqa: E402
+from fedge.wire.messages import Result, Task, Weights  # noqa: E402
 from launch.simulation import run_simulation  # noqa: E402
 
 FLEETS: dict[str, dict[str, Any]] = {  # strategy -> the run keys of its fleet

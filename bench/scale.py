@@ -28,9 +28,9 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tests"))  # helper
 
 from bench.compare import hardware  # noqa: E402
 from bench.transfer import MOSQUITTO  # noqa: E402
-from fedge.access import generate_users  # noqa: E402
+from fedge.brokers.access import generate_users  # noqa: E402
+from fedge.brokers.mosquitto import write_mosquitto_config  # noqa: E402
 from fedge.config import config_from  # noqa: E402
-from fedge.mosquitto import write_mosquitto_config  # noqa: E402
 from launch.federation import write_secrets  # noqa: E402
 
 from helpers.brokers import free_port  # noqa: E402

@@ -41,11 +41,11 @@ from bench.floor import (  # noqa: E402
 from edge_client.training import TrainConfig, train  # noqa: E402
 from fedge.config import config_from  # noqa: E402
 from fedge.constants import DEFAULT_SEED, DEFAULT_WIDTHS, WIDTHS  # noqa: E402
-from fedge.data import load_dataset  # noqa: E402
-from fedge.messages import Result  # noqa: E402
-from fedge.partition import make_partition, stratified_sample  # noqa: E402
-from fedge.spec import ModelSpec  # noqa: E402
-from fedge.zoo import assign_models  # noqa: E402
+from fedge.data.datasets import load_dataset  # noqa: E402
+from fedge.data.partition import make_partition, stratified_sample  # noqa: E402
+from fedge.model.spec import ModelSpec  # noqa: E402
+from fedge.model.zoo import assign_models  # noqa: E402
+from fedge.wire.messages import Result  # noqa: E402
 from launch.client import make_agent  # noqa: E402
 from launch.runs import partition_config  # noqa: E402
 from launch.server import strategy_config  # noqa: E402
@@ -167,7 +167,7 @@ def main() -> None:
         help="also time K candidates per client through the plain weights path, the server's module path and "
         "that path in lockstep",
     )
-    p.add_argument("--widths", choices=WIDTHS, default=DEFAULT_WIDTHS, help="zoo width preset (fedge/zoo.py)")
+    p.add_argument("--widths", choices=WIDTHS, default=DEFAULT_WIDTHS, help="zoo width preset (fedge/model/zoo.py)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     names = {column: column.partition("@")[0] for column in args.strategies}

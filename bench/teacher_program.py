@@ -25,11 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.compare import hardware  # noqa: E402
 from export.pte import teacher_logits_pte, teacher_program  # noqa: E402
 from fedge import constants as C  # noqa: E402
-from fedge.codec import encode_task  # noqa: E402
-from fedge.data import load_dataset  # noqa: E402
-from fedge.messages import Task, Weights  # noqa: E402
-from fedge.partition import stratified_sample  # noqa: E402
-from fedge.spec import build  # noqa: E402
+from fedge.data.datasets import load_dataset  # noqa: E402
+from fedge.data.partition import stratified_sample  # noqa: E402
+from fedge.model.spec import build  # noqa: E402
+from fedge.model.zoo import create  # noqa: E402
 from fedge.teacher_program import (  # noqa: E402
     TEACHER_PTE,
     TEACHER_PTE_SHA256,
@@ -39,7 +38,8 @@ from fedge.teacher_program import (  # noqa: E402
     sha256_hex,
     shipped_program,
 )
-from fedge.zoo import create  # noqa: E402
+from fedge.wire.codec import encode_task  # noqa: E402
+from fedge.wire.messages import Task, Weights  # noqa: E402
 
 
 def timed(fn, repeats: int) -> tuple[float, object]:
@@ -66,7 +66,7 @@ def main() -> None:
     p.add_argument("--models", default="cnn1,cnn2,cnn3,cnn4", help="teacher architectures (zoo names)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--widths", choices=C.WIDTHS, default=C.DEFAULT_WIDTHS, help="zoo width preset (fedge/zoo.py)")
+    p.add_argument("--widths", choices=C.WIDTHS, default=C.DEFAULT_WIDTHS, help="zoo width preset (fedge/model/zoo.py)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     ds = load_dataset(args.dataset, args.data)

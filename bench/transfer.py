@@ -4,7 +4,7 @@
 
 For each model size (MB of float32 weights) and broker, in this one run:
 - fedge: from the encoded result (JSON + safetensors), chunk, hash, publish at QoS 1 through the broker with
-  authentication and ACLs on, then on the receiving side check every frame (fedge.mqtt.Inbox),
+  authentication and ACLs on, then on the receiving side check every frame (fedge.brokers.mqtt.Inbox),
   reassemble, verify the SHA-256, decode and check keys/shapes/dtypes/finiteness against the spec;
 - plain paho: the same number of bytes in chunks of the same size at QoS 1, received and counted;
 - raw socket: the same bytes over a loopback TCP socket (no broker).
@@ -30,16 +30,16 @@ import paho.mqtt.client as paho  # noqa: E402
 import torch  # noqa: E402
 
 from bench.compare import hardware  # noqa: E402
-from fedge.access import generate_users  # noqa: E402
-from fedge.codec import decode_result, encode_result  # noqa: E402
+from fedge.brokers.access import generate_users  # noqa: E402
+from fedge.brokers.embedded_broker import EmbeddedBroker  # noqa: E402
+from fedge.brokers.mosquitto import write_mosquitto_config  # noqa: E402
+from fedge.brokers.mqtt import Broker, Endpoint, Inbox  # noqa: E402
 from fedge.constants import CHUNK_SIZE  # noqa: E402
-from fedge.embedded_broker import EmbeddedBroker  # noqa: E402
-from fedge.layers import LayerSpec  # noqa: E402
-from fedge.messages import Result, Weights  # noqa: E402
-from fedge.mosquitto import write_mosquitto_config  # noqa: E402
-from fedge.mqtt import Broker, Endpoint, Inbox  # noqa: E402
-from fedge.spec import make_spec  # noqa: E402
-from fedge.weights import check_state  # noqa: E402
+from fedge.model.layers import LayerSpec  # noqa: E402
+from fedge.model.spec import make_spec  # noqa: E402
+from fedge.model.weights import check_state  # noqa: E402
+from fedge.wire.codec import decode_result, encode_result  # noqa: E402
+from fedge.wire.messages import Result, Weights  # noqa: E402
 
 RUN = "bench"
 MOSQUITTO = "/usr/sbin/mosquitto"

@@ -14,12 +14,12 @@ import torch
 from edge_client.training import TorchTrainer, Trainer
 from fedge.checkpoint import CheckpointError, load_tree, save_tree
 from fedge.memory import memory_metrics
-from fedge.messages import ClientInfo, Result, Task, Weights
+from fedge.model.spec import ModelSpec, SpecModel, build
+from fedge.model.weights import State, WeightsError, load_module
 from fedge.plugins import load_methods
 from fedge.registry import Registry
 from fedge.seeding import derive_seed
-from fedge.spec import ModelSpec, SpecModel, build
-from fedge.weights import State, WeightsError, load_module
+from fedge.wire.messages import ClientInfo, Result, Task, Weights
 
 log = logging.getLogger(__name__)
 SNAPSHOTS_KEPT = 3  # model snapshots (by round) an agent keeps, so a re-sent task re-runs from the model before it

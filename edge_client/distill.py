@@ -9,8 +9,7 @@ from edge_client.agent import ClientAgent, TaskError, register_task
 from edge_client.tasks import train_config, train_settings
 from edge_client.training import Distillation
 from fedge.distill import check_kd_settings
-from fedge.messages import Result, Task
-from fedge.spec import ModelSpec
+from fedge.model.spec import ModelSpec
 from fedge.teacher_program import (
     TEACHER_PROGRAM_ERROR,
     TEACHER_PTE_SHA256,
@@ -18,6 +17,7 @@ from fedge.teacher_program import (
     sha256_hex,
     shipped_program,
 )
+from fedge.wire.messages import Result, Task
 
 log = logging.getLogger(__name__)
 

@@ -33,10 +33,10 @@ from fedge.executorch_program import (
     train_inputs,
     update_running_stats,
 )
-from fedge.messages import Weights
-from fedge.spec import ModelSpec
+from fedge.model.spec import ModelSpec
+from fedge.model.weights import State
 from fedge.teacher_program import InferenceProgram, sha256_hex
-from fedge.weights import State
+from fedge.wire.messages import Weights
 
 
 class ProgramSession(Protocol):

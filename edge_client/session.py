@@ -18,13 +18,13 @@ import uuid
 from dataclasses import dataclass
 
 from edge_client.agent import ClientAgent, TaskError
-from fedge import topics
-from fedge.codec import decode_ack, decode_status, decode_task, encode_info, encode_result, encode_status
+from fedge.brokers.link import Connect
+from fedge.brokers.mqtt import Delivery, Inbox, will_frame
 from fedge.constants import ACK_TIMEOUT_S, CHUNK_SIZE, HEARTBEAT_S, MAX_ERROR_CHARS, MAX_PAYLOAD_BYTES
-from fedge.envelope import Envelope, WireError
-from fedge.link import Connect
-from fedge.messages import Result, Task
-from fedge.mqtt import Delivery, Inbox, will_frame
+from fedge.wire import topics
+from fedge.wire.codec import decode_ack, decode_status, decode_task, encode_info, encode_result, encode_status
+from fedge.wire.envelope import Envelope, WireError
+from fedge.wire.messages import Result, Task
 
 log = logging.getLogger(__name__)
 MAX_SENDS = 5  # an upload or registration is sent at most this many times without an acknowledgement
@@ -48,7 +48,7 @@ class _Pending:
 
 class EdgeClient:
     """One client's MQTT session around a ClientAgent, on the link `connect` makes (in production
-    `fedge.mqtt.connector(broker, keepalive)`). `compute` serialises training between the virtual clients of
+    `fedge.brokers.mqtt.connector(broker, keepalive)`). `compute` serialises training between the virtual clients of
     one process."""
 
     def __init__(

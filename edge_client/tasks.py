@@ -11,9 +11,9 @@ import torch
 
 from edge_client.agent import ClientAgent, TaskError, register_task
 from edge_client.training import TrainConfig, evaluate, fit
-from fedge.messages import Result, Task, Tensors, Weights
 from fedge.seeding import derive_seed
 from fedge.tasks import TaskConfigError, TrainTask, is_cell_weight
+from fedge.wire.messages import Result, Task, Tensors, Weights
 
 T = TypeVar("T", bound=TrainTask)
 

@@ -12,8 +12,8 @@ from torch.nn import functional as F
 
 from fedge.constants import EVAL_BATCH_SIZE, KD_DIRECTION, KD_LAMBDA, KD_TEMPERATURE, SGD_LR, SGD_MOMENTUM
 from fedge.distill import check_kd_settings, kd_kl, kd_terms
-from fedge.messages import Weights
-from fedge.weights import load_module
+from fedge.model.weights import load_module
+from fedge.wire.messages import Weights
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ from torch import nn
 
 from export import PARITY_ATOL, ExportError, require
 from fedge.files import atomic_write
-from fedge.spec import ModelSpec
-from fedge.weights import State, load_module
+from fedge.model.spec import ModelSpec
+from fedge.model.weights import State, load_module
 
 log = logging.getLogger(__name__)
 # The dynamo exporter warns once per torchvision op ("torchvision is not installed. Skipping ...") on every

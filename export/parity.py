@@ -37,8 +37,8 @@ from fedge.executorch_program import (
     train_inputs,
     update_running_stats,
 )
-from fedge.spec import ModelSpec, build
-from fedge.weights import State
+from fedge.model.spec import ModelSpec, build
+from fedge.model.weights import State
 
 log = logging.getLogger(__name__)
 

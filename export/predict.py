@@ -13,8 +13,8 @@ import numpy as np
 
 from export import ExportError
 from export.onnx import onnx_metadata
+from fedge.data.own_data import DataTask, OwnDataError
 from fedge.files import atomic_write
-from fedge.own_data import DataTask, OwnDataError
 
 CONFUSION_PNG, PER_CLASS_JSON = "confusion.png", "per_class.json"  # what --out DIR holds
 ANNOTATE_MAX_CLASSES = 20  # the confusion plot writes each cell's count up to this many classes

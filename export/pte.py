@@ -16,10 +16,10 @@ from export import PARITY_ATOL, ExportError, require
 from fedge import constants as C
 from fedge.executorch_program import dense
 from fedge.files import atomic_write
-from fedge.messages import Weights
-from fedge.spec import ModelSpec, SpecModel
+from fedge.model.spec import ModelSpec, SpecModel
+from fedge.model.weights import State, WeightsError, load_module
 from fedge.teacher_program import InferenceProgram, TeacherProgramError
-from fedge.weights import State, WeightsError, load_module
+from fedge.wire.messages import Weights
 
 log = logging.getLogger(__name__)
 

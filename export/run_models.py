@@ -15,10 +15,10 @@ from export import ExportError
 from export.onnx import OnnxReport, export_onnx
 from fedge import constants as C
 from fedge.checkpoint import CheckpointError, load_tree
-from fedge.data import Dataset
-from fedge.messages import Weights
-from fedge.partition import stratified_sample
-from fedge.weights import WeightsError, load_model, save_model
+from fedge.data.datasets import Dataset
+from fedge.data.partition import stratified_sample
+from fedge.model.weights import WeightsError, load_model, save_model
+from fedge.wire.messages import Weights
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from export import ExportError, require
 from export.pte import eager_module, op_name
 from fedge.distill import kd_terms
 from fedge.executorch_program import NormLayer, TrainingProgram, zero_train_inputs
-from fedge.spec import ModelSpec, SpecModel, build
-from fedge.weights import State
+from fedge.model.spec import ModelSpec, SpecModel, build
+from fedge.model.weights import State
 
 _BAD_TRAINING_OPS = {  # aten ops whose portable backward is wrong or missing (platform-facts "ExecuTorch")
     "max_pool2d",

@@ -18,9 +18,9 @@ from safetensors.torch import save as st_save
 
 from fedge import constants as C
 from fedge.files import atomic_write
-from fedge.messages import Weights
-from fedge.spec import ModelSpec, SpecError
-from fedge.weights import WeightsError, check_state
+from fedge.model.spec import ModelSpec, SpecError
+from fedge.model.weights import WeightsError, check_state
+from fedge.wire.messages import Weights
 
 _TREE_KEY, _VERSION_KEY, _HASH_KEY = "fedge.tree", "fedge.tree.version", "fedge.tree.sha256"
 # Tags of the skeleton's special leaves; a tree's own dict keys may not start with "$".

@@ -38,7 +38,7 @@ class RunConfig:
     dataset: str = C.DEFAULT_DATASET
     data: str | None = None
     zoo: str = C.DEFAULT_ZOO
-    widths: str = C.DEFAULT_WIDTHS  # the zoo's width preset: cpu (shrunk for CPU runs) or paper (fedge/zoo.py)
+    widths: str = C.DEFAULT_WIDTHS  # the zoo's width preset: cpu (shrunk for CPU runs) or paper (fedge/model/zoo.py)
     clients: int = C.DEFAULT_CLIENTS
     active: int = C.DEFAULT_ACTIVE
     rounds: int = C.DEFAULT_ROUNDS
@@ -54,7 +54,7 @@ class RunConfig:
     label_clusters: int = C.LABEL_CLUSTERS  # partition "clustered": FedEM's class groups, each split by Dir(alpha)
     max_samples_per_client: int | None = None
     max_public_samples: int | None = None
-    # A device's own data (fedge/own_data.py): where each client reads it (a folder of class folders, or an .npz;
+    # A device's own data (fedge/data/own_data.py): where each client reads it (a folder of class folders, or an .npz;
     # `{id}` is replaced by the client id), instead of its shard of `dataset`; set, the server takes the sizes
     # clients register. `fedge client --data-dir` sets it per device.
     data_dir: str | None = None

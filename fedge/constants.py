@@ -37,7 +37,7 @@ DEFAULT_STRATEGY = "pfedclub"
 DEFAULT_DATASET = "mnist-5k"
 DEFAULT_PARTITION = "noniid"
 DEFAULT_ZOO = "III"
-FEDGH_ZOO = "fedgh"  # the zoo giving client i FedGH's CNN i mod 5 (fedge/zoo.py)
+FEDGH_ZOO = "fedgh"  # the zoo giving client i FedGH's CNN i mod 5 (fedge/model/zoo.py)
 DEFAULT_CLIENTS = 8
 DEFAULT_ACTIVE = 4
 DEFAULT_ROUNDS = 3  # the default run in under a minute on 2 cores (was 5 before issue 33)
@@ -46,7 +46,7 @@ DEFAULT_SEED = 0
 DEFAULT_RUNS_DIR = "runs"
 # Device profiles the simulated fleet cycles through (all run eager PyTorch).
 DEFAULT_FLEET_PROFILES = ("rpi-4", "rpi-5", "jetson-orin-nano")
-# Zoo width presets (fedge/zoo.py): `cpu` shrinks the models for CPU runs, `paper` follows the authors' CNN1-CNN4
+# Zoo width presets (fedge/model/zoo.py): `cpu` shrinks the models for CPU runs, `paper` follows the authors' CNN1-CNN4
 # and standard-width MobileNets.
 WIDTHS = ("cpu", "paper")
 DEFAULT_WIDTHS = "cpu"
@@ -57,14 +57,14 @@ DIRICHLET_MIN_CLIENT_SAMPLES = 10
 DIRICHLET_MAX_DRAWS = 100
 CIFAR10_BINARY_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz"
 CIFAR10_BINARY_MD5 = "c32a1d4ab5d03f1284b67883e8d87530"
-# A device's own data (fedge/own_data.py): image files it reads (other files are ignored), the share of its
+# A device's own data (fedge/data/own_data.py): image files it reads (other files are ignored), the share of its
 # examples it holds out for testing when it brings no test split, and the luma weights of RGB -> grayscale
 # (ITU-R 601-2, as Pillow's convert("L")).
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
 OWN_TEST_FRACTION = 0.20
 LUMA_WEIGHTS = (0.299, 0.587, 0.114)
 # What reading a device's own data may take, checked against the sizes its files declare before anything is
-# decoded (fedge/own_data.py: the raw arrays, every float32 tensor built of them and the normalised copy). A
+# decoded (fedge/data/own_data.py: the raw arrays, every float32 tensor built of them and the normalised copy). A
 # quarter of the device profile's memory_bytes (itself what is left after the OS and the Python + torch runtime):
 # the client keeps about half of that estimate (its normalised train and test tensors) for the whole run, and the
 # rest of memory_bytes is the training footprint (weights, gradients, optimiser state, a batch's activations, up
@@ -123,7 +123,7 @@ CKA_MINIBATCH_SIZE = 1024
 MIN_PUBLIC_SAMPLES = 8  # CKA and unbiased HSIC need a handful of samples
 
 # Wire format.
-# Version 2: the envelope's sha256 is the root over the chunks' SHA-256 digests (fedge.envelope.root_sha256), and
+# Version 2: the envelope's sha256 is the root over the chunks' SHA-256 digests (fedge.wire.envelope.root_sha256), and
 # task and result payloads carry named tensors and JSON records. Version 1 peers are refused ("schema_version").
 WIRE_SCHEMA_VERSION = 2
 SUPPORTED_SCHEMA_VERSIONS = (2,)  # envelope versions a receiver accepts, oldest first
@@ -222,7 +222,7 @@ PSD_TOLERANCE = 1e-4  # smallest eigenvalue allowed: −this x the largest (floa
 STATISTICS_SCALE_FACTOR = 10.0
 STATISTICS_MIN_REPLIES = 3
 
-# Brokers (fedge/embedded_broker.py and fedge/mosquitto.py).
+# Brokers (fedge/brokers/embedded_broker.py and fedge/brokers/mosquitto.py).
 MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + 64 * 1024  # largest MQTT packet a broker accepts: one chunk plus headers
 # What a broker holds for one client to deliver: Mosquitto's queue beyond its in-flight window, RabbitMQ's
 # subscription queue (oldest dropped), the embedded broker's deliveries in progress (newest dropped). A whole

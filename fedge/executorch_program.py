@@ -22,7 +22,7 @@ from fedge.constants import KD_DIRECTION
 from fedge.distill import direction_weight
 from fedge.errors import UserError
 from fedge.files import atomic_write
-from fedge.weights import State
+from fedge.model.weights import State
 
 # The training program's positional inputs and user outputs (the runtime appends gradients and parameters).
 TRAIN_INPUTS = ("input", "labels", "teacher_logits", "kd_lambda", "temperature", "kd_direction")

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from fedge.executorch_program import dense
-from fedge.messages import Task, Weights
-from fedge.spec import ModelSpec
-from fedge.weights import to_bytes
+from fedge.model.spec import ModelSpec
+from fedge.model.weights import to_bytes
+from fedge.wire.messages import Task, Weights
 
 TEACHER_PTE = "teacher_pte"
 TEACHER_PTE_SHA256 = "teacher_pte_sha256"

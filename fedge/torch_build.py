@@ -183,8 +183,8 @@ def probe() -> dict[str, Any]:
     libraries = cuda_libraries(_own_smaps())
     problems = build_problems()
 
-    from fedge.spec import build as build_model
-    from fedge.zoo import create
+    from fedge.model.spec import build as build_model
+    from fedge.model.zoo import create
 
     model = build_model(create(PROBE_MODEL, PROBE_INPUT, PROBE_CLASSES, "cpu"))  # at torch's threads, as a client
     optimizer = torch.optim.Adam(model.parameters())

@@ -22,11 +22,11 @@ from torch import nn
 from edge_client.agent import TASKS, ClientAgent, TaskError
 from edge_client.batched import FitJob, fit_together, settings_key
 from edge_client.training import Distillation, TorchTrainer, TrainConfig, TrainStats, fit
+from fedge.brokers.transport import InProcTransport
 from fedge.config import ConfigError
 from fedge.constants import BATCHED_CPU_CLIENTS
-from fedge.messages import Result, Task, Weights
-from fedge.spec import SpecModel
-from fedge.transport import InProcTransport
+from fedge.model.spec import SpecModel
+from fedge.wire.messages import Result, Task, Weights
 
 
 def client_device(name: str) -> torch.device:

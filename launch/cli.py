@@ -12,9 +12,9 @@ from typing import Any, Callable, Sequence
 from device_profiles import ProfileError
 from fedge import constants as C
 from fedge.config import ConfigError
+from fedge.data.partition import SCHEMES
 from fedge.errors import UserError
 from fedge.extras import missing_extra
-from fedge.partition import SCHEMES
 from launch.export_commands import add_export_parsers
 from launch.new_method import add_new_method_parser
 
@@ -69,7 +69,7 @@ def _positive(text: str) -> int:
 def cmd_zoo(args: argparse.Namespace) -> None:
     from export import ExportError
     from export.training_program import check_trainable
-    from fedge.zoo import FEDGH_CNNS, MODELS, ZOOS, create
+    from fedge.model.zoo import FEDGH_CNNS, MODELS, ZOOS, create
     from methods.dcpfl.heads import HeadError, representation_size
 
     rows = []
@@ -123,8 +123,8 @@ def cmd_profiles(args: argparse.Namespace) -> None:
 
 
 def cmd_data(args: argparse.Namespace) -> None:
-    from fedge.data import list_datasets, load_dataset
-    from fedge.partition import PartitionConfig, describe, make_partition
+    from fedge.data.datasets import list_datasets, load_dataset
+    from fedge.data.partition import PartitionConfig, describe, make_partition
 
     if args.dataset is None:
         _emit(args, [{"name": n} for n in list_datasets()], ["name"])
@@ -249,7 +249,7 @@ def cmd_strategies(args: argparse.Namespace) -> None:
 
 def broker_settings(args: argparse.Namespace, username: str | None) -> Any:
     """A Broker from --broker, --username/--password-file and the TLS flags."""
-    from fedge.mqtt import parse_broker
+    from fedge.brokers.mqtt import parse_broker
     from launch.client import password_for
 
     password = password_for(args.password_file, username) if args.password_file and username else None
@@ -259,7 +259,7 @@ def broker_settings(args: argparse.Namespace, username: str | None) -> Any:
 def print_summary(summary: dict[str, Any]) -> None:
     """The end table: a row for every client of the run, what became of it (summary.json's client_status), its final
     accuracy where it was evaluated; then the mean, saying over how many of how many clients."""
-    from fedge.messages import client_order
+    from fedge.wire.messages import client_order
 
     final, phi, teacher = summary["final_accuracy"], summary.get("phi", {}), summary.get("teacher_params", {})
     evaluated = summary.get("eval_models", {})  # a strategy that evaluates clients on models it chose (FedTrans)
@@ -369,8 +369,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_broker(args: argparse.Namespace) -> None:
-    from fedge.access import TlsFiles, generate_users, read_users
-    from fedge.embedded_broker import serve_forever
+    from fedge.brokers.access import TlsFiles, generate_users, read_users
+    from fedge.brokers.embedded_broker import serve_forever
     from launch.federation import write_secrets
 
     written = args.write_mosquitto_config or args.write_rabbitmq_config
@@ -400,7 +400,7 @@ def cmd_broker(args: argparse.Namespace) -> None:
         else None
     )
     if args.write_rabbitmq_config:
-        from fedge.rabbitmq import write_rabbitmq_config
+        from fedge.brokers.rabbitmq import write_rabbitmq_config
 
         conf = write_rabbitmq_config(out, users, users_file, args.port, args.host, tls, run_as=args.run_as)
         print(
@@ -411,7 +411,7 @@ def cmd_broker(args: argparse.Namespace) -> None:
             f"(docs/deployment.md: joining nodes into a cluster)"
         )
     else:
-        from fedge.mosquitto import write_mosquitto_config
+        from fedge.brokers.mosquitto import write_mosquitto_config
 
         conf = write_mosquitto_config(out, users, port=args.port, host=args.host, tls=tls, run_as=args.run_as)
         print(f"wrote {conf} for {len(users) - 1} clients; start it with: mosquitto -c {conf}")

@@ -16,17 +16,17 @@ from device_profiles import fits, get_profile, training_fits
 from edge_client.agent import ClientAgent, ClientData
 from edge_client.session import ClientStopped, EdgeClient
 from fedge import constants as C
-from fedge.access import read_users
+from fedge.brokers.access import read_users
+from fedge.brokers.mqtt import Broker, connector
 from fedge.config import ConfigError, RunConfig
-from fedge.data import Dataset
-from fedge.messages import Weights
-from fedge.mqtt import Broker, connector
-from fedge.own_data import own_data_limit, read_own_data
-from fedge.partition import ClientShard, Partition
+from fedge.data.datasets import Dataset
+from fedge.data.own_data import own_data_limit, read_own_data
+from fedge.data.partition import ClientShard, Partition
+from fedge.model.zoo import assign_models, create
 from fedge.plugins import load_methods
 from fedge.seeding import derive_seed
-from fedge.topics import check_id
-from fedge.zoo import assign_models, create
+from fedge.wire.messages import Weights
+from fedge.wire.topics import check_id
 from launch.runs import data_task, load_partitioned, own_data_path
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ def client_agents(
 ) -> list[ClientAgent]:
     """The clients `ids` of the run's fleet: each id is a shard number of the run's partition; model and
     profile default to the ones the run assigns to that shard. With cfg.data_dir each client reads its own data
-    there (`{id}` replaced by its id; fedge.own_data) instead of its shard, within its profile's own-data limit
+    there (`{id}` replaced by its id; fedge.data.own_data) instead of its shard, within its profile's own-data limit
     (OwnDataError before anything is decoded when the files declare more). `partitioned`: the run's dataset and
     split (load_partitioned) when the caller holds them already."""
     models = assign_models(cfg.zoo, cfg.clients, cfg.seed)

@@ -21,8 +21,8 @@ from typing import Any
 from device_profiles import DeviceProfile, fits, training_fits, training_footprint_bytes
 from device_profiles.constants import RUNTIME_OPTIMIZER
 from fedge.errors import UserError
+from fedge.model.zoo import MODELS, create
 from fedge.torch_build import TorchBuild
-from fedge.zoo import MODELS, create
 
 MB = 1e6
 PROBE_TIMEOUT_S = 600.0  # `import torch` from an SD card under emulation can take minutes

@@ -18,8 +18,8 @@ def cmd_predict(args: argparse.Namespace) -> None:
     from export import ExportError
     from export.onnx import predict_onnx
     from export.predict import model_info, score, table, unheld_warning, write_report
-    from fedge.data import normalise
-    from fedge.partition import stratified_sample
+    from fedge.data.datasets import normalise
+    from fedge.data.partition import stratified_sample
 
     if (args.dataset is None) == (args.data_dir is None):
         raise ConfigError(
@@ -75,8 +75,8 @@ def _dataset_part(args: argparse.Namespace, info: Any) -> Part:
     task: its classes and input shape must match the model's metadata, and its normalisation is the model's."""
     import numpy as np
 
-    from fedge.data import load_dataset
-    from fedge.own_data import DataTask
+    from fedge.data.datasets import load_dataset
+    from fedge.data.own_data import DataTask
 
     if args.resize:
         raise ConfigError("--resize goes with --data-dir: a dataset's images are the size they are")
@@ -98,7 +98,7 @@ def _dataset_part(args: argparse.Namespace, info: Any) -> Part:
         task = DataTask(task.input_shape, task.classes, info.mean, info.std)  # normalised as the model was trained
     pool, where = np.arange(len(ds)), f"all samples of {ds.name}"
     if args.client is not None:
-        from fedge.partition import make_partition
+        from fedge.data.partition import make_partition
         from launch.runs import partition_config  # the run's split; no training code runs
 
         if not args.config:
@@ -124,11 +124,11 @@ def _dataset_part(args: argparse.Namespace, info: Any) -> Part:
 
 
 def _own_data_part(args: argparse.Namespace, info: Any) -> Part:
-    """The user's own labelled images (fedge.own_data.read_labelled), read into the model's task from its
+    """The user's own labelled images (fedge.data.own_data.read_labelled), read into the model's task from its
     metadata (input shape, classes, normalisation)."""
     import numpy as np
 
-    from fedge.own_data import read_labelled
+    from fedge.data.own_data import read_labelled
 
     if args.client is not None or args.config or args.data:
         raise ConfigError("--client, --config and --data go with --dataset, not --data-dir")
@@ -148,7 +148,7 @@ def cmd_export(args: argparse.Namespace) -> None:
     """Export a run's final teacher or a client's newest student to a deployable format."""
     from export import ExportError
     from export.run_models import load_final_model, model_metadata, parity_sample
-    from fedge.data import load_dataset
+    from fedge.data.datasets import load_dataset
     from launch.runs import client_classes, run_metadata
 
     exporters = {"onnx": _export_onnx, "pte": _export_pte, "pte-train": _export_pte_train}
@@ -237,7 +237,7 @@ def _export_pte_train(weights: Any, out: Path, sample: Any, metadata: dict[str, 
     from export.parity import checked_parity
     from export.training_program import export_training
     from fedge.executorch_program import BN_STATS, TRAIN_INPUTS, TRAIN_OUTPUTS
-    from fedge.spec import build
+    from fedge.model.spec import build
 
     spec, b = weights.spec, args.batch
     program = export_training(spec, weights.state, b)

@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from fedge import constants as C
-from fedge.access import generate_users
+from fedge.brokers.access import generate_users
+from fedge.brokers.embedded_broker import EmbeddedBroker
+from fedge.brokers.mqtt import Broker
 from fedge.config import RunConfig
-from fedge.embedded_broker import EmbeddedBroker
 from fedge.files import atomic_write
-from fedge.mqtt import Broker
 from launch.client import client_agents
 from launch.runs import default_out, load_partitioned
 from launch.server import make_strategy, serve

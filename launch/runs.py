@@ -10,9 +10,9 @@ import torch
 
 from fedge import constants as C
 from fedge.config import ConfigError, RunConfig
-from fedge.data import Dataset, load_dataset
-from fedge.own_data import DataTask
-from fedge.partition import Partition, PartitionConfig, describe, make_partition
+from fedge.data.datasets import Dataset, load_dataset
+from fedge.data.own_data import DataTask
+from fedge.data.partition import Partition, PartitionConfig, describe, make_partition
 
 
 def resolve_device(device: str) -> str:

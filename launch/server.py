@@ -11,15 +11,15 @@ from typing import Any, Callable, Mapping
 import torch
 
 from fedge import constants as C
+from fedge.brokers.mqtt import Broker, connector
+from fedge.brokers.transport import Transport
 from fedge.checkpoint import load_tree
 from fedge.config import RunConfig
-from fedge.data import Dataset, load_dataset
-from fedge.messages import ClientInfo, Weights
-from fedge.mqtt import Broker, connector
-from fedge.own_data import read_public_data
-from fedge.partition import Partition
-from fedge.spec import ModelSpec
-from fedge.transport import Transport
+from fedge.data.datasets import Dataset, load_dataset
+from fedge.data.own_data import read_public_data
+from fedge.data.partition import Partition
+from fedge.model.spec import ModelSpec
+from fedge.wire.messages import ClientInfo, Weights
 from launch.runs import client_classes, data_task, load_partitioned, resolve_device, run_folder, run_metadata
 from methods.reassembly.strategy import STAGES
 from server.aggregation import Aggregation

@@ -8,9 +8,9 @@ from typing import Any, Callable, Mapping
 import torch
 
 from fedge import constants as C
+from fedge.brokers.transport import Handler, InProcTransport
 from fedge.config import RunConfig
-from fedge.messages import Result, Task
-from fedge.transport import Handler, InProcTransport
+from fedge.wire.messages import Result, Task
 from launch.batched import BatchedClients, client_device
 from launch.client import client_agents
 from launch.runs import load_partitioned, run_folder

@@ -2,7 +2,7 @@
 machine, or actors of a Ray cluster (`--engine ray`).
 
 Each client has a home worker that builds its agent (model, data) once and keeps it between rounds; tasks and
-results cross the process boundary as the same container bytes MQTT carries (fedge.codec), so a pooled run trains
+results cross the process boundary as the same container bytes MQTT carries (fedge.wire.codec), so a pooled run trains
 the same models bit for bit as the serial one (each client's randomness is its own, and its agent reseeds torch's
 global generator before it trains). A worker that has run its own clients' tasks takes a waiting task of another
 worker's client instead of idling: that client moves to it, its agent rebuilt from its snapshot files (a client's
@@ -29,11 +29,11 @@ from typing import Any, Mapping
 import torch
 
 from edge_client.agent import ClientAgent
-from fedge.codec import decode_info, decode_result, decode_task, encode_info, encode_result, encode_task
 from fedge.config import ConfigError, RunConfig, config_from
 from fedge.errors import UserError
 from fedge.extras import require
-from fedge.messages import ClientInfo, Result, Task
+from fedge.wire.codec import decode_info, decode_result, decode_task, encode_info, encode_result, encode_task
+from fedge.wire.messages import ClientInfo, Result, Task
 from launch.client import client_agents
 from launch.runs import load_partitioned
 

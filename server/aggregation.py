@@ -18,7 +18,7 @@ import torch
 
 from fedge import constants as C
 from fedge.config import check_aggregation
-from fedge.weights import State
+from fedge.model.weights import State
 from server.slices import region, sliced_average
 
 

@@ -14,9 +14,9 @@ from typing import Iterable, Mapping, Sequence
 import torch
 
 from fedge import constants as C
-from fedge.messages import Result, Task, Weights, client_order
-from fedge.spec import ModelSpec, build, parameter_names
-from fedge.weights import State
+from fedge.model.spec import ModelSpec, build, parameter_names
+from fedge.model.weights import State
+from fedge.wire.messages import Result, Task, Weights, client_order
 
 RUNNING_MEAN, RUNNING_VAR = "running_mean", "running_var"  # BatchNorm's running statistics (torch's buffer names)
 TENSORS = "tensors"  # the update group of a reply's named tensors (a model role's group is the role)

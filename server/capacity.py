@@ -11,8 +11,8 @@ from typing import Mapping
 
 from device_profiles import DeviceProfile, fits
 from fedge.errors import UserError
-from fedge.messages import client_order
-from fedge.spec import ModelSpec
+from fedge.model.spec import ModelSpec
+from fedge.wire.messages import client_order
 
 
 class CapacityError(UserError, ValueError):

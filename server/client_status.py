@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from fedge.checkpoint import Tree
-from fedge.messages import client_order
+from fedge.wire.messages import client_order
 
 TRAINED, NEVER_SELECTED, REFUSED, FAILED, OFFLINE = "trained", "never selected", "refused", "failed", "offline"
 FAILED_CODE = "client_failed"  # the reason code of a reply saying the client could not execute its task

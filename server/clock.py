@@ -19,10 +19,10 @@ from device_profiles import DeviceProfile, checked_count, transfer_seconds
 from device_profiles.constants import DIRECTION_DOWN, DIRECTION_UP, TRAIN_COST_FACTOR
 from fedge import constants as C
 from fedge.checkpoint import Tree
-from fedge.codec import encode_result, encode_task
-from fedge.messages import Result, Task
-from fedge.spec import ModelSpec
+from fedge.model.spec import ModelSpec
 from fedge.teacher_program import shipped_spec
+from fedge.wire.codec import encode_result, encode_task
+from fedge.wire.messages import Result, Task
 
 
 def train_macs(forward_macs: int, samples: int, epochs: int, teacher_macs: int = 0) -> int:
@@ -42,12 +42,12 @@ def compute_seconds(macs: int, profile: DeviceProfile) -> float:
 
 
 def bytes_down(task: Task) -> int:
-    """The task's payload bytes on the wire (fedge.codec.encode_task); an unencodable task raises WireError."""
+    """The task's payload bytes on the wire (fedge.wire.codec.encode_task); an unencodable task raises WireError."""
     return len(encode_task(task))
 
 
 def bytes_up(result: Result) -> int:
-    """The reply's payload bytes on the wire (fedge.codec.encode_result); an unencodable reply raises WireError."""
+    """The reply's payload bytes on the wire (fedge.wire.codec.encode_result); an unencodable reply raises WireError."""
     return len(encode_result(result))
 
 

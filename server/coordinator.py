@@ -20,12 +20,12 @@ from tqdm import tqdm
 
 from device_profiles import DeviceProfile, get_profile
 from fedge import constants as C
+from fedge.brokers.transport import Transport
 from fedge.checkpoint import CheckpointError, Tree, nonfinite
-from fedge.messages import ClientInfo, Result, Task, client_order
-from fedge.payloads import Expected, payload_rejection
+from fedge.model.spec import parameter_names
 from fedge.seeding import derive_seed
-from fedge.spec import parameter_names
-from fedge.transport import Transport
+from fedge.wire.messages import ClientInfo, Result, Task, client_order
+from fedge.wire.payloads import Expected, payload_rejection
 from server.bounds import (
     TENSORS,
     UpdateBounds,

@@ -1,6 +1,6 @@
 """The server's side of MQTT: registrations, liveness, and the Transport the round loop talks to.
 
-Everything a client sends is checked by fedge.mqtt.Inbox (identity, envelope, size, hashes) and then
+Everything a client sends is checked by fedge.brokers.mqtt.Inbox (identity, envelope, size, hashes) and then
 here: a result must answer an instruction that is still open for that client and round, decode as
 JSON + safetensors, and be the first one for (client, round); a registration must name a known
 device profile the model fits. Each accepted message is acknowledged on the client's task topic so
@@ -17,8 +17,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from fedge import topics
-from fedge.codec import decode_info, decode_result, decode_status, encode_ack, encode_status, encode_task
+from fedge.brokers.link import Connect
+from fedge.brokers.mqtt import Delivery, Inbox, will_frame
 from fedge.constants import (
     CHUNK_SIZE,
     HEARTBEAT_S,
@@ -32,12 +32,12 @@ from fedge.constants import (
     STOP_WAIT_S,
     TASK_RESEND_INTERVAL_S,
 )
-from fedge.envelope import Envelope, WireError
 from fedge.errors import UserError
-from fedge.link import Connect
-from fedge.messages import ClientInfo, Result, Task, client_order
-from fedge.mqtt import Delivery, Inbox, will_frame
-from fedge.payloads import model_bytes
+from fedge.wire import topics
+from fedge.wire.codec import decode_info, decode_result, decode_status, encode_ack, encode_status, encode_task
+from fedge.wire.envelope import Envelope, WireError
+from fedge.wire.messages import ClientInfo, Result, Task, client_order
+from fedge.wire.payloads import model_bytes
 
 log = logging.getLogger(__name__)
 DEAD_AFTER_HEARTBEATS = 3  # silence for this many heartbeat periods counts as dead
@@ -69,8 +69,8 @@ class _Open:
 
 
 class Fleet:
-    """Implements `fedge.transport.Transport` over MQTT for the server process, on the link `connect` makes
-    (in production `fedge.mqtt.connector(broker, keepalive)`)."""
+    """Implements `fedge.brokers.transport.Transport` over MQTT for the server process, on the link `connect` makes
+    (in production `fedge.brokers.mqtt.connector(broker, keepalive)`)."""
 
     def __init__(
         self,

@@ -6,15 +6,15 @@ from typing import Callable, Mapping
 
 from device_profiles import ProfileError, fits, get_profile, training_fits
 from fedge import constants as C
-from fedge.messages import ClientInfo
-from fedge.spec import ModelSpec
+from fedge.model.spec import ModelSpec
+from fedge.wire.messages import ClientInfo
 
 # Why a model cannot train on a device runtime (e.g. export.training_program.check_trainable for "executorch": a layer
 # without an exact ExecuTorch training form), raised as ValueError; the launcher supplies one per runtime.
 RuntimeCheck = Callable[[ModelSpec], None]
 
 
-# A registration check's answer: None to accept, else (reason code of fedge.envelope.REASONS, message).
+# A registration check's answer: None to accept, else (reason code of fedge.wire.envelope.REASONS, message).
 Refusal = tuple[str, str]
 
 

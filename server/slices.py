@@ -7,7 +7,7 @@ from typing import Sequence
 
 import torch
 
-from fedge.weights import State
+from fedge.model.weights import State
 
 
 def region(small: torch.Size | Sequence[int], large: torch.Size | Sequence[int]) -> tuple[slice, ...]:

@@ -16,12 +16,12 @@ from fedge import constants as C
 from fedge.checkpoint import Tree
 from fedge.config import ConfigError, coerce
 from fedge.errors import UserError
-from fedge.messages import ClientInfo, Result, Task, Weights, client_order
-from fedge.payloads import Expected
+from fedge.model.spec import ModelSpec
 from fedge.plugins import load_methods
 from fedge.registry import Registry
-from fedge.spec import ModelSpec
 from fedge.tasks import TrainTask
+from fedge.wire.messages import ClientInfo, Result, Task, Weights, client_order
+from fedge.wire.payloads import Expected
 from server.aggregation import Aggregation
 
 

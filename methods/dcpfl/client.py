@@ -13,8 +13,8 @@ from edge_client.agent import ClientAgent, TaskError, register_task
 from edge_client.tasks import train_config, train_settings, training_result
 from edge_client.training import Objective, fit
 from fedge.constants import EVAL_BATCH_SIZE
-from fedge.messages import Result, Task
-from fedge.spec import SpecModel
+from fedge.model.spec import SpecModel
+from fedge.wire.messages import Result, Task
 from methods.dcpfl.class_stats import COUNTS, COVARIANCES, GLOBAL_MEANS, KNOWN_CLASSES, MEANS, class_statistics
 from methods.dcpfl.heads import HeadError, extract, head_spec, put_head
 from methods.dcpfl.tasks import DCTrainTask

@@ -9,8 +9,8 @@ from dataclasses import replace
 
 import torch
 
-from fedge.spec import ModelSpec, Origin, SpecModel
-from fedge.weights import State
+from fedge.model.spec import ModelSpec, Origin, SpecModel
+from fedge.model.weights import State
 
 HEAD_MODEL = "head"  # the name (and block origin) of a head's own spec
 

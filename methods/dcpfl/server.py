@@ -38,11 +38,11 @@ from device_profiles import DeviceProfile, training_footprint_bytes
 from fedge import constants as C
 from fedge.checkpoint import Tree
 from fedge.config import ConfigError
-from fedge.messages import ClientInfo, Result, Task, Weights, client_order
-from fedge.payloads import Expected, TensorSlot
+from fedge.model.spec import ModelSpec, build
+from fedge.model.weights import load_module
 from fedge.seeding import derive_seed
-from fedge.spec import ModelSpec, build
-from fedge.weights import load_module
+from fedge.wire.messages import ClientInfo, Result, Task, Weights, client_order
+from fedge.wire.payloads import Expected, TensorSlot
 from methods.dcpfl.class_stats import COUNTS, COVARIANCES, GLOBAL_MEANS, KNOWN_CLASSES, MEANS, ClassStats
 from methods.dcpfl.heads import HeadError, head_spec
 from methods.dcpfl.maths import (

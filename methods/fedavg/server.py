@@ -11,10 +11,10 @@ import torch
 from fedge import constants as C
 from fedge.checkpoint import Tree
 from fedge.config import ConfigError
-from fedge.messages import ClientInfo, Result, Task, Weights
-from fedge.payloads import Expected
+from fedge.model.spec import build, parameter_names
 from fedge.seeding import derive_seed
-from fedge.spec import build, parameter_names
+from fedge.wire.messages import ClientInfo, Result, Task, Weights
+from fedge.wire.payloads import Expected
 from server.aggregation import capped_shares, combine
 from server.strategy import Strategy, StrategyError, StrategyOptions, option, register_strategy
 

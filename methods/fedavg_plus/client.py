@@ -8,7 +8,7 @@ import time
 from edge_client.agent import ClientAgent, TaskError, register_task
 from edge_client.tasks import train_config, train_settings
 from edge_client.training import evaluate
-from fedge.messages import Result, Task
+from fedge.wire.messages import Result, Task
 from methods.fedavg_plus.tasks import TuneEvaluateTask
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from fedge.config import ConfigError
-from fedge.messages import Task
+from fedge.wire.messages import Task
 from methods.fedavg.server import FedAvg, FedAvgOptions
 from methods.fedavg_plus.tasks import TuneEvaluateTask
 from server.strategy import option, register_strategy

@@ -13,7 +13,7 @@ from torch.nn import functional as F
 from edge_client.agent import ClientAgent, register_task
 from edge_client.tasks import from_global, train_config, training_result
 from edge_client.training import Objective, fit
-from fedge.messages import Result, Task
+from fedge.wire.messages import Result, Task
 from methods.fedprox.tasks import ProxTrainTask
 
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from fedge.config import ConfigError
-from fedge.messages import ClientInfo, Task
-from fedge.payloads import Expected
+from fedge.wire.messages import ClientInfo, Task
+from fedge.wire.payloads import Expected
 from methods.fedavg.server import FedAvg, FedAvgOptions
 from methods.fedprox.tasks import ProxTrainTask
 from server.strategy import option, register_strategy, torch_profiles

@@ -29,12 +29,12 @@ import torch
 from fedge import constants as C
 from fedge.checkpoint import Tree
 from fedge.config import ConfigError
-from fedge.messages import ClientInfo, Result, Task, Weights, client_order
-from fedge.payloads import Expected
+from fedge.model.spec import ModelSpec, build, parameter_names, tensor_shapes
+from fedge.model.weights import State
 from fedge.seeding import derive_seed
-from fedge.spec import ModelSpec, build, parameter_names, tensor_shapes
 from fedge.tasks import is_cell_weight
-from fedge.weights import State
+from fedge.wire.messages import ClientInfo, Result, Task, Weights, client_order
+from fedge.wire.payloads import Expected
 from methods.fedtrans.maths import (
     degree_of_convergence,
     lineage_map,

@@ -16,9 +16,9 @@ from typing import Iterator
 
 import torch
 
-from fedge.layers import LayerSpec, Shape, layer_type
-from fedge.spec import ModelSpec, make_block
-from fedge.weights import State, WeightsError, check_state, tensor_shapes
+from fedge.model.layers import LayerSpec, Shape, layer_type
+from fedge.model.spec import ModelSpec, make_block
+from fedge.model.weights import State, WeightsError, check_state, tensor_shapes
 
 # The consumer's share a of a duplicated input column is drawn uniformly from this range per unit (the copy gets
 # 1 − a). Away from 0.5 so that the two copies get different gradients; away from 0 and 1 so neither copy is dead.

@@ -39,10 +39,10 @@ import torch
 from fedge import constants as C
 from fedge.checkpoint import Tree
 from fedge.config import ConfigError
-from fedge.messages import ClientInfo, Result, Task, Weights, client_order
-from fedge.payloads import Expected
+from fedge.model.spec import ModelSpec, SpecError, build, parameter_names, tensor_shapes, validate
 from fedge.seeding import derive_seed
-from fedge.spec import ModelSpec, SpecError, build, parameter_names, tensor_shapes, validate
+from fedge.wire.messages import ClientInfo, Result, Task, Weights, client_order
+from fedge.wire.payloads import Expected
 from methods.fedavg.server import checkpoint_global
 from methods.heterofl.widths import scale_width, with_scalers
 from server.aggregation import capped_shares, combine

@@ -8,8 +8,8 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from fedge.layers import LayerSpec, Shape, SpecError, layer_type
-from fedge.spec import ModelSpec, make_block
+from fedge.model.layers import LayerSpec, Shape, SpecError, layer_type
+from fedge.model.spec import ModelSpec, make_block
 
 # Layer types with no width of their own: their output channels follow their input's.
 FOLLOWING = frozenset(

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from fedge.messages import ClientInfo, Result, Task, client_order
+from fedge.wire.messages import ClientInfo, Result, Task, client_order
 from server.strategy import Strategy, StrategyOptions, option, register_strategy
 
 

@@ -13,7 +13,7 @@ from torch.nn import functional as F
 from edge_client.agent import ClientAgent, TaskError, register_task
 from edge_client.tasks import from_global, train_config, train_settings, training_result
 from edge_client.training import evaluate
-from fedge.messages import Result, Task
+from fedge.wire.messages import Result, Task
 from methods.perfedavg.tasks import MetaTask
 
 

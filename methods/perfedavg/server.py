@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from fedge.config import ConfigError
-from fedge.messages import ClientInfo, Task
-from fedge.payloads import Expected
+from fedge.wire.messages import ClientInfo, Task
+from fedge.wire.payloads import Expected
 from methods.fedavg.server import FedAvg, FedAvgOptions
 from methods.perfedavg.tasks import MetaTask
 from server.strategy import option, register_strategy, torch_profiles

@@ -12,9 +12,9 @@ import numpy as np
 from device_profiles import DeviceProfile, fits, within_size_bound
 from fedge import constants as C
 from fedge.config import ConfigError
-from fedge.messages import Weights
+from fedge.model.spec import ModelSpec
 from fedge.seeding import derive_seed
-from fedge.spec import ModelSpec
+from fedge.wire.messages import Weights
 from methods.pfedclub.cmsr import Candidate, CmsrOptions, CmsrResult, Prune, cmsr_search, composition
 from methods.reassembly.assemble import assemble_modules, assembled_weights, size_problems, stitched_blocks
 from methods.reassembly.fastblocks import FastBlocks

@@ -39,8 +39,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-from fedge.messages import client_order
-from fedge.spec import BlockSpec
+from fedge.model.spec import BlockSpec
+from fedge.wire.messages import client_order
 from methods.reassembly.blocks import Key, PoolBlock
 
 Candidate = tuple[Key, ...]

@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from fedge.config import ConfigError
-from fedge.messages import Weights
 from fedge.seeding import derive_seed
+from fedge.wire.messages import Weights
 from methods.pfedhr.candidates import SCANS, block_operations, depth_order, pfedhr_candidates
 from methods.reassembly.assemble import assemble
 from methods.reassembly.finetune import best_match, finetune_model, public_logits, train_model

@@ -11,7 +11,7 @@ from torch.nn import functional as F
 
 from edge_client.agent import ClientAgent, register_task
 from edge_client.tasks import from_global, train_config, training_result
-from fedge.messages import Result, Task, Weights
+from fedge.wire.messages import Result, Task, Weights
 from methods.pfedme.tasks import MoreauTask
 
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from fedge.config import ConfigError
-from fedge.messages import ClientInfo, Result, Task, Weights
-from fedge.payloads import Expected
+from fedge.wire.messages import ClientInfo, Result, Task, Weights
+from fedge.wire.payloads import Expected
 from methods.fedavg.server import FedAvg, FedAvgOptions
 from methods.pfedme.tasks import MoreauTask
 from server.strategy import option, register_strategy, torch_profiles

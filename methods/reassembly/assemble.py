@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 from device_profiles import DeviceProfile, fits, within_size_bound
-from fedge.layers import LayerSpec, Shape, layer_type
-from fedge.messages import Weights
-from fedge.spec import BlockSpec, Device, ModelSpec, Origin, build_block, make_block
-from fedge.weights import State, check_state
+from fedge.model.layers import LayerSpec, Shape, layer_type
+from fedge.model.spec import BlockSpec, Device, ModelSpec, Origin, build_block, make_block
+from fedge.model.weights import State, check_state
+from fedge.wire.messages import Weights
 from methods.reassembly.blocks import PoolBlock, model_of
 from methods.reassembly.fastblocks import FastBlocks
 

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from fedge.messages import Weights
-from fedge.spec import BlockSpec, ModelSpec
-from fedge.weights import State
+from fedge.model.spec import BlockSpec, ModelSpec
+from fedge.model.weights import State
+from fedge.wire.messages import Weights
 
 Key = tuple[str, int]  # a pool block: (client id, block index in that client's model)
 

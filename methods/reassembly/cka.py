@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from fedge.constants import CKA_MEMORY_LIMIT_BYTES, DEGENERATE_RTOL, GRAM_CHUNK_ELEMENTS
-from fedge.spec import Device
+from fedge.model.spec import Device
 from methods.reassembly.features import BlockFeatures
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from typing import Any, Collection
 import torch
 from torch import nn
 
-from fedge.spec import ModelSpec, SpecModel
+from fedge.model.spec import ModelSpec, SpecModel
 
 _FOLDABLE = ((nn.Conv2d, nn.BatchNorm2d), (nn.Linear, nn.BatchNorm1d))
 

@@ -10,8 +10,8 @@ import torch
 from torch import Tensor
 
 from fedge.constants import CONV_FEATURES, FEATURE_BATCH_SIZE
-from fedge.messages import Weights
-from fedge.weights import load_module
+from fedge.model.weights import load_module
+from fedge.wire.messages import Weights
 
 log = logging.getLogger(__name__)
 

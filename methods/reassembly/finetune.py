@@ -14,9 +14,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedge import constants as C
-from fedge.messages import Weights
-from fedge.spec import Device, ModelSpec, SpecModel
-from fedge.weights import load_module
+from fedge.model.spec import Device, ModelSpec, SpecModel
+from fedge.model.weights import load_module
+from fedge.wire.messages import Weights
 from methods.reassembly.fastblocks import FastBlocks
 
 log = logging.getLogger(__name__)

@@ -23,11 +23,11 @@ from device_profiles import fits, get_profile
 from fedge import constants as C
 from fedge.checkpoint import Tree
 from fedge.config import ConfigError
-from fedge.messages import ClientInfo, Result, Task, Weights, client_order
-from fedge.payloads import Expected
+from fedge.model.weights import load_module
 from fedge.seeding import derive_seed
 from fedge.teacher_program import TEACHER_PROGRAM_ERROR, TEACHER_PTE_SHA256
-from fedge.weights import load_module
+from fedge.wire.messages import ClientInfo, Result, Task, Weights, client_order
+from fedge.wire.payloads import Expected
 from methods.reassembly.assemble import STITCH_MODEL
 from methods.reassembly.blocks import Key, PoolBlock, split_blocks
 from methods.reassembly.cka import block_similarity, minibatch_block_similarity

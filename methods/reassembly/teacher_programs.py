@@ -8,7 +8,6 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from fedge.messages import Records, Task, Tensors, Weights
 from fedge.teacher_program import (
     TEACHER_PROGRAM_ERROR,
     TEACHER_PTE,
@@ -18,6 +17,7 @@ from fedge.teacher_program import (
     sha256_hex,
     weights_digest,
 )
+from fedge.wire.messages import Records, Task, Tensors, Weights
 
 log = logging.getLogger(__name__)
 

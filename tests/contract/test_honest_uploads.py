@@ -9,13 +9,13 @@ import torch
 
 from edge_client.training import TrainConfig, train
 from fedge import constants as C
-from fedge.data import load_dataset
-from fedge.messages import ClientInfo, Result, Task, Weights
-from fedge.partition import stratified_sample
-from fedge.payloads import Expected
-from fedge.spec import SpecError, build
-from fedge.weights import load_module
-from fedge.zoo import MODELS, create
+from fedge.data.datasets import load_dataset
+from fedge.data.partition import stratified_sample
+from fedge.model.spec import SpecError, build
+from fedge.model.weights import load_module
+from fedge.model.zoo import MODELS, create
+from fedge.wire.messages import ClientInfo, Result, Task, Weights
+from fedge.wire.payloads import Expected
 from server.coordinator import Coordinator, LoopConfig
 from server.runlog import RunLog
 from server.strategy import Strategy, StrategyConfig, create_strategy

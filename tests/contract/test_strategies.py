@@ -10,12 +10,12 @@ import torch
 from device_profiles import get_profile
 from edge_client.agent import TASKS
 from fedge.checkpoint import load_tree, save_tree, tree_digest
-from fedge.codec import encode_result
 from fedge.config import ConfigError
-from fedge.messages import ClientInfo, Result, Weights
-from fedge.payloads import DTYPES, Expected, payload_rejection
-from fedge.spec import build
-from fedge.zoo import create
+from fedge.model.spec import build
+from fedge.model.zoo import create
+from fedge.wire.codec import encode_result
+from fedge.wire.messages import ClientInfo, Result, Weights
+from fedge.wire.payloads import DTYPES, Expected, payload_rejection
 from server.strategy import STRATEGIES, PublicData, StrategyConfig, create_strategy, parse_options
 
 pytestmark = pytest.mark.timeout(120)

@@ -6,9 +6,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from fedge import constants as C
-from fedge.spec import ModelSpec, build
-from fedge.weights import from_bytes, load_model, save_model, to_bytes
-from fedge.zoo import MODELS, create
+from fedge.model.spec import ModelSpec, build
+from fedge.model.weights import from_bytes, load_model, save_model, to_bytes
+from fedge.model.zoo import MODELS, create
 
 pytestmark = pytest.mark.timeout(120)
 SHAPES = [(1, 28, 28), (3, 32, 32)]

@@ -13,8 +13,7 @@ import time
 
 import pytest
 
-from fedge.chunks import frames
-from fedge.codec import decode_result
+from fedge.brokers.embedded_broker import EmbeddedBroker
 from fedge.constants import (
     MAX_CHUNK_BYTES,
     MAX_HEADER_BYTES,
@@ -22,8 +21,9 @@ from fedge.constants import (
     REPLY_SLACK_BYTES,
     SUPPORTED_SCHEMA_VERSIONS,
 )
-from fedge.embedded_broker import EmbeddedBroker
-from fedge.envelope import Envelope
+from fedge.wire.chunks import frames
+from fedge.wire.codec import decode_result
+from fedge.wire.envelope import Envelope
 
 from helpers.brokers import MosquittoProcess, subscribe
 from helpers.raw import (  # noqa: F401, F811 (broker, fleet and connect are pytest fixtures)

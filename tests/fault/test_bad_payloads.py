@@ -3,7 +3,7 @@
 
 Over a real broker (both kinds) a raw client uploads each case as a correctly framed and hashed result;
 the server must refuse it with its reason and keep serving. The fuzz loop and the hostile-blob cases call
-fedge.codec and fedge.mqtt.Inbox directly: nothing but WireError may come out of them.
+fedge.wire.codec and fedge.brokers.mqtt.Inbox directly: nothing but WireError may come out of them.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ import pytest
 import torch
 
 from device_profiles import get_profile
-from fedge.chunks import frames
-from fedge.codec import decode_result
+from fedge.brokers.mqtt import Inbox
 from fedge.constants import MAX_HEADER_BYTES, REPLY_SLACK_BYTES, SPEC_METADATA_KEY
-from fedge.envelope import Envelope, WireError
-from fedge.messages import Result, Task
-from fedge.mqtt import Inbox
-from fedge.payloads import Expected
-from fedge.weights import check_state
+from fedge.model.weights import check_state
+from fedge.wire.chunks import frames
+from fedge.wire.codec import decode_result
+from fedge.wire.envelope import Envelope, WireError
+from fedge.wire.messages import Result, Task
+from fedge.wire.payloads import Expected
 from server.coordinator import rejection
 
 from helpers.raw import (  # noqa: F401, F811 (broker, fleet and connect are pytest fixtures)
@@ -183,7 +183,7 @@ def test_malformed_payloads_each_get_their_own_reason(fleet, connect):
     """§10.16: each malformation is refused with its reason code and a message naming the defect.
 
     Several share the code `bad_format` (container) or `bad_weights` (the safetensors inside): the
-    codes come from fedge.envelope.REASONS, the refusal's text tells the cases apart.
+    codes come from fedge.wire.envelope.REASONS, the refusal's text tells the cases apart.
     """
     a = connect("a")
     ex, envs = open_round(fleet, [a], 1)

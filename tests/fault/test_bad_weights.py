@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from device_profiles import get_profile
-from fedge import zoo
-from fedge.codec import decode_result
 from fedge.constants import NORM_OUTLIER_FACTOR
-from fedge.envelope import Envelope
-from fedge.messages import Result, Task, Weights
-from fedge.payloads import Expected
+from fedge.model import zoo
+from fedge.wire.codec import decode_result
+from fedge.wire.envelope import Envelope
+from fedge.wire.messages import Result, Task, Weights
+from fedge.wire.payloads import Expected
 from server.coordinator import rejection
 from server.fleet import Fleet
 

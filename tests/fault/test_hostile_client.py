@@ -13,11 +13,11 @@ import psutil
 import pytest
 
 from fedge.checkpoint import load_tree, nonfinite
-from fedge.codec import decode_result, encode_info, encode_result
 from fedge.constants import MAX_CLOCK_SKEW_S, PENDING_SENDER_BYTES, PENDING_TOTAL_BYTES
-from fedge.envelope import Envelope
-from fedge.messages import ClientInfo, Result, Weights
-from fedge.zoo import create
+from fedge.model.zoo import create
+from fedge.wire.codec import decode_result, encode_info, encode_result
+from fedge.wire.envelope import Envelope
+from fedge.wire.messages import ClientInfo, Result, Weights
 from launch.runs import load_partitioned
 
 from helpers.federation import Federation, make_config, read_rows

@@ -22,7 +22,7 @@ from PIL import Image, ImageFile
 
 from device_profiles import get_profile
 from fedge import constants as C
-from fedge.own_data import DataTask, OwnDataError, own_data_limit, read_labelled, read_own_data, read_public_data
+from fedge.data.own_data import DataTask, OwnDataError, own_data_limit, read_labelled, read_own_data, read_public_data
 
 pytestmark = pytest.mark.timeout(120)
 TASK = DataTask((1, 28, 28), ("a", "b"), (0.5,), (0.25,))

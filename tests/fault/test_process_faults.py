@@ -19,18 +19,18 @@ import pytest
 import torch
 
 from edge_client.session import MAX_SENDS
-from fedge import topics
-from fedge.access import generate_users
+from fedge.brokers.access import generate_users
+from fedge.brokers.mqtt import Broker, Endpoint, Inbox, connector
 from fedge.checkpoint import load_tree
-from fedge.chunks import frames, unframe
-from fedge.codec import decode_result, encode_info, encode_result, encode_status
 from fedge.constants import CHUNK_SIZE, MAX_PAYLOAD_BYTES, RECONNECT_GRACE_S
-from fedge.envelope import Envelope, chunk_digests, root_sha256
-from fedge.layers import LayerSpec
-from fedge.messages import Result, Weights
-from fedge.mqtt import Broker, Endpoint, Inbox, connector
-from fedge.spec import make_spec, tensor_shapes
-from fedge.zoo import create
+from fedge.model.layers import LayerSpec
+from fedge.model.spec import make_spec, tensor_shapes
+from fedge.model.zoo import create
+from fedge.wire import topics
+from fedge.wire.chunks import frames, unframe
+from fedge.wire.codec import decode_result, encode_info, encode_result, encode_status
+from fedge.wire.envelope import Envelope, chunk_digests, root_sha256
+from fedge.wire.messages import Result, Weights
 from launch.cli import USER_ERRORS
 from launch.client import client_agents
 from server.coordinator import RoundFailed

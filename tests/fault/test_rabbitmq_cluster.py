@@ -3,7 +3,7 @@ script on a running cluster, a federation whose server and clients are spread ov
 federation losing, mid-round, the node that holds some clients' connections (SIGKILL: no will, no goodbye).
 
 Every connection is given every node's address (`--broker mqtt://n0,mqtt://n1,mqtt://n2`) and starts at the one
-fedge.mqtt.first_address picks; the client processes get the list in different orders so that the server and
+fedge.brokers.mqtt.first_address picks; the client processes get the list in different orders so that the server and
 the clients land on all three nodes.
 """
 
@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from paho.mqtt.client import MQTTv311
 
-from fedge.access import generate_users
+from fedge.brokers.access import generate_users
+from fedge.brokers.mqtt import first_address, mqtt_client_id, parse_broker
 from fedge.checkpoint import load_tree
-from fedge.mqtt import first_address, mqtt_client_id, parse_broker
 from launch.federation import write_secrets
 from server.runlog import CHECKPOINT_FILE
 

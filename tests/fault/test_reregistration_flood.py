@@ -12,14 +12,14 @@ import uuid
 import psutil
 import pytest
 
-from fedge.access import generate_users
-from fedge.chunks import frames
-from fedge.codec import encode_info, encode_status
+from fedge.brokers.access import generate_users
+from fedge.brokers.embedded_broker import EmbeddedBroker
+from fedge.brokers.mqtt import mqtt_client_id
 from fedge.constants import MAX_QUEUED_BYTES, MAX_QUEUED_MESSAGES, MAX_TASK_RESENDS
-from fedge.embedded_broker import EmbeddedBroker
-from fedge.envelope import Envelope
-from fedge.messages import Task, Weights
-from fedge.mqtt import mqtt_client_id
+from fedge.wire.chunks import frames
+from fedge.wire.codec import encode_info, encode_status
+from fedge.wire.envelope import Envelope
+from fedge.wire.messages import Task, Weights
 
 from helpers.brokers import close, connect_as
 from helpers.raw import (  # noqa: F401, F811 (broker, fleet and connect are pytest fixtures)
@@ -253,6 +253,7 @@ def test_the_embedded_broker_bounds_and_frees_what_a_mute_connection_would_hold(
 
 
 def test_the_embedded_broker_keeps_the_per_client_bound_mosquitto_and_rabbitmq_are_given():
-    """One bound for the three brokers (fedge/mosquitto.py and fedge/rabbitmq.py write the same constants)."""
+    """One bound for the three brokers (fedge/brokers/mosquitto.py and fedge/brokers/rabbitmq.py write the same
+    constants)."""
     broker = EmbeddedBroker()
     assert (broker.queue_messages, broker.queue_bytes) == (MAX_QUEUED_MESSAGES, MAX_QUEUED_BYTES)

@@ -21,11 +21,11 @@ import psutil
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from fedge import topics
-from fedge.chunks import frames
-from fedge.codec import encode_status, encode_task
-from fedge.envelope import Envelope
-from fedge.messages import Task
+from fedge.wire import topics
+from fedge.wire.chunks import frames
+from fedge.wire.codec import encode_status, encode_task
+from fedge.wire.envelope import Envelope
+from fedge.wire.messages import Task
 
 from helpers.brokers import TIMEOUT_S, protocol_of
 from helpers.federation import Federation, make_config, read_rows, wait_until

@@ -25,10 +25,10 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from fedge.access import DEFAULT_SERVER_USER, TlsFiles, generate_users
-from fedge.embedded_broker import EmbeddedBroker
-from fedge.mosquitto import write_mosquitto_config
-from fedge.mqtt import first_address, mqtt_client_id, parse_broker
+from fedge.brokers.access import DEFAULT_SERVER_USER, TlsFiles, generate_users
+from fedge.brokers.embedded_broker import EmbeddedBroker
+from fedge.brokers.mosquitto import write_mosquitto_config
+from fedge.brokers.mqtt import first_address, mqtt_client_id, parse_broker
 
 MOSQUITTO = os.environ.get("FEDGE_MOSQUITTO", "/usr/sbin/mosquitto")
 CLIENT_IDS = ("a", "b")
@@ -75,7 +75,7 @@ def require_mosquitto() -> None:
 
 
 class MosquittoProcess:
-    """A Mosquitto subprocess configured by fedge.mosquitto.write_mosquitto_config in ``directory``.
+    """A Mosquitto subprocess configured by fedge.brokers.mosquitto.write_mosquitto_config in ``directory``.
 
     Its log goes to ``directory/mosquitto.log`` and is printed by stop() only when ``print_log`` is set (a
     fixture's output is shown by pytest only for a failed test).
@@ -256,7 +256,7 @@ def mqtt_client(
 
 def connect_as(broker, username: str, **kw) -> mqtt.Client:
     """mqtt_client for one of ``broker``'s users, in the protocol the broker speaks (amqtt and RabbitMQ 3.10: 3.1.1
-    only), with a client id as fedge makes them (fedge.mqtt.mqtt_client_id); on a RabbitMQ cluster, to the node
+    only), with a client id as fedge makes them (fedge.brokers.mqtt.mqtt_client_id); on a RabbitMQ cluster, to the node
     fedge would pick for ``username`` first (so "a", "b" and the server meet on different nodes)."""
     kw.setdefault("protocol", protocol_of(broker))
     kw.setdefault("client_id", mqtt_client_id(username))

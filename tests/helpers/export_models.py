@@ -2,9 +2,9 @@
 
 import torch
 
-from fedge.layers import LayerSpec as L
-from fedge.spec import build, make_spec
-from fedge.zoo import MODELS
+from fedge.model.layers import LayerSpec as L
+from fedge.model.spec import build, make_spec
+from fedge.model.zoo import MODELS
 
 SHAPE = (1, 28, 28)
 BN_MODELS = ["cnn4", "mobilenet_v1", "mobilenet_v2", "mobilenet_v3"]

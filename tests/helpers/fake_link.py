@@ -1,8 +1,8 @@
 """An in-memory broker for unit tests of the server's Fleet and the client's EdgeClient: no broker, no sockets.
 
-`FakeBroker.connect` is a fedge.link.Connect. The links it makes hand each frame, as the real ones would put it
-on the wire (fedge.chunks.iter_frames), to the `on_frame` of every started link subscribed to its topic, which
-then validates it through its real fedge.mqtt.Inbox. Delivery is synchronous, in the publisher's thread, one
+`FakeBroker.connect` is a fedge.brokers.link.Connect. The links it makes hand each frame, as the real ones would put it
+on the wire (fedge.wire.chunks.iter_frames), to the `on_frame` of every started link subscribed to its topic, which
+then validates it through its real fedge.brokers.mqtt.Inbox. Delivery is synchronous, in the publisher's thread, one
 frame at a time across the whole broker (one lock): once a publish returned, nothing of it is in flight (an
 EdgeClient still handles what it received on its own thread, from its queue).
 Unlike a real broker it does not end an older connection when a second one with the same client id arrives:
@@ -20,12 +20,13 @@ from typing import Callable
 from paho.mqtt.client import topic_matches_sub
 
 from edge_client.session import EdgeClient
-from fedge import topics, zoo
-from fedge.chunks import iter_frames, unframe
+from fedge.brokers.link import OnFrame
 from fedge.constants import CHUNK_SIZE
-from fedge.envelope import Envelope
-from fedge.link import OnFrame
-from fedge.messages import ClientInfo, Result, Task
+from fedge.model import zoo
+from fedge.wire import topics
+from fedge.wire.chunks import iter_frames, unframe
+from fedge.wire.envelope import Envelope
+from fedge.wire.messages import ClientInfo, Result, Task
 from server.fleet import Fleet
 
 Drop = Callable[[str, Envelope], bool]
@@ -35,7 +36,7 @@ WAIT_S = 10.0  # how long a test waits for what must happen before it fails (nev
 
 
 class FakeLink:
-    """One connection to a FakeBroker (a fedge.link.Link). `crash()` vanishes without stopping: the broker
+    """One connection to a FakeBroker (a fedge.brokers.link.Link). `crash()` vanishes without stopping: the broker
     publishes the will."""
 
     def __init__(

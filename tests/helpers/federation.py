@@ -27,13 +27,13 @@ import torch
 
 from edge_client.agent import ClientAgent
 from fedge import constants as C
-from fedge.access import generate_users
+from fedge.brokers.access import generate_users
+from fedge.brokers.embedded_broker import EmbeddedBroker
+from fedge.brokers.mqtt import Broker, parse_broker
 from fedge.checkpoint import load_tree
 from fedge.config import RunConfig, config_from
-from fedge.embedded_broker import EmbeddedBroker
 from fedge.files import atomic_write
-from fedge.messages import Result, Task, Weights
-from fedge.mqtt import Broker, parse_broker
+from fedge.wire.messages import Result, Task, Weights
 from launch import federation, server
 from launch.client import client_agents, run_clients
 from launch.simulation import run_simulation

@@ -1,4 +1,5 @@
-"""A real RabbitMQ cluster on 127.0.0.1 for tests and benchmarks: nodes configured by fedge.rabbitmq's files, each
+"""A real RabbitMQ cluster on 127.0.0.1 for tests and benchmarks: nodes configured by fedge.brokers.rabbitmq's files,
+each
 with its own node name, MQTT port and Erlang distribution port, one epmd on a port of the cluster's own; every
 listener (MQTT, distribution, epmd) bound to 127.0.0.1.
 
@@ -18,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from fedge.access import generate_users
-from fedge.rabbitmq import write_rabbitmq_config
+from fedge.brokers.access import generate_users
+from fedge.brokers.rabbitmq import write_rabbitmq_config
 from launch.federation import write_secrets
 
 from helpers.brokers import CLIENT_IDS, free_port, require_broker, wait_for_port
@@ -41,7 +42,7 @@ def require_rabbitmq() -> None:
 
 
 class RabbitNode:
-    """One node: its name, ports, files (written by fedge.rabbitmq into its own directory) and process."""
+    """One node: its name, ports, files (written by fedge.brokers.rabbitmq into its own directory) and process."""
 
     def __init__(self, cluster: RabbitCluster, index: int) -> None:
         self.cluster, self.index = cluster, index

@@ -1,9 +1,9 @@
 """A hand-driven fedge client for fault tests: a raw paho connection that publishes hand-built frames.
 
 The real client (edge_client.session.EdgeClient) only ever sends well-formed messages; this one sends
-whatever a test builds: valid frames from fedge.chunks, frames with a forged envelope, or raw bytes. What
-it receives from the server (tasks, acknowledgements) is parsed with fedge.mqtt.Inbox, the client's own
-validation. Builders for malformed payloads bypass every check of fedge.codec and fedge.weights.
+whatever a test builds: valid frames from fedge.wire.chunks, frames with a forged envelope, or raw bytes. What
+it receives from the server (tasks, acknowledgements) is parsed with fedge.brokers.mqtt.Inbox, the client's own
+validation. Builders for malformed payloads bypass every check of fedge.wire.codec and fedge.model.weights.
 
 Also the fixtures of tests/fault/test_bad_*.py (a broker of each kind, the server's Fleet on it, registered
 RawClients) and their round helpers; those test modules import the fixtures by name.
@@ -24,16 +24,17 @@ import pytest
 import torch
 from safetensors.torch import save as st_save
 
-from fedge import topics, zoo
-from fedge.access import generate_users
-from fedge.chunks import frames
-from fedge.codec import decode_ack, decode_task, encode_info, encode_result
+from fedge.brokers.access import generate_users
+from fedge.brokers.embedded_broker import EmbeddedBroker
+from fedge.brokers.mqtt import Inbox, connector, parse_broker
 from fedge.constants import MAX_PAYLOAD_BYTES, SPEC_METADATA_KEY
-from fedge.embedded_broker import EmbeddedBroker
-from fedge.envelope import Envelope, sha256_hex
-from fedge.messages import ClientInfo, Result, Task, Weights
-from fedge.mqtt import Inbox, connector, parse_broker
-from fedge.spec import ModelSpec, tensor_shapes
+from fedge.model import zoo
+from fedge.model.spec import ModelSpec, tensor_shapes
+from fedge.wire import topics
+from fedge.wire.chunks import frames
+from fedge.wire.codec import decode_ack, decode_task, encode_info, encode_result
+from fedge.wire.envelope import Envelope, sha256_hex
+from fedge.wire.messages import ClientInfo, Result, Task, Weights
 from server.coordinator import Coordinator, LoopConfig
 from server.fleet import Fleet
 from server.registration import registration_check
@@ -70,7 +71,7 @@ def state_for(spec: ModelSpec, scale: float = 0.01, seed: int = 0) -> dict[str, 
 
 
 def safetensors_blob(spec: ModelSpec, tensors: Mapping[str, torch.Tensor]) -> bytes:
-    """A safetensors blob with the spec in its metadata, as fedge.weights.to_bytes writes it, minus the checks."""
+    """A safetensors blob with the spec in its metadata, as fedge.model.weights.to_bytes writes it, minus the checks."""
     return st_save({k: v.contiguous() for k, v in tensors.items()}, metadata={SPEC_METADATA_KEY: spec.to_json()})
 
 
@@ -142,7 +143,7 @@ def valid_result(
     num_examples: int = NUM_TRAIN,
     seed: int = 0,
 ) -> bytes:
-    """A well-formed result payload, encoded by fedge.codec (what a correct client uploads)."""
+    """A well-formed result payload, encoded by fedge.wire.codec (what a correct client uploads)."""
     state = state_for(spec, scale, seed)
     return encode_result(Result(cid, rnd, type, num_examples, {"train_loss": 0.5}, {"local": Weights(spec, state)}))
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from edge_client.training import predict
-from fedge import zoo
+from fedge.brokers.transport import InProcTransport
 from fedge.config import config_from
-from fedge.spec import build
-from fedge.transport import InProcTransport
+from fedge.model import zoo
+from fedge.model.spec import build
 from launch import batched
 from launch.batched import BatchedClients
 from launch.client import client_agents

@@ -19,10 +19,10 @@ import paho.mqtt.client as mqtt
 import pytest
 
 from fedge import constants as C
-from fedge.access import BrokerError, TlsFiles, generate_users
-from fedge.embedded_broker import EmbeddedBroker, serve_forever
-from fedge.mosquitto import write_mosquitto_config
-from fedge.mqtt import Endpoint, MqttError, first_address, mqtt_client_id, parse_broker
+from fedge.brokers.access import BrokerError, TlsFiles, generate_users
+from fedge.brokers.embedded_broker import EmbeddedBroker, serve_forever
+from fedge.brokers.mosquitto import write_mosquitto_config
+from fedge.brokers.mqtt import Endpoint, MqttError, first_address, mqtt_client_id, parse_broker
 
 from helpers.brokers import (
     MOSQUITTO,
@@ -373,7 +373,7 @@ def test_the_embedded_broker_never_logs_a_password(caplog):
 
 
 def test_the_embedded_broker_refuses_mqtt_5_clearly(embedded_broker, caplog):
-    caplog.set_level(logging.INFO, logger="fedge.embedded_broker")
+    caplog.set_level(logging.INFO, logger="fedge.brokers.embedded_broker")
 
     code = connack_code(embedded_broker.url, "a", embedded_broker.users["a"])  # MQTT 5
 
@@ -411,7 +411,8 @@ def test_serve_forever_runs_until_sigterm(tmp_path):
     users_file.chmod(0o600)
     port = free_port()
     code = (
-        "import sys, pathlib, fedge.embedded_broker as b; b.serve_forever(int(sys.argv[1]), pathlib.Path(sys.argv[2]))"
+        "import sys, pathlib, fedge.brokers.embedded_broker as b; "
+        "b.serve_forever(int(sys.argv[1]), pathlib.Path(sys.argv[2]))"
     )
     process = subprocess.Popen([sys.executable, "-c", code, str(port), str(users_file)], stderr=subprocess.PIPE)
     try:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fedge.messages import Result, Task
+from fedge.wire.messages import Result, Task
 from launch.cli import print_summary
 from launch.simulation import run_simulation
 from server.client_status import FAILED, NEVER_SELECTED, OFFLINE, REFUSED, TRAINED, ClientCounts

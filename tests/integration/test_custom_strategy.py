@@ -19,8 +19,8 @@ import torch
 from edge_client.agent import TASKS, ClientAgent, register_task
 from fedge.checkpoint import Tree
 from fedge.config import ConfigError, config_from
-from fedge.messages import ClientInfo, Result, Task
-from fedge.payloads import Expected, TensorSlot
+from fedge.wire.messages import ClientInfo, Result, Task
+from fedge.wire.payloads import Expected, TensorSlot
 from launch.simulation import run_simulation
 from server.strategy import STRATEGIES, Strategy, StrategyError, StrategyOptions, option, register_strategy
 

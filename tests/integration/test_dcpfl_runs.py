@@ -18,7 +18,7 @@ from device_profiles import get_profile, transfer_seconds
 from device_profiles.constants import DIRECTION_DOWN, DIRECTION_UP
 from edge_client.agent import ClientAgent
 from fedge.checkpoint import load_tree, tree_digest
-from fedge.messages import Result, Task
+from fedge.wire.messages import Result, Task
 from launch.cli import main as cli_main
 from launch.client import client_agents, run_clients
 from launch.runs import load_partitioned

@@ -10,9 +10,9 @@ import threading
 
 import pytest
 
-from fedge.access import generate_users
+from fedge.brokers.access import generate_users
+from fedge.brokers.mqtt import Broker
 from fedge.config import RunConfig, config_from
-from fedge.mqtt import Broker
 from launch.federation import write_secrets
 from launch.server import serve
 

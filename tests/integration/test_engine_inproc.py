@@ -8,13 +8,13 @@ import torch
 
 from edge_client.agent import ClientAgent
 from fedge import constants as C
+from fedge.brokers.transport import InProcTransport
 from fedge.checkpoint import CheckpointError, load_tree
 from fedge.config import RunConfig, config_from, load_config
-from fedge.data import load_dataset
-from fedge.messages import Task
-from fedge.partition import make_partition
-from fedge.transport import InProcTransport
-from fedge.zoo import assign_models, create
+from fedge.data.datasets import load_dataset
+from fedge.data.partition import make_partition
+from fedge.model.zoo import assign_models, create
+from fedge.wire.messages import Task
 from launch.client import client_agents, make_agent
 from launch.runs import partition_config
 from launch.simulation import run_simulation

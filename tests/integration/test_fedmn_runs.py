@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from edge_client.agent import ClientAgent, TaskError
-from fedge import zoo
 from fedge.checkpoint import load_tree, tree_digest
-from fedge.messages import Result, Task
-from fedge.modular import NEXT_ROUTE, ROUTE, ROUTING
-from fedge.spec import tensor_shapes
-from fedge.weights import load_model
+from fedge.model import zoo
+from fedge.model.modular import NEXT_ROUTE, ROUTE, ROUTING
+from fedge.model.spec import tensor_shapes
+from fedge.model.weights import load_model
+from fedge.wire.messages import Result, Task
 from launch.simulation import run_simulation
 from server.runlog import CHECKPOINT_FILE
 
@@ -62,7 +62,7 @@ def fleet(out, **kw):
 
 
 # ---------------------------------------------------------------------------------------------- routes, by hand
-# Independent of fedge/modular.py: a path's index from the layout its docstring states, a block's tensors from its
+# Independent of fedge/model/modular.py: a path's index from the layout its docstring states, a block's tensors from its
 # state name, the blocks a route uses as those on a complete chain input → encoder → ... → output, and the blocks it
 # reaches as every encoder and what a path that is on leads to from a reached block.
 

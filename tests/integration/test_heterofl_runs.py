@@ -7,7 +7,7 @@ import pytest
 
 from fedge import constants as C
 from fedge.checkpoint import load_tree, tree_digest
-from fedge.weights import load_model
+from fedge.model.weights import load_model
 from launch.simulation import run_simulation
 from server.runlog import CHECKPOINT_FILE
 

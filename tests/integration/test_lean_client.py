@@ -14,8 +14,8 @@ import numpy as np
 import paho.mqtt.client as paho
 import pytest
 
-from fedge.access import generate_users
-from fedge.embedded_broker import EmbeddedBroker
+from fedge.brokers.access import generate_users
+from fedge.brokers.embedded_broker import EmbeddedBroker
 
 from helpers.federation import default_sigint
 
@@ -31,7 +31,7 @@ FORBIDDEN = (
     "onnx",
     "onnxruntime",
     "executorch",
-    "fedge.embedded_broker",
+    "fedge.brokers.embedded_broker",
     "launch.server",
     "launch.federation",
     "launch.simulation",
@@ -118,9 +118,13 @@ def test_fedge_client_imports_neither_the_server_nor_the_embedded_broker(tmp_pat
     assert came_online, output
     modules = json.loads((tmp_path / "modules.json").read_text())
     loaded = sorted(m for m in modules if any(m == f or m.startswith(f + ".") for f in FORBIDDEN))
-    assert {"launch.client", "edge_client.agent", "fedge.mqtt", "methods.dcpfl.client", "methods.fedmn.client"} <= set(
-        modules
-    )  # the methods' client halves, loaded at start (fedge.plugins) ...
+    assert {
+        "launch.client",
+        "edge_client.agent",
+        "fedge.brokers.mqtt",
+        "methods.dcpfl.client",
+        "methods.fedmn.client",
+    } <= set(modules)  # the methods' client halves, loaded at start (fedge.plugins) ...
     loaded += [m for m in modules if m.startswith("methods.") and (m.endswith(".server") or "reassembly" in m)]
     assert not loaded, f"fedge client imported {loaded}"  # ... and none of their server halves
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from fedge.access import generate_users
+from fedge.brokers.access import generate_users
 
 from helpers import brokers
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fedge.codec import encode_info
 from fedge.config import config_from
-from fedge.data import load_dataset
+from fedge.data.datasets import load_dataset
+from fedge.wire.codec import encode_info
 from launch.client import client_agents
 from launch.simulation import run_simulation
 

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from edge_client.agent import ClientAgent
+from fedge.brokers.transport import InProcTransport
 from fedge.config import RunConfig, config_from
-from fedge.data import load_dataset
-from fedge.messages import Result, Task, Weights
-from fedge.partition import make_partition
-from fedge.transport import InProcTransport
-from fedge.zoo import assign_models
+from fedge.data.datasets import load_dataset
+from fedge.data.partition import make_partition
+from fedge.model.zoo import assign_models
+from fedge.wire.messages import Result, Task, Weights
 from launch.client import make_agent
 from launch.runs import partition_config
 from launch.simulation import run_simulation

@@ -6,12 +6,12 @@ import json
 
 import pytest
 
+from fedge.brokers.transport import InProcTransport
 from fedge.checkpoint import load_tree, save_tree
 from fedge.config import config_from
-from fedge.data import load_dataset
-from fedge.partition import make_partition
-from fedge.transport import InProcTransport
-from fedge.zoo import assign_models
+from fedge.data.datasets import load_dataset
+from fedge.data.partition import make_partition
+from fedge.model.zoo import assign_models
 from launch.client import make_agent
 from launch.runs import partition_config
 from launch.simulation import run_simulation

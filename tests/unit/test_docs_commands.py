@@ -44,7 +44,7 @@ import pytest
 from fedge.config import load_config, parse_overrides
 from launch.cli import build_parser, main
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.full]  # ~50 s: `make test`, not `make test-fast`
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED_PREFIX = "../shared/data/"
@@ -260,7 +260,7 @@ def _setup_files(path: Path) -> None:
     a copy of rpi-4.toml under its own name) and my_digits/ (docs/export.md: class folders of PNG images)."""
     from PIL import Image
 
-    from fedge.data import load_dataset
+    from fedge.data.datasets import load_dataset
 
     for block in TOMLS:
         if block.file_name:

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from device_profiles import get_profile
+from fedge.model.zoo import MODELS
 from fedge.torch_build import TorchBuild, cuda_without_gpu
-from fedge.zoo import MODELS
 from launch.cli import main
 from launch.doctor import meminfo, model_rows, problems
 

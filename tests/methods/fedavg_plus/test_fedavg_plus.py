@@ -9,9 +9,9 @@ import torch
 from edge_client.agent import ClientAgent, ClientData, TaskError
 from edge_client.tasks import evaluate_task
 from fedge.config import config_from
-from fedge.messages import Task, Weights
-from fedge.spec import build
-from fedge.zoo import create
+from fedge.model.spec import build
+from fedge.model.zoo import create
+from fedge.wire.messages import Task, Weights
 from launch.simulation import run_simulation
 from methods.fedavg_plus.client import tune_evaluate_task
 from methods.fedavg_plus.tasks import TuneEvaluateTask

@@ -8,9 +8,9 @@ import torch
 from torch.nn import functional as F
 
 from fedge.config import ConfigError, config_from
-from fedge.spec import build
+from fedge.model.spec import build
+from fedge.model.zoo import create
 from fedge.tasks import TaskConfigError
-from fedge.zoo import create
 from launch.simulation import run_simulation
 from methods.fedprox.client import proximal_objective, proximal_term
 from methods.fedprox.server import FedProxOptions

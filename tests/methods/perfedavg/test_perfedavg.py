@@ -8,9 +8,9 @@ from torch.nn import functional as F
 
 from edge_client.agent import ClientAgent, ClientData, TaskError
 from fedge.config import ConfigError
-from fedge.messages import Task, Weights
-from fedge.spec import build
-from fedge.zoo import create
+from fedge.model.spec import build
+from fedge.model.zoo import create
+from fedge.wire.messages import Task, Weights
 from methods.perfedavg.client import meta_evaluate_task, meta_step, meta_train_task
 from methods.perfedavg.server import PerFedAvgOptions
 from methods.perfedavg.tasks import MetaTask

@@ -8,9 +8,9 @@ from torch.nn import functional as F
 
 from edge_client.agent import ClientAgent, ClientData
 from fedge.config import ConfigError
-from fedge.messages import ClientInfo, Result, Task, Weights
-from fedge.spec import build
-from fedge.zoo import create
+from fedge.model.spec import build
+from fedge.model.zoo import create
+from fedge.wire.messages import ClientInfo, Result, Task, Weights
 from methods.pfedme.client import moreau_step, pfedme_train_task
 from methods.pfedme.server import PFedMe, PFedMeOptions
 from methods.pfedme.tasks import MoreauTask

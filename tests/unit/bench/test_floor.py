@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from fedge.layers import LayerSpec
-from fedge.spec import make_spec
+from fedge.model.layers import LayerSpec
+from fedge.model.spec import make_spec
 from methods.reassembly.assemble import candidate_spec
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -8,9 +8,9 @@ import torch
 
 import edge_client  # noqa: F401  (registers the task handlers)
 from edge_client.agent import SNAPSHOTS_KEPT, TASKS, ClientAgent, ClientData, TaskError, snapshot_file
-from fedge.layers import LayerSpec as L
-from fedge.messages import Task
-from fedge.spec import make_spec
+from fedge.model.layers import LayerSpec as L
+from fedge.model.spec import make_spec
+from fedge.wire.messages import Task
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -42,8 +42,15 @@ def equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 def test_only_evaluations_and_train_model_leave_the_own_model_alone():
-    """train_model trains a copy of the model the server sent, never the client's own."""
-    assert {name for name in TASKS if not TASKS.get(name).mutates} == {"evaluate", "modular_evaluate", "train_model"}
+    """train_model trains a copy of the model the server sent, never the client's own; so do FedAvg+'s and
+    Per-FedAvg's evaluations, which tune or step a copy of the global model."""
+    assert {name for name in TASKS if not TASKS.get(name).mutates} == {
+        "evaluate",
+        "modular_evaluate",
+        "train_model",
+        "tune_evaluate",
+        "meta_evaluate",
+    }
 
 
 def test_a_resent_task_gives_the_same_result():

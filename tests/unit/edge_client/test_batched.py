@@ -9,8 +9,8 @@ import torch
 
 from edge_client.batched import FitJob, fit_together
 from edge_client.training import Distillation, TrainConfig, fit, predict
-from fedge import zoo
-from fedge.spec import build
+from fedge.model import zoo
+from fedge.model.spec import build
 
 SIZES = [70, 45, 33, 64]  # at batch 32: last batches of 6, 13 and 1 sample, and none
 # How far a batched model's logits on a probe batch lie from the one `fit` trains alone, relative to how far

@@ -11,9 +11,9 @@ import edge_client  # noqa: F401  (registers the task handlers)
 from edge_client.agent import ClientAgent, ClientData, TaskError
 from edge_client.tasks import train_config
 from edge_client.training import TrainConfig, fit
-from fedge.messages import Task, Weights
-from fedge.spec import build
-from fedge.zoo import create
+from fedge.model.spec import build
+from fedge.model.zoo import create
+from fedge.wire.messages import Task, Weights
 from methods.dcpfl.class_stats import COUNTS, COVARIANCES, GLOBAL_MEANS, KNOWN_CLASSES, MEANS, class_statistics
 from methods.dcpfl.client import anchored_objective, aux_loss
 from methods.dcpfl.heads import extract, head_spec, head_state, put_head

@@ -10,9 +10,9 @@ import edge_client  # noqa: F401  (registers the task handlers)
 from edge_client.agent import TASKS, ClientAgent, ClientData, TaskError
 from edge_client.training import Distillation, TrainConfig, fit
 from fedge.distill import kd_kl
-from fedge.layers import LayerSpec as L
-from fedge.messages import Task, Weights
-from fedge.spec import build, make_spec
+from fedge.model.layers import LayerSpec as L
+from fedge.model.spec import build, make_spec
+from fedge.wire.messages import Task, Weights
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,13 +14,13 @@ from export.parity import gated_training_program, train_mode
 from export.pte import teacher_logits_pte
 from fedge.config import ConfigError, RunConfig
 from fedge.constants import KD_DIRECTION
-from fedge.data import load_dataset
+from fedge.data.datasets import load_dataset
+from fedge.data.partition import ClientShard
 from fedge.distill import kd_loss
-from fedge.layers import LayerSpec as L
-from fedge.messages import Task, Weights
-from fedge.partition import ClientShard
-from fedge.spec import build, make_spec
-from fedge.zoo import create
+from fedge.model.layers import LayerSpec as L
+from fedge.model.spec import build, make_spec
+from fedge.model.zoo import create
+from fedge.wire.messages import Task, Weights
 from launch.client import make_agent
 from launch.server import RUNTIME_CHECKS
 from server.registration import registration_check

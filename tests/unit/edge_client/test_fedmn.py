@@ -11,8 +11,7 @@ from torch.nn import functional as F
 import edge_client  # noqa: F401  (registers the task handlers)
 from edge_client.agent import ClientAgent, ClientData, TaskError
 from edge_client.training import evaluate
-from fedge.messages import Task
-from fedge.modular import (
+from fedge.model.modular import (
     NEXT_ROUTE,
     ROUTE,
     ROUTING,
@@ -24,8 +23,9 @@ from fedge.modular import (
     net_of,
     uploaded,
 )
-from fedge.spec import build
-from fedge.zoo import create
+from fedge.model.spec import build
+from fedge.model.zoo import create
+from fedge.wire.messages import Task
 from methods.fedmn.client import (
     logistic_noise,
     noise_given,

@@ -4,7 +4,7 @@ re-sent uploads and their repeats, the server's stop, a restarted server. Real b
 import pytest
 
 from edge_client.session import MAX_SENDS, ClientStopped
-from fedge.messages import Task
+from fedge.wire.messages import Task
 from server.fleet import Fleet
 
 from helpers.fake_link import RUN, WAIT_S, FakeFederation, wait_until

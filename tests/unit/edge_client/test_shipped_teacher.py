@@ -18,9 +18,9 @@ from edge_client.executorch_trainer import ExecuTorchTrainer, TrainingSession
 from edge_client.training import predict
 from export.parity import gated_training_program
 from export.pte import teacher_program
-from fedge.data import load_dataset
-from fedge.messages import Task, Weights
-from fedge.spec import build
+from fedge.data.datasets import load_dataset
+from fedge.model.spec import build
+from fedge.model.zoo import create
 from fedge.teacher_program import (
     TEACHER_PTE,
     TEACHER_PTE_SHA256,
@@ -28,7 +28,7 @@ from fedge.teacher_program import (
     program_tensor,
     sha256_hex,
 )
-from fedge.zoo import create
+from fedge.wire.messages import Task, Weights
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -109,10 +109,10 @@ import numpy as np
 import edge_client
 from edge_client.agent import ClientAgent, ClientData
 from edge_client.executorch_trainer import ExecuTorchTrainer, TrainingSession
-from fedge.data import load_dataset
+from fedge.data.datasets import load_dataset
 from fedge.executorch_program import TrainingProgram
-from fedge.messages import Task
-from fedge.spec import ModelSpec
+from fedge.wire.messages import Task
+from fedge.model.spec import ModelSpec
 from fedge.teacher_program import TEACHER_PTE, TEACHER_PTE_SHA256, TEACHER_SPEC, program_tensor, sha256_hex
 
 d = Path(sys.argv[1])

@@ -7,9 +7,9 @@ import torch
 import edge_client  # noqa: F401  (registers the task handlers)
 from edge_client.agent import ClientAgent, ClientData, TaskError
 from edge_client.tasks import GradientMeans
-from fedge.layers import LayerSpec as L
-from fedge.messages import Task, Weights
-from fedge.spec import build, make_spec
+from fedge.model.layers import LayerSpec as L
+from fedge.model.spec import build, make_spec
+from fedge.wire.messages import Task, Weights
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fedge.config import config_from
-from fedge.data import load_dataset
+from fedge.data.datasets import load_dataset
 from launch.simulation import run_simulation
 
 from helpers.export_models import POOLS, weights

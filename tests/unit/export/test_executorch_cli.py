@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from export.pte import predict_pte
-from fedge.data import load_dataset
+from fedge.data.datasets import load_dataset
 from fedge.executorch_program import TRAIN_INPUTS
-from fedge.spec import build
+from fedge.model.spec import build
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -56,7 +56,7 @@ def test_cli_exports_a_students_training_program_an_app_can_step(run_dir, tmp_pa
 
 
 def test_cli_exports_a_teacher_inference_program_equal_to_eager(run_dir, tmp_path, capsys):
-    from fedge.weights import load_model
+    from fedge.model.weights import load_model
 
     code, out, err = cli(
         capsys, "export", run_dir, "--client", "2", "--format", "pte", "--batch", "4", "--out", tmp_path

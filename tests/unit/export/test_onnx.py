@@ -12,11 +12,11 @@ from torch import nn
 from export import PARITY_ATOL
 from export.onnx import ExportError, export_module, export_onnx, onnx_metadata, predict_onnx
 from fedge.config import ConfigError, RunConfig, config_from
-from fedge.data import load_dataset
-from fedge.layers import LayerSpec as L
-from fedge.spec import build, make_spec
-from fedge.weights import load_model, load_module
-from fedge.zoo import MODELS, create
+from fedge.data.datasets import load_dataset
+from fedge.model.layers import LayerSpec as L
+from fedge.model.spec import build, make_spec
+from fedge.model.weights import load_model, load_module
+from fedge.model.zoo import MODELS, create
 from launch.cli import main
 
 pytestmark = pytest.mark.timeout(300)

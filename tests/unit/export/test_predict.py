@@ -12,10 +12,10 @@ import torch
 from PIL import Image
 
 from export.onnx import export_onnx, onnx_metadata, predict_onnx
-from fedge.data import load_dataset
-from fedge.partition import describe, make_partition, stratified_sample
-from fedge.spec import build
-from fedge.zoo import create
+from fedge.data.datasets import load_dataset
+from fedge.data.partition import describe, make_partition, stratified_sample
+from fedge.model.spec import build
+from fedge.model.zoo import create
 from launch.cli import main
 from launch.runs import partition_config
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from export.pte import ExportError, export_pte, predict_pte
-from fedge.spec import build
-from fedge.zoo import MODELS, create
+from fedge.model.spec import build
+from fedge.model.zoo import MODELS, create
 
 from helpers.export_models import SHAPE, weights
 

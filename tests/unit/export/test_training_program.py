@@ -10,9 +10,9 @@ import export.training_program as tp
 from export.parity import gated_training_program, gradient_parity
 from export.training_program import ExportError, export_training
 from fedge.executorch_program import NormLayer, update_running_stats
-from fedge.layers import LayerSpec as L
-from fedge.spec import build, make_spec
-from fedge.zoo import create
+from fedge.model.layers import LayerSpec as L
+from fedge.model.spec import build, make_spec
+from fedge.model.zoo import create
 
 from helpers.export_models import BN_MODELS, POOLS, SHAPE, teacher_logits, weights
 

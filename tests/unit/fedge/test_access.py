@@ -1,4 +1,5 @@
-"""fedge.access, fedge.mosquitto and fedge.rabbitmq without a network: users files, generated users, the ACL
+"""fedge.brokers.access, fedge.brokers.mosquitto and fedge.brokers.rabbitmq without a network: users files, generated
+users, the ACL
 rules, Mosquitto and RabbitMQ files, permissions and hashes."""
 
 import base64
@@ -10,7 +11,11 @@ import re
 
 import pytest
 
-from fedge.access import BrokerError, TlsFiles, check_users, generate_users, permitted, read_users
+from fedge.brokers.access import BrokerError, TlsFiles, check_users, generate_users, permitted, read_users
+from fedge.brokers.mosquitto import mosquitto_acl, mosquitto_password_hash, write_mosquitto_config
+from fedge.brokers.mqtt import mqtt_client_id
+from fedge.brokers.rabbitmq import permissions as rabbitmq_permissions
+from fedge.brokers.rabbitmq import rabbitmq_password_hash, write_rabbitmq_config
 from fedge.constants import (
     IDLE_QUEUE_EXPIRES_S,
     MAX_MESSAGE_BYTES,
@@ -19,11 +24,7 @@ from fedge.constants import (
     MAX_QUEUED_MESSAGES,
     PERSISTENT_SESSION_EXPIRES_H,
 )
-from fedge.mosquitto import mosquitto_acl, mosquitto_password_hash, write_mosquitto_config
-from fedge.mqtt import mqtt_client_id
-from fedge.rabbitmq import permissions as rabbitmq_permissions
-from fedge.rabbitmq import rabbitmq_password_hash, write_rabbitmq_config
-from fedge.topics import ID_PATTERN
+from fedge.wire.topics import ID_PATTERN
 
 pytestmark = pytest.mark.timeout(30)
 ME = pwd.getpwuid(os.getuid()).pw_name  # the files' owner: as root, Mosquitto would otherwise run as `mosquitto`

@@ -9,9 +9,9 @@ import torch
 
 from fedge import checkpoint
 from fedge.checkpoint import CheckpointError, load_tree, save_tree, tree_digest
-from fedge.messages import Weights
-from fedge.spec import build
-from fedge.zoo import create
+from fedge.model.spec import build
+from fedge.model.zoo import create
+from fedge.wire.messages import Weights
 
 pytestmark = pytest.mark.timeout(60)
 SPEC = create("cnn1", (1, 8, 8), 10).with_origin("3")

@@ -1,4 +1,4 @@
-"""fedge.chunks: frames, chunk geometry, and joining chunks in any order within memory budgets."""
+"""fedge.wire.chunks: frames, chunk geometry, and joining chunks in any order within memory budgets."""
 
 import dataclasses
 import json
@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from fedge.chunks import ChunkJoiner, Frame, chunk_stride, frames, split, unframe
-from fedge.envelope import Envelope, WireError, sha256_hex
+from fedge.wire.chunks import ChunkJoiner, Frame, chunk_stride, frames, split, unframe
+from fedge.wire.envelope import Envelope, WireError, sha256_hex
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""fedge.codec: the JSON + safetensors payload container, strict in what it decodes, never unpickling."""
+"""fedge.wire.codec: the JSON + safetensors payload container, strict in what it decodes, never unpickling."""
 
 import json
 import math
@@ -9,8 +9,11 @@ import pytest
 import torch
 from safetensors.torch import save as st_save
 
-from fedge import tensorblob
-from fedge.codec import (
+from fedge.constants import MAX_HEADER_BYTES
+from fedge.model.spec import build
+from fedge.model.zoo import create
+from fedge.wire import tensorblob
+from fedge.wire.codec import (
     decode_ack,
     decode_info,
     decode_result,
@@ -22,11 +25,8 @@ from fedge.codec import (
     encode_status,
     encode_task,
 )
-from fedge.constants import MAX_HEADER_BYTES
-from fedge.envelope import WireError
-from fedge.messages import ClientInfo, Result, Task, Weights
-from fedge.spec import build
-from fedge.zoo import create
+from fedge.wire.envelope import WireError
+from fedge.wire.messages import ClientInfo, Result, Task, Weights
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""Tests for fedge.data: the dataset registry, embedded datasets and the file formats it parses."""
+"""Tests for fedge.data.datasets: the dataset registry, embedded datasets and the file formats it parses."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from sklearn.datasets import load_digits
 
-from fedge.data import (
+from fedge.data.datasets import (
     CIFAR10_CLASSES,
     Dataset,
     DatasetError,

@@ -1,4 +1,4 @@
-"""fedge.envelope: strict envelopes, the schema version, and the chunk digests and root an envelope carries."""
+"""fedge.wire.envelope: strict envelopes, the schema version, and the chunk digests and root an envelope carries."""
 
 import hashlib
 import json
@@ -7,7 +7,7 @@ import os
 import pytest
 
 from fedge.constants import HASH_PARALLEL_MIN_BYTES, MAX_TTL_S, SUPPORTED_SCHEMA_VERSIONS, WIRE_SCHEMA_VERSION
-from fedge.envelope import Envelope, WireError, chunk_digests, root_sha256
+from fedge.wire.envelope import Envelope, WireError, chunk_digests, root_sha256
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,9 +1,9 @@
 """ModelSpec.activations (elements per sample kept for backward) by hand, and the footprint it gives."""
 
 from device_profiles import training_footprint_bytes
-from fedge.layers import LayerSpec as L
-from fedge.spec import make_spec
-from fedge.zoo import MODELS, create
+from fedge.model.layers import LayerSpec as L
+from fedge.model.spec import make_spec
+from fedge.model.zoo import MODELS, create
 
 
 def test_two_layer_spec_footprint_by_hand() -> None:

@@ -4,10 +4,10 @@ extractor-then-head being the whole model."""
 import pytest
 import torch
 
-from fedge.layers import LayerSpec as L
-from fedge.spec import build, make_spec
-from fedge.weights import load_module
-from fedge.zoo import FEDGH_CNNS, create
+from fedge.model.layers import LayerSpec as L
+from fedge.model.spec import build, make_spec
+from fedge.model.weights import load_module
+from fedge.model.zoo import FEDGH_CNNS, create
 from methods.dcpfl.heads import HeadError, extract, head_spec, head_state, put_head, representation_size
 
 pytestmark = pytest.mark.timeout(60)

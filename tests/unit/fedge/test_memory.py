@@ -3,8 +3,8 @@
 import pytest
 
 from fedge.memory import memory_metrics, peak_rss_bytes, rss_bytes
-from fedge.messages import Task
 from fedge.tasks import TrainTask
+from fedge.wire.messages import Task
 from launch.client import make_agent
 from launch.runs import load_partitioned
 

@@ -1,4 +1,5 @@
-"""FedMN's modular network (fedge/modular.py): the units of a layer are distinct, Eq. (11) on hand-built masks (the
+"""FedMN's modular network (fedge/model/modular.py): the units of a layer are distinct, Eq. (11) on hand-built masks
+(the
 no-input case included), which blocks a route reaches and uses, the forced path is the most likely chain, forward
 runs exactly the route (straight-through gates included), and what a route exchanges."""
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from device_profiles import fits, get_profile
-from fedge.modular import (
+from fedge.model.modular import (
     ROUTER,
     Layout,
     best_path,
@@ -27,8 +28,8 @@ from fedge.modular import (
     used_blocks,
     with_path,
 )
-from fedge.spec import build, tensor_shapes
-from fedge.zoo import create
+from fedge.model.spec import build, tensor_shapes
+from fedge.model.zoo import create
 
 pytestmark = pytest.mark.timeout(60)
 SPEC = create("fedmn_2x2x2_fc", (1, 4, 4), 10)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from fedge.own_data import DataTask, OwnDataError, held_out_split, read_own_data, read_public_data
+from fedge.data.own_data import DataTask, OwnDataError, held_out_split, read_own_data, read_public_data
 
 pytestmark = pytest.mark.timeout(60)
 GRAY = DataTask((1, 4, 4), ("a", "b", "c"), (0.5,), (0.25,))

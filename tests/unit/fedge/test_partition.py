@@ -1,4 +1,4 @@
-"""Tests for fedge.partition: public set, client shards, schemes, caps and config validation."""
+"""Tests for fedge.data.partition: public set, client shards, schemes, caps and config validation."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from fedge.constants import PUBLIC_FRACTION, TEST_FRACTION_OF_CLIENT
-from fedge.data import load_dataset
-from fedge.partition import (
+from fedge.data.datasets import load_dataset
+from fedge.data.partition import (
     SCHEMES,
     Partition,
     PartitionConfig,

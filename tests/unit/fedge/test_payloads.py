@@ -1,4 +1,4 @@
-"""fedge.payloads: a reply is checked against what its task declared; reply sizes follow from the declaration."""
+"""fedge.wire.payloads: a reply is checked against what its task declared; reply sizes follow from the declaration."""
 
 import dataclasses
 import math
@@ -8,10 +8,10 @@ import torch
 
 from device_profiles import get_profile
 from fedge import constants as C
-from fedge.messages import ClientInfo, Result, Weights
-from fedge.payloads import Expected, TensorSlot, model_bytes, payload_rejection
-from fedge.spec import build
-from fedge.zoo import create
+from fedge.model.spec import build
+from fedge.model.zoo import create
+from fedge.wire.messages import ClientInfo, Result, Weights
+from fedge.wire.payloads import Expected, TensorSlot, model_bytes, payload_rejection
 
 pytestmark = pytest.mark.timeout(60)
 PROFILE = get_profile("rpi-4")

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from fedge.layers import LayerSpec as L
-from fedge.layers import SpecError
-from fedge.spec import ModelSpec, build, make_spec, tensor_shapes
+from fedge.model.layers import LayerSpec as L
+from fedge.model.layers import SpecError
+from fedge.model.spec import ModelSpec, build, make_spec, tensor_shapes
 
 pytestmark = pytest.mark.timeout(60)
 

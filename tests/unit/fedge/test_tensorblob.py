@@ -1,4 +1,5 @@
-"""fedge.tensorblob: safetensors blobs parsed in place agree with safetensors' own loader, and refuse what it does."""
+"""fedge.wire.tensorblob: safetensors blobs parsed in place agree with safetensors' own loader, and refuse what it
+does."""
 
 import json
 
@@ -7,7 +8,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from fedge.tensorblob import ALIGNMENT, DTYPES, BlobError, metadata, parse
+from fedge.wire.tensorblob import ALIGNMENT, DTYPES, BlobError, metadata, parse
 
 pytestmark = pytest.mark.timeout(60)
 

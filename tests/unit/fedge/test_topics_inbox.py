@@ -5,10 +5,10 @@ from collections import Counter
 
 import pytest
 
-from fedge import topics
-from fedge.chunks import frames
-from fedge.envelope import Envelope, WireError
-from fedge.mqtt import Inbox, MqttError, first_address, parse_broker
+from fedge.brokers.mqtt import Inbox, MqttError, first_address, parse_broker
+from fedge.wire import topics
+from fedge.wire.chunks import frames
+from fedge.wire.envelope import Envelope, WireError
 
 pytestmark = pytest.mark.timeout(60)
 

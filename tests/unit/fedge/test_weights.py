@@ -6,9 +6,9 @@ import pickle
 import pytest
 import torch
 
-from fedge.spec import build
-from fedge.weights import WeightsError, all_finite, check_state, from_bytes, load_model, save_model, to_bytes
-from fedge.zoo import create
+from fedge.model.spec import build
+from fedge.model.weights import WeightsError, all_finite, check_state, from_bytes, load_model, save_model, to_bytes
+from fedge.model.zoo import create
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,5 @@
-"""fedge.zoo's width presets: `cpu` is the zoo as it was, `paper` the authors' CNN widths and standard MobileNets."""
+"""fedge.model.zoo's width presets: `cpu` is the zoo as it was, `paper` the authors' CNN widths and standard
+MobileNets."""
 
 import hashlib
 import math
@@ -7,7 +8,7 @@ import pytest
 
 from device_profiles import fits, get_profile, list_profiles
 from fedge import constants as C
-from fedge.zoo import FEDGH_CNNS, MODELS, ZooError, assign_models, create, is_model
+from fedge.model.zoo import FEDGH_CNNS, MODELS, ZooError, assign_models, create, is_model
 
 pytestmark = pytest.mark.timeout(60)
 SHAPES = [(1, 28, 28), (3, 32, 32)]

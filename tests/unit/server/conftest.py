@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from fedge.messages import Weights
-from fedge.spec import build
-from fedge.zoo import MODELS, create
+from fedge.model.spec import build
+from fedge.model.zoo import MODELS, create
+from fedge.wire.messages import Weights
 
 
 @pytest.fixture(scope="package")

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from device_profiles import get_profile
-from fedge.layers import LayerSpec as L
-from fedge.messages import Weights
-from fedge.spec import Origin, build, make_block, make_spec
-from fedge.zoo import create
+from fedge.model.layers import LayerSpec as L
+from fedge.model.spec import Origin, build, make_block, make_spec
+from fedge.model.zoo import create
+from fedge.wire.messages import Weights
 from methods.reassembly.assemble import assemble, candidate_spec, size_problems, stitched_blocks, stitched_params
 from methods.reassembly.blocks import split_blocks
 

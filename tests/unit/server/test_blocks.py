@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from fedge.messages import Weights
-from fedge.spec import build
-from fedge.zoo import create
+from fedge.model.spec import build
+from fedge.model.zoo import create
+from fedge.wire.messages import Weights
 from methods.reassembly.blocks import model_of, split_blocks
 
 pytestmark = pytest.mark.timeout(60)

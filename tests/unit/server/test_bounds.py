@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from fedge import constants as C
-from fedge.messages import Result, Task, Weights
-from fedge.spec import build
-from fedge.zoo import create
+from fedge.model.spec import build
+from fedge.model.zoo import create
+from fedge.wire.messages import Result, Task, Weights
 from server.bounds import UpdateBounds, buffer_rejection, rms, update_pairs, upload_norm, with_tensors
 
 pytestmark = pytest.mark.timeout(60)

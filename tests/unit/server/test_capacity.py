@@ -5,7 +5,7 @@ import json
 import pytest
 
 from device_profiles import get_profile
-from fedge.zoo import create
+from fedge.model.zoo import create
 from server.capacity import CapacityError, client_capacities, compatible, read_capacity_file
 
 pytestmark = pytest.mark.timeout(30)

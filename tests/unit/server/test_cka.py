@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from fedge.messages import Weights
-from fedge.spec import build
-from fedge.zoo import create
+from fedge.model.spec import build
+from fedge.model.zoo import create
+from fedge.wire.messages import Weights
 from methods.reassembly.cka import (
     block_similarity,
     choose_method,

@@ -6,10 +6,10 @@ from types import SimpleNamespace
 import pytest
 
 from device_profiles import get_profile
-from fedge.codec import encode_result, encode_task
-from fedge.messages import ClientInfo, Result, Task, Weights
-from fedge.spec import build
-from fedge.zoo import create
+from fedge.model.spec import build
+from fedge.model.zoo import create
+from fedge.wire.codec import encode_result, encode_task
+from fedge.wire.messages import ClientInfo, Result, Task, Weights
 from server import clock
 from server.clock import RunClock, client_clock, round_seconds, task_epochs, train_macs
 from server.strategy import Strategy, StrategyConfig

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from device_profiles import get_profile
-from fedge.messages import ClientInfo, Result, Task, Weights
-from fedge.payloads import Expected
-from fedge.spec import build
-from fedge.zoo import create
+from fedge.model.spec import build
+from fedge.model.zoo import create
+from fedge.wire.messages import ClientInfo, Result, Task, Weights
+from fedge.wire.payloads import Expected
 from server.bounds import norm_outliers, upload_norm
 from server.coordinator import rejection
 

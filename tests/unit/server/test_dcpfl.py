@@ -5,9 +5,9 @@ ablation."""
 import pytest
 import torch
 
-from fedge.messages import ClientInfo, Result
-from fedge.weights import load_module
-from fedge.zoo import create
+from fedge.model.weights import load_module
+from fedge.model.zoo import create
+from fedge.wire.messages import ClientInfo, Result
 from methods.dcpfl.class_stats import (
     COUNTS,
     COVARIANCES,

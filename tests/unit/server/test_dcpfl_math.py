@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from torch.nn import functional as F
 
 from fedge import constants as K
-from fedge.spec import build
-from fedge.zoo import create
+from fedge.model.spec import build
+from fedge.model.zoo import create
 from methods.dcpfl.class_stats import ClassStats, class_statistics
 from methods.dcpfl.heads import head_spec
 from methods.dcpfl.maths import (

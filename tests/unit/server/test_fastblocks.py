@@ -5,10 +5,10 @@ import pytest
 import torch
 from torch import nn
 
-from fedge.messages import Weights
-from fedge.spec import SpecModel, build
-from fedge.weights import load_module
-from fedge.zoo import MODELS, create
+from fedge.model.spec import SpecModel, build
+from fedge.model.weights import load_module
+from fedge.model.zoo import MODELS, create
+from fedge.wire.messages import Weights
 from methods.reassembly.assemble import assemble
 from methods.reassembly.blocks import split_blocks
 from methods.reassembly.fastblocks import FastBlocks, fast_blocks, fold_batchnorm

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedge import zoo
-from fedge.messages import Weights
-from fedge.spec import build
+from fedge.model import zoo
+from fedge.model.spec import build
+from fedge.wire.messages import Weights
 from methods.reassembly.features import BlockFeatures, block_features, to_vectors
 
 pytestmark = pytest.mark.timeout(120)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from fedge.messages import ClientInfo, Result, Weights
-from fedge.zoo import create
+from fedge.model.zoo import create
+from fedge.wire.messages import ClientInfo, Result, Weights
 from methods.fedavg.server import FedAvg, FedAvgOptions
 from server.aggregation import capped_shares, weighted_average
 from server.strategy import StrategyConfig, StrategyError

@@ -9,11 +9,21 @@ import pytest
 import torch
 
 from device_profiles import get_profile
-from fedge.messages import ClientInfo, Result
-from fedge.modular import NEXT_ROUTE, ROUTE, ROUTER, ROUTING, block_of, downloaded, layout_of, router_macs, uploaded
-from fedge.payloads import payload_rejection
-from fedge.spec import build
-from fedge.zoo import create
+from fedge.model.modular import (
+    NEXT_ROUTE,
+    ROUTE,
+    ROUTER,
+    ROUTING,
+    block_of,
+    downloaded,
+    layout_of,
+    router_macs,
+    uploaded,
+)
+from fedge.model.spec import build
+from fedge.model.zoo import create
+from fedge.wire.messages import ClientInfo, Result
+from fedge.wire.payloads import payload_rejection
 from server.aggregation import weighted_average
 from server.coordinator import Coordinator, LoopConfig
 from server.runlog import RunLog

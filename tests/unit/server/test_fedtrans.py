@@ -14,10 +14,10 @@ import torch
 
 from device_profiles import get_profile, training_memory_bytes
 from fedge.checkpoint import load_tree, save_tree, tree_digest
-from fedge.layers import LayerSpec as L
-from fedge.messages import ClientInfo, Result, Weights
-from fedge.spec import ModelSpec, build, make_spec
-from fedge.zoo import create
+from fedge.model.layers import LayerSpec as L
+from fedge.model.spec import ModelSpec, build, make_spec
+from fedge.model.zoo import create
+from fedge.wire.messages import ClientInfo, Result, Weights
 from methods.fedtrans.server import FedTrans, weight_cells
 from server.strategy import StrategyConfig, StrategyError, create_strategy
 

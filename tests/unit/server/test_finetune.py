@@ -7,10 +7,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedge.layers import LayerSpec as L
-from fedge.messages import Weights
-from fedge.spec import ModelSpec, Origin, build, make_block
-from fedge.weights import load_module
+from fedge.model.layers import LayerSpec as L
+from fedge.model.spec import ModelSpec, Origin, build, make_block
+from fedge.model.weights import load_module
+from fedge.wire.messages import Weights
 from methods.reassembly.fastblocks import fast_blocks
 from methods.reassembly.finetune import (
     FinetuneConfig,

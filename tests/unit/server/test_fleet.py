@@ -5,7 +5,7 @@ import pytest
 
 import server.fleet
 from edge_client.session import ClientStopped
-from fedge.messages import Task
+from fedge.wire.messages import Task
 from server.fleet import reply_limit
 
 from helpers.fake_link import WAIT_S, FakeFederation, wait_until

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedge import zoo
-from fedge.messages import Weights
-from fedge.spec import build
+from fedge.model import zoo
+from fedge.model.spec import build
+from fedge.wire.messages import Weights
 from methods.reassembly.cka import block_similarity
 from methods.reassembly.features import block_features
 from methods.reassembly.grouping import group_blocks

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from device_profiles import get_profile
 from fedge.checkpoint import load_tree, save_tree, tree_digest
 from fedge.config import ConfigError
-from fedge.messages import ClientInfo, Result, Weights
-from fedge.spec import build, tensor_shapes
-from fedge.zoo import create
+from fedge.model.spec import build, tensor_shapes
+from fedge.model.zoo import create
+from fedge.wire.messages import ClientInfo, Result, Weights
 from methods.fedtrans.transforms import Cell, widen
 from methods.heterofl.server import HeteroFL, HeteroFLOptions, parse_rates
 from server.capacity import compatible

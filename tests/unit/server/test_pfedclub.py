@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from fedge.config import ConfigError
-from fedge.layers import LayerSpec as L
-from fedge.messages import ClientInfo, Result, Weights
+from fedge.model.layers import LayerSpec as L
+from fedge.model.spec import build, make_spec
+from fedge.model.zoo import create
 from fedge.seeding import derive_seed
-from fedge.spec import build, make_spec
 from fedge.tasks import TrainTask
-from fedge.zoo import create
+from fedge.wire.messages import ClientInfo, Result, Weights
 from methods.pfedclub.server import own_io
 from methods.reassembly.assemble import assemble, candidate_spec
 from methods.reassembly.finetune import best_match, finetune_candidates, public_logits

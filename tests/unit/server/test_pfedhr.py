@@ -6,9 +6,9 @@ from torch.nn import functional as F
 
 import methods.pfedhr.server
 from fedge.config import ConfigError
-from fedge.messages import ClientInfo, Result, Weights
-from fedge.spec import build
-from fedge.zoo import create
+from fedge.model.spec import build
+from fedge.model.zoo import create
+from fedge.wire.messages import ClientInfo, Result, Weights
 from methods.pfedhr.candidates import block_operations, depth_order, pfedhr_candidates
 from methods.reassembly.finetune import FinetuneConfig, finetune_model, match_score, public_logits
 from server.strategy import PublicData, StrategyConfig, create_strategy

@@ -3,9 +3,9 @@ memory_bytes ("over_memory", both numbers in the message, counted), and accepts 
 
 import pytest
 
-from fedge.layers import LayerSpec as L
-from fedge.messages import ClientInfo
-from fedge.spec import make_spec
+from fedge.model.layers import LayerSpec as L
+from fedge.model.spec import make_spec
+from fedge.wire.messages import ClientInfo
 from server.registration import registration_check
 
 from helpers.fake_link import EchoAgent, FakeFederation, wait_until

@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from device_profiles import get_profile
-from fedge.codec import decode_task, encode_task
-from fedge.messages import ClientInfo, Result, Task, Weights
-from fedge.spec import build
+from fedge.model.spec import build
+from fedge.model.zoo import create
 from fedge.teacher_program import (
     TEACHER_PROGRAM_ERROR,
     TEACHER_PTE,
@@ -18,7 +17,8 @@ from fedge.teacher_program import (
     shipped_program,
     weights_digest,
 )
-from fedge.zoo import create
+from fedge.wire.codec import decode_task, encode_task
+from fedge.wire.messages import ClientInfo, Result, Task, Weights
 from methods.reassembly.teacher_programs import TeacherPrograms
 from server.clock import client_clock
 from server.strategy import PublicData, StrategyConfig, create_strategy

@@ -7,9 +7,9 @@ from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 import methods.fedtrans.transforms as T
-from fedge.layers import LayerSpec as L
-from fedge.spec import build, make_spec
-from fedge.zoo import create
+from fedge.model.layers import LayerSpec as L
+from fedge.model.spec import build, make_spec
+from fedge.model.zoo import create
 from methods.fedtrans.transforms import Cell, TransformError, can_deepen, can_widen, cells, deepen, widen
 
 pytestmark = pytest.mark.timeout(300)

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from fedge.layers import LayerSpec as L
-from fedge.layers import Residual, Scaler, SpecError
-from fedge.spec import build, make_spec, tensor_shapes
-from fedge.zoo import MODELS, create
+from fedge.model.layers import LayerSpec as L
+from fedge.model.layers import Residual, Scaler, SpecError
+from fedge.model.spec import build, make_spec, tensor_shapes
+from fedge.model.zoo import MODELS, create
 from methods.heterofl.widths import scale_width, scaled, with_scalers
 from server.slices import crop
 

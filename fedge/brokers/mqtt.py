@@ -27,9 +27,7 @@ from urllib.parse import unquote, urlsplit
 import paho.mqtt.client as paho
 from paho.mqtt.reasoncodes import ReasonCode
 
-from fedge import topics
-from fedge.chunks import ChunkJoiner, frames, iter_frames, unframe
-from fedge.codec import encode_status
+from fedge.brokers.link import Connect
 from fedge.constants import (
     CHUNK_SIZE,
     FLUSH_TIMEOUT_S,
@@ -43,8 +41,10 @@ from fedge.constants import (
     RECONNECT_MIN_S,
     WILL_TTL_S,
 )
-from fedge.envelope import Envelope, WireError
-from fedge.link import Connect
+from fedge.wire import topics
+from fedge.wire.chunks import ChunkJoiner, frames, iter_frames, unframe
+from fedge.wire.codec import encode_status
+from fedge.wire.envelope import Envelope, WireError
 
 log = logging.getLogger(__name__)
 _FATAL_CONNACK = {
@@ -258,7 +258,7 @@ class Inbox:
 
 class Endpoint:
     """A paho client that keeps itself connected, re-subscribes on every connect, and publishes
-    fedge messages as QoS 1 chunk frames: the production fedge.link.Link. `on_frame(topic, bytes)` runs on one
+    fedge messages as QoS 1 chunk frames: the production fedge.brokers.link.Link. `on_frame(topic, bytes)` runs on one
     worker thread, in arrival order, so that checking and hashing a frame overlaps paho reading the next; at most
     FRAME_QUEUE_LENGTH frames wait for it (then paho's network thread waits too, and TCP slows the sender)."""
 
@@ -449,5 +449,5 @@ class Endpoint:
 
 def connector(broker: Broker, keepalive: int = KEEPALIVE_S) -> Connect:
     """How the fleet and the client sessions connect in production: each call makes an Endpoint to `broker`
-    (a fedge.link.Link; it connects on `start`)."""
+    (a fedge.brokers.link.Link; it connects on `start`)."""
     return functools.partial(Endpoint, broker, keepalive=keepalive)

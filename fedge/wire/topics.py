@@ -1,7 +1,7 @@
 """MQTT topic names, in one place: everything of a run lives under fedge/<run>/.
 
 Clients write register/<id>, result/<id> and status/<id>, and read task/<id> and the server's status
-topic; the broker's ACLs (fedge/access.py) and the server's identity check enforce that the <id>
+topic; the broker's ACLs (fedge/brokers/access.py) and the server's identity check enforce that the <id>
 level is the sender's own.
 """
 

@@ -1,4 +1,4 @@
-"""Mosquitto deployment files for fedge.access's rules: mosquitto.conf, a hashed password file and the ACL."""
+"""Mosquitto deployment files for fedge.brokers.access's rules: mosquitto.conf, a hashed password file and the ACL."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Iterable
 
 from fedge import constants as C
-from fedge.access import (
+from fedge.brokers.access import (
     CLIENT_READ,
     CLIENT_WRITE,
     DEFAULT_SERVER_USER,
@@ -39,7 +39,7 @@ def mosquitto_acl(users: Iterable[str], server_user: str = DEFAULT_SERVER_USER) 
     each client's ``user`` block: a ``topic`` line before any ``user`` line would apply only to anonymous
     clients, and a pattern without ``%u`` draws a warning from Mosquitto.
     """
-    lines = ["# fedge topic ACL (written by fedge.mosquitto): clients reach only their own topics.", ""]
+    lines = ["# fedge topic ACL (written by fedge.brokers.mosquitto): clients reach only their own topics.", ""]
     lines += [f"pattern read {p}" for p in CLIENT_READ if "%u" in p]
     lines += [f"pattern write {p}" for p in CLIENT_WRITE]
     lines += ["", f"user {check_username(server_user)}", f"topic readwrite {SERVER_READWRITE}"]
@@ -75,7 +75,7 @@ def write_mosquitto_config(
     atomic_write(passwd, hashed.encode(), mode=0o600)  # private from the first byte
     atomic_write(acl, mosquitto_acl(users, server_user).encode(), mode=0o600)
     lines = [
-        "# Mosquitto 2.0 configuration written by fedge.mosquitto.",
+        "# Mosquitto 2.0 configuration written by fedge.brokers.mosquitto.",
         "per_listener_settings false",
         f"listener {port} {host}",
         "allow_anonymous false",

@@ -1,9 +1,9 @@
 """Who may do what on a fedge broker: user tables, password files and the topic ACL, the same for the
 embedded broker and Mosquitto.
 
-Who may do what (the same rules for every broker; fedge.mosquitto and fedge.rabbitmq write them). A client's MQTT
-username is its client id; each of its connections has the MQTT client id ``<username>.<32 hex>``
-(fedge.mqtt.mqtt_client_id):
+Who may do what (the same rules for every broker; fedge.brokers.mosquitto and fedge.brokers.rabbitmq write them).
+A client's MQTT username is its client id; each of its connections has the MQTT client id ``<username>.<32 hex>``
+(fedge.brokers.mqtt.mqtt_client_id):
 
 - a client publishes only to ``fedge/<run>/{register,result,status}/<itself>``, and its will may name only its
   own ``status`` topic (a CONNECT with any other will topic is refused);
@@ -31,7 +31,7 @@ from typing import Iterable
 
 from fedge import constants as C
 from fedge.errors import UserError
-from fedge.topics import ID_PATTERN
+from fedge.wire.topics import ID_PATTERN
 
 log = logging.getLogger(__name__)
 

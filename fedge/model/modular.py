@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedge.layers import (
+from fedge.model.layers import (
     LayerSpec,
     LayerType,
     Shape,
@@ -50,7 +50,7 @@ from fedge.layers import (
 )
 
 if TYPE_CHECKING:
-    from fedge.spec import ModelSpec, SpecModel
+    from fedge.model.spec import ModelSpec, SpecModel
 
 LAYER = "modular"
 ROUTER = "router"  # the name of the always-exchanged part (the routing hypernetwork)

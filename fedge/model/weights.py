@@ -8,11 +8,11 @@ import numpy as np
 import torch
 from safetensors.torch import save as st_save
 
-from fedge import tensorblob
 from fedge.constants import SPEC_METADATA_KEY
 from fedge.errors import UserError
 from fedge.files import atomic_write
-from fedge.spec import Device, ModelSpec, SpecError, SpecModel, build, tensor_shapes
+from fedge.model.spec import Device, ModelSpec, SpecError, SpecModel, build, tensor_shapes
+from fedge.wire import tensorblob
 
 State = dict[str, torch.Tensor]
 _NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)

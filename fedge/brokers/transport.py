@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Mapping, Protocol
 
-from fedge.messages import Result, Task
+from fedge.wire.messages import Result, Task
 
 log = logging.getLogger(__name__)
 Handler = Callable[[Task], Result]

@@ -1,6 +1,6 @@
 """What the server's fleet and a client's MQTT session need of their connection to the broker: a Link.
 
-Production links are `fedge.mqtt.Endpoint`s (made by `fedge.mqtt.connector(broker)`); unit tests pass an
+Production links are `fedge.brokers.mqtt.Endpoint`s (made by `fedge.brokers.mqtt.connector(broker)`); unit tests pass an
 in-memory fake, so the protocol logic above the link runs without a broker or sockets.
 """
 
@@ -10,7 +10,7 @@ import threading
 from typing import Callable, Protocol
 
 from fedge.constants import CHUNK_SIZE
-from fedge.envelope import Envelope
+from fedge.wire.envelope import Envelope
 
 OnFrame = Callable[[str, bytes], None]
 

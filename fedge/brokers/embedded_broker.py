@@ -1,4 +1,4 @@
-"""The embedded MQTT broker (amqtt, in this process) enforcing fedge.access's rules, for `fedge run` and
+"""The embedded MQTT broker (amqtt, in this process) enforcing fedge.brokers.access's rules, for `fedge run` and
 `fedge broker`.
 
 Beyond amqtt: a CONNECT whose will is retained or names a topic its user may not publish to is refused; no
@@ -37,7 +37,7 @@ from amqtt.plugins.base import BaseAuthPlugin, BaseTopicPlugin
 from amqtt.session import Session
 
 from fedge import constants as C
-from fedge.access import DEFAULT_SERVER_USER, BrokerError, check_users, permitted, read_users
+from fedge.brokers.access import DEFAULT_SERVER_USER, BrokerError, check_users, permitted, read_users
 
 log = logging.getLogger(__name__)
 

@@ -45,7 +45,7 @@ class DatasetError(UserError, ValueError):
 
 @dataclass(frozen=True, eq=False)
 class Dataset:
-    """All images of a dataset (train and test pooled), ready to be re-split by `fedge.partition`.
+    """All images of a dataset (train and test pooled), ready to be re-split by `fedge.data.partition`.
 
     `x` is uint8 (N, C, H, W), `y` int64 (N,) in [0, len(classes)); `mean`/`std` are per channel
     of x/255. Bad shapes, dtypes or labels raise DatasetError. The arrays are made read-only

@@ -12,9 +12,9 @@ import torch
 
 from device_profiles import DeviceProfile, fits
 from fedge import constants as C
-from fedge.messages import ClientInfo, Result
-from fedge.spec import ModelSpec, tensor_shapes
-from fedge.weights import WeightsError, check_state
+from fedge.model.spec import ModelSpec, tensor_shapes
+from fedge.model.weights import WeightsError, check_state
+from fedge.wire.messages import ClientInfo, Result
 
 DTYPES = {
     "float32": torch.float32,

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from fedge.spec import ModelSpec
-from fedge.weights import State
+from fedge.model.spec import ModelSpec
+from fedge.model.weights import State
 
 # Named tensors a task or result carries besides models (DC-PFL's class means, FedMN's routing inputs): parameter-
 # style names to tensors. Records are JSON values by name (lists, numbers, strings, objects; finite numbers only).

@@ -13,9 +13,9 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from fedge import modular as _modular  # noqa: F401  (registers the `modular` layer type)
 from fedge.constants import SHAPES_CACHE_SIZE, SPEC_SCHEMA_VERSION
-from fedge.layers import LayerSpec, Shape, SpecError, layer_type
+from fedge.model import modular as _modular  # noqa: F401  (registers the `modular` layer type)
+from fedge.model.layers import LayerSpec, Shape, SpecError, layer_type
 
 Device = torch.device | str
 

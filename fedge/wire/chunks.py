@@ -20,7 +20,7 @@ from fedge.constants import (
     PENDING_SENDER_BYTES,
     PENDING_TOTAL_BYTES,
 )
-from fedge.envelope import (
+from fedge.wire.envelope import (
     HEX64,
     Envelope,
     WireError,

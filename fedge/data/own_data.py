@@ -20,7 +20,7 @@ Memory: sizes are checked as declared, before anything is decoded — the image 
 pixels (its header), each .npz member's shape and dtype (its .npy header, against the bytes the member holds).
 The reader's estimate (`max_bytes` of the read; `own_data_limit` of a device's memory) counts the raw arrays,
 every float32 tensor it builds from them and the normalised copy; over the limit raises OwnDataError.
-The headers (and a PNG's integrity) are read by fedge/data_files.py.
+The headers (and a PNG's integrity) are read by fedge/data/data_files.py.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from fedge import constants as C
-from fedge.data import Dataset, normalise
-from fedge.data_files import ZIP_ERRORS, BadMember, Member, load_member, npz_members, png_problem
+from fedge.data.data_files import ZIP_ERRORS, BadMember, Member, load_member, npz_members, png_problem
+from fedge.data.datasets import Dataset, normalise
 from fedge.errors import UserError
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""RabbitMQ deployment files for fedge.access's rules: rabbitmq.conf (an MQTT listener and nothing else),
+"""RabbitMQ deployment files for fedge.brokers.access's rules: rabbitmq.conf (an MQTT listener and nothing else),
 enabled_plugins, definitions.json (the users with hashed passwords and their permissions, loaded when a node boots)
 and users.sh (the same users and permissions, applied with rabbitmqctl to a cluster that is already running).
 
@@ -6,9 +6,10 @@ How fedge's ACL maps onto RabbitMQ 3.10's MQTT plugin: a PUBLISH (and a will) go
 ``amq.topic`` with the topic as routing key, ``/`` turned into ``.`` (``fedge/r/task/a`` → ``fedge.r.task.a``); a
 SUBSCRIBE binds the connection's queue ``mqtt-subscription-<MQTT client id>qos<0|1>`` with the filter as binding key
 (``+`` → ``*``). A user's *topic permissions* on ``amq.topic`` are two regular expressions over those keys, write
-(publish, will) and read (subscribe), in which RabbitMQ replaces ``{username}``: they are fedge.access's patterns,
+(publish, will) and read (subscribe), in which RabbitMQ replaces ``{username}``: they are fedge.brokers.access's
+patterns,
 translated. Its *vhost permissions* (configure, write, read over queue and exchange names) confine it to the queues
-of its own client ids (fedge.mqtt.mqtt_client_id) and ``amq.topic``. A refused publish or subscribe closes the
+of its own client ids (fedge.brokers.mqtt.mqtt_client_id) and ``amq.topic``. A refused publish or subscribe closes the
 connection; a refused will is dropped (RabbitMQ logs "Could not send last will").
 """
 
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Iterable
 
 from fedge import constants as C
-from fedge.access import (
+from fedge.brokers.access import (
     CLIENT_READ,
     CLIENT_WRITE,
     DEFAULT_SERVER_USER,
@@ -34,8 +35,8 @@ from fedge.access import (
     check_users,
     give_files,
 )
+from fedge.brokers.mqtt import mqtt_client_id_regex
 from fedge.files import atomic_write
-from fedge.mqtt import mqtt_client_id_regex
 
 RABBITMQ_DEFAULT_USER = "rabbitmq"  # whom Debian's rabbitmq-server started as root switches to
 VHOST = "/"
@@ -44,7 +45,7 @@ HASHING = "rabbit_password_hashing_sha256"  # RabbitMQ's default password hashin
 
 
 def routing_key_regex(patterns: Iterable[str]) -> str:
-    """A topic-permission regular expression granting exactly the routing keys of these fedge.access patterns.
+    """A topic-permission regular expression granting exactly the routing keys of these fedge.brokers.access patterns.
 
     ``+`` is one level (it also grants the ``*`` a subscription's binding key has there), a final ``#`` any
     further levels, ``%u`` the connecting user (``{username}``, which RabbitMQ fills in)."""
@@ -128,15 +129,16 @@ def rabbitmq_users_script(users: Iterable[str], users_file: Path, server_user: s
     """users.sh: make a running cluster's users those of ``users``: create or update each (password, connection
     limit, permissions), delete every other user (``guest`` included), and set the subscription-queue policy.
 
-    Passwords are read from ``users_file`` (or the script's first argument), as fedge.access.read_users reads them,
+    Passwords are read from ``users_file`` (or the script's first argument), as fedge.brokers.access.read_users reads
+    them,
     and given to rabbitmqctl on standard input, never on a command line."""
     q = shlex.quote
     names = sorted(set(users))
     lines = [
         "#!/bin/sh",
         "# fedge's users, permissions and queue policy on a running RabbitMQ node or cluster (written by",
-        "# fedge.rabbitmq). Users not listed here are deleted. Run on any node, as a user that may run rabbitmqctl",
-        "# and read USERS_FILE:  sh users.sh [USERS_FILE]   (RABBITMQCTL: another rabbitmqctl)",
+        "# fedge.brokers.rabbitmq). Users not listed here are deleted. Run on any node, as a user that may run",
+        "# rabbitmqctl and read USERS_FILE:  sh users.sh [USERS_FILE]   (RABBITMQCTL: another rabbitmqctl)",
         "set -eu",
         f"USERS=${{1:-{q(str(users_file))}}}",
         "CTL=${RABBITMQCTL:-rabbitmqctl}",
@@ -193,7 +195,7 @@ def write_rabbitmq_config(
     conf, plugins = directory / "rabbitmq.conf", directory / "enabled_plugins"
     definitions, script = directory / "definitions.json", directory / "users.sh"
     lines = [
-        "# RabbitMQ 3.10 configuration written by fedge.rabbitmq: MQTT only, fedge's users and permissions.",
+        "# RabbitMQ 3.10 configuration written by fedge.brokers.rabbitmq: MQTT only, fedge's users and permissions.",
         "# No AMQP listener: fedge speaks MQTT only.",
         "listeners.tcp = none",
         *(["mqtt.listeners.tcp = none"] if tls else []),

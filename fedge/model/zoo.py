@@ -52,10 +52,10 @@ import numpy as np
 
 from fedge import constants as C
 from fedge.errors import UserError
-from fedge.layers import LayerSpec as L
-from fedge.layers import SpecError
+from fedge.model.layers import LayerSpec as L
+from fedge.model.layers import SpecError
+from fedge.model.spec import ModelSpec, make_spec
 from fedge.registry import Registry
-from fedge.spec import ModelSpec, make_spec
 
 Factory = Callable[[int, int, int, str], ModelSpec]
 
@@ -412,7 +412,7 @@ def mlp(input_shape: tuple[int, int, int], depth: int, num_classes: int) -> Mode
     return make_spec(f"mlp{depth}", input_shape, num_classes, blocks)
 
 
-# FedMN's modular networks (Wang et al. 2022, fedge/modular.py), named fedmn_<units>_<encoder>: e.g.
+# FedMN's modular networks (Wang et al. 2022, fedge/model/modular.py), named fedmn_<units>_<encoder>: e.g.
 # fedmn_2x2x2_mobilenet_v2 (the paper's CIFAR-10 pool, Table I), fedmn_3x3x3_cnn1, fedmn_1x4x3_fc (§IV-D's MLP pool).
 # The encoder is a zoo model without its last block (its representation), or "fc": one linear layer of the hidden
 # width. The MLP blocks are Linear(hidden) → ReLU → Dropout(0.5) (the authors' MLP_block; their modular_hdims

@@ -10,12 +10,12 @@ from typing import Any
 import torch
 from safetensors.torch import save as st_save
 
-from fedge import tensorblob
 from fedge.constants import MAX_ERROR_CHARS, MAX_HEADER_BYTES, MAX_PAYLOAD_BYTES
-from fedge.envelope import HEX32, WireError, check_finite_json, check_int, check_str, exact_keys, json_loads
-from fedge.messages import ClientInfo, Records, Result, Task, Tensors, Weights
-from fedge.spec import ModelSpec, SpecError, tensor_shapes
-from fedge.weights import WeightsError, all_finite, from_bytes, to_bytes
+from fedge.model.spec import ModelSpec, SpecError, tensor_shapes
+from fedge.model.weights import WeightsError, all_finite, from_bytes, to_bytes
+from fedge.wire import tensorblob
+from fedge.wire.envelope import HEX32, WireError, check_finite_json, check_int, check_str, exact_keys, json_loads
+from fedge.wire.messages import ClientInfo, Records, Result, Task, Tensors, Weights
 
 _LEN_BYTES = 8
 _ALIGN = 8  # the body starts at a multiple of this (tensorblob.parse views tensors that land 64-byte aligned)
@@ -154,7 +154,7 @@ def _spans(index: dict[str, Any], tensors: Any, body: memoryview) -> dict[str | 
 def _unpack_models(
     index: dict[str, Any], spans: dict[str | None, tuple[int, int]], body: memoryview
 ) -> dict[str, Weights]:
-    """Parse each model's blob in place (fedge.weights.from_bytes: spec, keys, shapes, dtypes, finite values)."""
+    """Parse each model's blob in place (fedge.model.weights.from_bytes: spec, keys, shapes, dtypes, finite values)."""
     models: dict[str, Weights] = {}
     for role in index:
         start, length = spans[role]
