@@ -43,9 +43,9 @@ from bench.fedtrans import cell, read_rows  # noqa: E402
 from bench.paired import verdict as paired_verdict  # noqa: E402
 from bench.runs import add_chunk_flag, chunk_deadline, guarded, not_finished, run_all, run_one  # noqa: E402
 from fedge.config import RunConfig  # noqa: E402
-from fedge.model.modular import ROUTER, block_of, elements  # noqa: E402
 from fedge.model.spec import tensor_shapes  # noqa: E402
 from fedge.model.zoo import MODELS, create, is_model  # noqa: E402
+from methods.fedmn.modular import ROUTER, block_of, elements  # noqa: E402
 from server.strategy import parse_options  # noqa: E402
 
 DATASET, INPUT, CLASSES = "cifar10", (3, 32, 32), 10

@@ -31,9 +31,9 @@ from bench.compare import hardware  # noqa: E402
 from fedge import constants as C  # noqa: E402
 from fedge.brokers.transport import Handler  # noqa: E402
 from fedge.config import RunConfig, config_from  # noqa: E402
-from fedge.model.modular import NEXT_ROUTE, ROUTING  # noqa: E402
 from fedge.wire.messages import Result, Task, Weights  # noqa: E402
 from launch.simulation import run_simulation  # noqa: E402
+from methods.fedmn.modular import NEXT_ROUTE, ROUTING  # noqa: E402
 
 FLEETS: dict[str, dict[str, Any]] = {  # strategy -> the run keys of its fleet
     "fedavg": {"zoo": "cnn1"},

@@ -1,12 +1,13 @@
 """Methods found through the `fedge.methods` entry points: fedge's own (declared in its pyproject.toml) and those of
 any installed package, loaded half by half when a registry is first read.
 
-An entry point names a method's package (`fedprox = "methods.fedprox"`, or `mymethod = "my_package.mymethod"`).
-Its halves are submodules by convention, each optional: `server` registers strategies (server.strategy's
-STRATEGIES), `client` registers task handlers (edge_client.agent's TASKS). A device importing the client halves
-never imports a server half, so `fedge client` stays free of server code. The package itself (its __init__) may
-declare PAPER_FLEETS (strategy → fedge.config.PaperFleet: the fleet its paper ran on), which the run's config reads
-on both sides.
+An entry point names a method's package (`fedprox = "methods.fedprox"`, or `mymethod = "my_package.mymethod"`). Its
+halves are submodules by convention, each optional: `models` registers its own layer types and model families
+(fedge.model.layers' LAYER_TYPES, fedge.model.zoo's FAMILIES: what both sides need to build its models), `server`
+registers strategies (server.strategy's STRATEGIES), `client` registers task handlers (edge_client.agent's TASKS). A
+device importing the client halves never imports a server half, so `fedge client` stays free of server code. The
+package itself (its __init__) may declare PAPER_FLEETS (strategy → fedge.config.PaperFleet: the fleet its paper ran
+on), which the run's config reads on both sides.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from types import ModuleType
 from fedge.errors import UserError
 
 GROUP = "fedge.methods"
-HALVES = ("server", "client")
+HALVES = ("models", "server", "client")
 
 
 class PluginError(UserError):
@@ -62,8 +63,8 @@ def package_attributes(name: str) -> dict[str, object]:
 
 
 def load_methods(half: str) -> list[str]:
-    """Import the `half` submodule (server or client) of every declared method that has one, which registers what
-    it holds; the names of the modules imported. A malformed entry point or a failing import raises PluginError."""
+    """Import the `half` submodule (models, server or client) of every declared method that has one, which registers
+    what it holds; the names of the modules imported. A malformed entry point or a failing import raises PluginError."""
     if half not in HALVES:
         raise ValueError(f"half must be one of {HALVES}, got {half!r}")
     loaded = []

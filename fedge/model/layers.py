@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedge.errors import UserError
+from fedge.plugins import load_methods
 from fedge.registry import Registry
 
 Shape = tuple[int, ...]
@@ -56,7 +58,8 @@ class LayerType:
         return math.prod(self.out_shape(args, shape))
 
 
-LAYER_TYPES: Registry[LayerType] = Registry("layer type", SpecError)
+# the built-in types below, and those of the methods' `models` modules (FedMN's `modular`, fedge.plugins) on first read
+LAYER_TYPES: Registry[LayerType] = Registry("layer type", SpecError, partial(load_methods, "models"))
 register_layer = LAYER_TYPES.add
 layer_type = LAYER_TYPES.get  # an unknown name raises SpecError listing the known ones
 

@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from fedge.constants import SHAPES_CACHE_SIZE, SPEC_SCHEMA_VERSION
-from fedge.model import modular as _modular  # noqa: F401  (registers the `modular` layer type)
 from fedge.model.layers import LayerSpec, Shape, SpecError, layer_type
 
 Device = torch.device | str

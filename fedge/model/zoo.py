@@ -46,6 +46,8 @@ jetson-orin-nano) takes every model at both presets.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Sequence
 
 import numpy as np
@@ -53,8 +55,8 @@ import numpy as np
 from fedge import constants as C
 from fedge.errors import UserError
 from fedge.model.layers import LayerSpec as L
-from fedge.model.layers import SpecError
 from fedge.model.spec import ModelSpec, make_spec
+from fedge.plugins import load_methods
 from fedge.registry import Registry
 
 Factory = Callable[[int, int, int, str], ModelSpec]
@@ -68,6 +70,30 @@ MODELS: Registry[Factory] = Registry("model", ZooError)
 register_model = MODELS.register  # decorator: `(in_channels, image_size, num_classes, widths) -> ModelSpec`
 
 
+@dataclass(frozen=True)
+class Family:
+    """Models named by a pattern rather than one by one (mlp<depth>, FedMN's fedmn_<units>_<encoder>): `pattern`
+    (fully matched), `build(match, (C, H, W), num_classes, widths)` and `known(match)`, whether a matching name is a
+    model (e.g. its encoder exists)."""
+
+    pattern: re.Pattern[str]
+    build: Callable[[re.Match[str], tuple[int, int, int], int, str], ModelSpec]
+    known: Callable[[re.Match[str]], bool] = lambda match: True
+
+
+# mlp<depth> below; a method package's `models` module may add its own (fedge.plugins), loaded on first read
+FAMILIES: Registry[Family] = Registry("model family", ZooError, partial(load_methods, "models"))
+
+
+def family_of(name: str) -> tuple[Family, re.Match[str]] | None:
+    """The model family whose pattern `name` matches, with the match; None for none."""
+    for family in FAMILIES:
+        match = FAMILIES.get(family).pattern.fullmatch(name)
+        if match is not None:
+            return FAMILIES.get(family), match
+    return None
+
+
 def check_widths(widths: str) -> str:
     """`widths` if it names a width preset (constants.WIDTHS), else ZooError listing them."""
     if widths not in C.WIDTHS:
@@ -78,27 +104,25 @@ def check_widths(widths: str) -> str:
 def create(name: str, input_shape: Sequence[int], num_classes: int, widths: str = C.DEFAULT_WIDTHS) -> ModelSpec:
     """Build the spec of a zoo model for a (C, H, W) input at a width preset; unknown names or widths raise
     ZooError."""
-    modular = FEDMN_NAME.fullmatch(name)
-    mlp_depth = MLP_NAME.fullmatch(name)
-    factory = MODELS.get(name) if modular is None and mlp_depth is None else None
+    found = family_of(name) if name not in MODELS else None
+    factory = MODELS.get(name) if found is None else None
     check_widths(widths)
     c, h, w = input_shape
     if h != w:
         raise ZooError(f"zoo models take square images, got {h}x{w}")
-    if modular is not None:
-        return fedmn_network(name, modular[1], modular[2], (c, h, w), num_classes, widths)
-    if mlp_depth is not None:
-        return mlp((c, h, w), int(mlp_depth[1]), num_classes)
+    if found is not None:
+        family, match = found
+        return family.build(match, (c, h, w), num_classes, widths)
     return factory(c, h, num_classes, widths)
 
 
 def is_model(name: str) -> bool:
-    """Whether `name` is a zoo model: a registered one, an MLP (mlp<depth>) or a FedMN modular network
-    (fedmn_<units>_<encoder>)."""
-    if MLP_NAME.fullmatch(name):
+    """Whether `name` is a zoo model: a registered one, or one of a family (an MLP, mlp<depth>; a FedMN modular
+    network, fedmn_<units>_<encoder>, methods/fedmn/models.py) that the family knows."""
+    if name in MODELS:
         return True
-    match = FEDMN_NAME.fullmatch(name)
-    return name in MODELS if match is None else match[2] in MODELS or match[2] == FEDMN_FC
+    found = family_of(name)
+    return found is not None and found[0].known(found[1])
 
 
 def _conv(out: int, k: int, stride: int = 1, bias: bool = True, padding: int | None = None) -> L:
@@ -412,47 +436,4 @@ def mlp(input_shape: tuple[int, int, int], depth: int, num_classes: int) -> Mode
     return make_spec(f"mlp{depth}", input_shape, num_classes, blocks)
 
 
-# FedMN's modular networks (Wang et al. 2022, fedge/model/modular.py), named fedmn_<units>_<encoder>: e.g.
-# fedmn_2x2x2_mobilenet_v2 (the paper's CIFAR-10 pool, Table I), fedmn_3x3x3_cnn1, fedmn_1x4x3_fc (§IV-D's MLP pool).
-# The encoder is a zoo model without its last block (its representation), or "fc": one linear layer of the hidden
-# width. The MLP blocks are Linear(hidden) → ReLU → Dropout(0.5) (the authors' MLP_block; their modular_hdims
-# [512, 256] give 256 at the paper preset), the last layer's blocks give the logits. The routing hypernetwork's φx is
-# the encoder's architecture with a linear map to 128 (for "fc": one linear layer, §IV-D), φy maps the one-hot
-# label to 64 (the authors' policy_hdim_x / policy_hdim_y).
-FEDMN_NAME = re.compile(r"fedmn_(\d+(?:x\d+)+)_(\w+)")
-FEDMN_FC = "fc"
-FEDMN_HIDDEN = {"cpu": 128, "paper": 256}
-FEDMN_DROPOUT = 0.5
-FEDMN_ROUTER_X, FEDMN_ROUTER_Y = 128, 64
-
-
-def fedmn_network(
-    name: str, units: str, encoder: str, input_shape: tuple[int, int, int], num_classes: int, widths: str
-) -> ModelSpec:
-    """The modular network `name` (fedmn_<units>_<encoder>); ZooError for an unknown encoder or one whose last block
-    does not take a vector."""
-    hidden = FEDMN_HIDDEN[widths]
-    if encoder == FEDMN_FC:
-        layers = [FLAT, L("linear", {"out_features": hidden}), RELU]
-        phi_x = [FLAT, L("linear", {"out_features": FEDMN_ROUTER_X})]
-    else:
-        if encoder not in MODELS:
-            raise ZooError(f"unknown FedMN encoder {encoder!r} in {name!r}; use fc or one of {', '.join(MODELS)}")
-        full = create(encoder, input_shape, num_classes, widths)
-        if len(full.blocks[-1].in_shape) != 1:
-            raise ZooError(f"{encoder!r} cannot be a FedMN encoder: its last block takes a map, not a vector")
-        layers = [layer for block in full.blocks[:-1] for layer in block.layers]
-        phi_x = [*layers, L("linear", {"out_features": FEDMN_ROUTER_X})]
-    counts = [int(n) for n in units.split("x")]
-    args = {
-        "units": counts,
-        "encoder": [layer.to_dict() for layer in layers],
-        "widths": [hidden] * (len(counts) - 2) + [num_classes],
-        "dropout": FEDMN_DROPOUT,
-        "router_x": [layer.to_dict() for layer in phi_x],
-        "router_y": FEDMN_ROUTER_Y,
-    }
-    try:
-        return make_spec(name, input_shape, num_classes, [("modular", [L("modular", args)])])
-    except SpecError as e:
-        raise ZooError(f"{name!r}: {e}") from None
+FAMILIES.add("mlp", Family(MLP_NAME, lambda match, shape, classes, widths: mlp(shape, int(match[1]), classes)))

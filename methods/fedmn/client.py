@@ -1,5 +1,5 @@
 """FedMN's client (Wang et al., ICDM 2022, Algorithm 1 lines 6-13): the `modular_train` and `modular_evaluate`
-tasks on a client whose own model is a modular network (fedge/model/modular.py).
+tasks on a client whose own model is a modular network (methods/fedmn/modular.py).
 
 `modular_train`, one round:
 - take the router and the blocks the task's route reaches from the server (line 9, §II-E): only those arrive;
@@ -35,7 +35,10 @@ from edge_client.agent import ClientAgent, TaskError, register_task
 from edge_client.tasks import train_config, train_settings, training_result
 from edge_client.training import Objective, evaluate, fit
 from fedge.model.layers import SpecError
-from fedge.model.modular import (
+from fedge.model.spec import SpecModel
+from fedge.seeding import derive_seed
+from fedge.wire.messages import Result, Task
+from methods.fedmn.modular import (
     NEXT_ROUTE,
     ROUTE,
     ROUTING,
@@ -49,9 +52,6 @@ from fedge.model.modular import (
     uploaded,
     with_path,
 )
-from fedge.model.spec import SpecModel
-from fedge.seeding import derive_seed
-from fedge.wire.messages import Result, Task
 from methods.fedmn.tasks import ModularTrainTask
 
 

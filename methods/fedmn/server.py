@@ -2,7 +2,7 @@
 client trains the blocks on its own route, and the server averages every block over the clients that used it.
 
 What fedge does as the paper does (the client half is methods/fedmn/client.py):
-- the global modular pool and router (line 3), one modular architecture for the fleet (fedge/model/modular.py; the
+- the global modular pool and router (line 3), one modular architecture for the fleet (methods/fedmn/modular.py; the
   zoo's fedmn_<units>_<encoder>, e.g. fedmn_2x2x2_mobilenet_v2 for the paper's CIFAR-10 [2×2×2]);
 - every round (lines 4-15): a client gets the router and the global values of the blocks its route uses (line 9,
   §II-E), trains, and uploads the router and those blocks (line 13); the upload is refused unless it holds exactly
@@ -21,7 +21,7 @@ Where fedge departs or chooses (docs/deviations.md):
   training left it: Algorithm 1 samples it at the start of round t (lines 6-7) with the same local router, before
   copying from the server (line 9); sampling it a task earlier is what lets the server send only that route's
   blocks. A client whose route the server does not know yet trains with every path on, like the warm-up;
-- a block is active when it lies on a path from the input to the output (fedge/model/modular.py);
+- a block is active when it lies on a path from the input to the output (methods/fedmn/modular.py);
 - a client is evaluated, as the authors' code does, on the global pool with its own most likely route (the model
   `final_models` leaves per client and the run exports);
 - the shares are capped at `max_client_share` (an example count is a client's word), as FedAvg's.
@@ -39,7 +39,12 @@ import torch
 from fedge import constants as C
 from fedge.checkpoint import Tree
 from fedge.config import ConfigError
-from fedge.model.modular import (
+from fedge.model.spec import build, parameter_names, tensor_shapes
+from fedge.seeding import derive_seed
+from fedge.wire.messages import ClientInfo, Result, Task, Weights, client_order
+from fedge.wire.payloads import Expected, TensorSlot
+from methods.fedavg.server import checkpoint_global
+from methods.fedmn.modular import (
     NEXT_ROUTE,
     ROUTE,
     ROUTER,
@@ -58,11 +63,6 @@ from fedge.model.modular import (
     uploaded,
     used_blocks,
 )
-from fedge.model.spec import build, parameter_names, tensor_shapes
-from fedge.seeding import derive_seed
-from fedge.wire.messages import ClientInfo, Result, Task, Weights, client_order
-from fedge.wire.payloads import Expected, TensorSlot
-from methods.fedavg.server import checkpoint_global
 from methods.fedmn.tasks import ModularTrainTask
 from server.aggregation import capped_shares, combine
 from server.bounds import tensors_norm

@@ -21,11 +21,11 @@ import torch
 from edge_client.agent import ClientAgent, TaskError
 from fedge.checkpoint import load_tree, tree_digest
 from fedge.model import zoo
-from fedge.model.modular import NEXT_ROUTE, ROUTE, ROUTING
 from fedge.model.spec import tensor_shapes
 from fedge.model.weights import load_model
 from fedge.wire.messages import Result, Task
 from launch.simulation import run_simulation
+from methods.fedmn.modular import NEXT_ROUTE, ROUTE, ROUTING
 from server.runlog import CHECKPOINT_FILE
 
 from helpers.federation import (
@@ -62,8 +62,8 @@ def fleet(out, **kw):
 
 
 # ---------------------------------------------------------------------------------------------- routes, by hand
-# Independent of fedge/model/modular.py: a path's index from the layout its docstring states, a block's tensors from its
-# state name, the blocks a route uses as those on a complete chain input → encoder → ... → output, and the blocks it
+# Independent of methods/fedmn/modular.py: a path's index from the layout its docstring states, a block's tensors from
+# its state name, the blocks a route uses as those on a complete chain input → encoder → ... → output, and the blocks it
 # reaches as every encoder and what a path that is on leads to from a reached block.
 
 

@@ -11,18 +11,6 @@ from torch.nn import functional as F
 import edge_client  # noqa: F401  (registers the task handlers)
 from edge_client.agent import ClientAgent, ClientData, TaskError
 from edge_client.training import evaluate
-from fedge.model.modular import (
-    NEXT_ROUTE,
-    ROUTE,
-    ROUTING,
-    block_names,
-    block_of,
-    downloaded,
-    has_path,
-    layout_of,
-    net_of,
-    uploaded,
-)
 from fedge.model.spec import build
 from fedge.model.zoo import create
 from fedge.wire.messages import Task
@@ -34,6 +22,18 @@ from methods.fedmn.client import (
     relaxed_bernoulli,
     router_backward,
     straight_through,
+)
+from methods.fedmn.modular import (
+    NEXT_ROUTE,
+    ROUTE,
+    ROUTING,
+    block_names,
+    block_of,
+    downloaded,
+    has_path,
+    layout_of,
+    net_of,
+    uploaded,
 )
 from methods.fedmn.tasks import ModularTrainTask
 

@@ -1,4 +1,4 @@
-"""FedMN's modular network (fedge/model/modular.py): the units of a layer are distinct, Eq. (11) on hand-built masks
+"""FedMN's modular network (methods/fedmn/modular.py): the units of a layer are distinct, Eq. (11) on hand-built masks
 (the
 no-input case included), which blocks a route reaches and uses, the forced path is the most likely chain, forward
 runs exactly the route (straight-through gates included), and what a route exchanges."""
@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from device_profiles import fits, get_profile
-from fedge.model.modular import (
+from fedge.model.spec import build, tensor_shapes
+from fedge.model.zoo import create
+from methods.fedmn.modular import (
     ROUTER,
     Layout,
     best_path,
@@ -28,8 +30,6 @@ from fedge.model.modular import (
     used_blocks,
     with_path,
 )
-from fedge.model.spec import build, tensor_shapes
-from fedge.model.zoo import create
 
 pytestmark = pytest.mark.timeout(60)
 SPEC = create("fedmn_2x2x2_fc", (1, 4, 4), 10)

@@ -9,7 +9,11 @@ import pytest
 import torch
 
 from device_profiles import get_profile
-from fedge.model.modular import (
+from fedge.model.spec import build
+from fedge.model.zoo import create
+from fedge.wire.messages import ClientInfo, Result
+from fedge.wire.payloads import payload_rejection
+from methods.fedmn.modular import (
     NEXT_ROUTE,
     ROUTE,
     ROUTER,
@@ -20,10 +24,6 @@ from fedge.model.modular import (
     router_macs,
     uploaded,
 )
-from fedge.model.spec import build
-from fedge.model.zoo import create
-from fedge.wire.messages import ClientInfo, Result
-from fedge.wire.payloads import payload_rejection
 from server.aggregation import weighted_average
 from server.coordinator import Coordinator, LoopConfig
 from server.runlog import RunLog
