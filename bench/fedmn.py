@@ -1,9 +1,9 @@
-"""FedMN against FedAvg, FedProx, FedAvg+, pFedMe and local training: the FedMN paper's Table II on CIFAR-10 (FedEM's
-clustered split: the classes in 3 groups, each group split over the clients by Dir(0.4); every client active every
-round) and its Fig. 2 (accuracy after 20 rounds against the parameters transmitted: FedMN pools [1×b×c] of 8, 9 and
-10 blocks, the paper's [1×4×3], [1×3×4], [1×2×5], [1×5×2] and every such split at 9 and 10, on a fully connected
-encoder, each against FedAvg on an MLP of as many layers, 256 hidden units), with how the clients' routings evolve,
-scaled down for a CPU, over seeds.
+"""FedMN against FedAvg, FedProx, FedAvg+, pFedMe, Per-FedAvg and local training: the FedMN paper's Table II on
+CIFAR-10 (FedEM's clustered split: the classes in 3 groups, each group split over the clients by Dir(0.4); every
+client active every round) and its Fig. 2 (accuracy after 20 rounds against the parameters transmitted: FedMN pools
+[1×b×c] of 8, 9 and 10 blocks, the paper's [1×4×3], [1×3×4], [1×2×5], [1×5×2] and every such split at 9 and 10, on a
+fully connected encoder, each against FedAvg on an MLP of as many layers, 256 hidden units), with how the clients'
+routings evolve, scaled down for a CPU, over seeds.
 
     python bench/fedmn.py --jobs 2                                    # both views, 3 seeds
     python bench/fedmn.py --views table2 --seeds 0 --rounds 5         # a quick look
@@ -18,11 +18,11 @@ routing hypernetwork, which is exchanged every round), FedAvg's the whole model 
 bytes on the wire are measured for both.
 
 Directions checked (the paper's claims; accuracy on the per-seed paired differences): Table II FedMN above FedAvg,
-FedProx, FedAvg+ and pFedMe, FedAvg+ and pFedMe above FedAvg, FedAvg > local; Fig. 2 each FedMN pool transmits fewer
-parameters than FedAvg's MLP of as many blocks and is more accurate, and the 10-layer MLP trails the 8-layer one
-under FedAvg. Differences between methods mean something only where federation beats training alone (FedAvg >
-local): if it does not at the default scale, raise --samples, --clients, --rounds. Routing evolution: per round, how
-many distinct routings the clients hold and how many clients changed theirs since the previous round. Use
+FedProx, FedAvg+, pFedMe and Per-FedAvg, the personalized three above FedAvg, FedAvg > local; Fig. 2 each FedMN pool
+transmits fewer parameters than FedAvg's MLP of as many blocks and is more accurate, and the 10-layer MLP trails the
+8-layer one under FedAvg. Differences between methods mean something only where federation beats training alone
+(FedAvg > local): if it does not at the default scale, raise --samples, --clients, --rounds. Routing evolution: per
+round, how many distinct routings the clients hold and how many clients changed theirs since the previous round. Use
 OMP_NUM_THREADS=1 on a small machine and --jobs to run settings side by side."""
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ TABLE2: dict[str, str] = {
     "FedProx": "fedprox",
     "FedAvg+": "fedavg+",
     "pFedMe": "pfedme",
+    "Per-FedAvg": "perfedavg",  # not in FedMN's table (pFedClub's and pFedHR's Table 2 have it): no paper number
     "FedMN": "fedmn",
 }
 # CIFAR-10, %; FedMN reuses FedEM's numbers for its baselines (its §IV-C)
@@ -252,10 +253,10 @@ def checks2(results: dict[str, list[dict[str, Any]]]) -> list[str]:
     FedAvg > local, and the personalized baselines FedAvg+ and pFedMe above FedAvg (the paper's CIFAR-10 row)."""
     acc = {m: [r["acc"] for r in runs] for m, runs in results.items()}
     out = []
-    for other in ("FedAvg", "FedProx", "FedAvg+", "pFedMe"):
+    for other in ("FedAvg", "FedProx", "FedAvg+", "pFedMe", "Per-FedAvg"):
         if {"FedMN", other} <= set(acc):
             out.append(paired_verdict("FedMN", acc["FedMN"], other, acc[other]))
-    for personalized in ("FedAvg+", "pFedMe"):
+    for personalized in ("FedAvg+", "pFedMe", "Per-FedAvg"):
         if {personalized, "FedAvg"} <= set(acc):
             out.append(paired_verdict(personalized, acc[personalized], "FedAvg", acc["FedAvg"]))
     if {"FedAvg", "local"} <= set(acc):

@@ -145,24 +145,40 @@ def test_a_tiny_benchmark_runs_and_reuses_its_finished_runs(tmp_path, capsys):
     argv += ["--data", str(data), "--out", str(tmp_path)]
     assert fedmn.main(argv) == 0
     out = capsys.readouterr().out
-    for text in ("## Table II", "| local |", "| FedAvg |", "| FedProx |", "| FedAvg+ |", "| pFedMe |", "| FedMN |"):
+    for text in (
+        "## Table II",
+        "| local |",
+        "| FedAvg |",
+        "| FedProx |",
+        "| FedAvg+ |",
+        "| pFedMe |",
+        "| Per-FedAvg |",
+    ):
         assert text in out
     assert "## Fig. 2" in out and "| FedMN [1×4×3] |" in out
     assert "| FedAvg 8-layer MLP |" in out and "## Routing evolution" in out and "| round | Table II FedMN |" in out
     summaries = sorted(tmp_path.glob("*/*/summary.json"))
-    assert len(summaries) == 6 + 2
+    assert len(summaries) == 7 + 2
     assert not list(tmp_path.glob("*/*/clients")) and not list(tmp_path.glob("*/*/checkpoint.safetensors"))
     results = json.loads((tmp_path / "results.json").read_text())
     assert set(results) == {"date", "command", "hardware", "scale", "paper", "results", "checks", "wall_seconds"}
-    assert set(results["results"]["table2"]) == {"local", "FedAvg", "FedProx", "FedAvg+", "pFedMe", "FedMN"}
+    assert set(results["results"]["table2"]) == {
+        "local",
+        "FedAvg",
+        "FedProx",
+        "FedAvg+",
+        "pFedMe",
+        "Per-FedAvg",
+        "FedMN",
+    }
     assert set(results["results"]["fig2"]) == {"FedMN [1×4×3]", "FedAvg 8-layer MLP"}
     table2 = results["results"]["table2"]
     assert table2["local"][0]["sent"] == 0
     assert table2["FedAvg"][0]["sent"] == 2 * 3 * 2 * table2["FedAvg"][0]["params"]  # down + up, 3 clients, 2 rounds
     evolution = table2["FedMN"][0]["routing"]
     assert [r["round"] for r in evolution] == [0, 1] and all(r["clients"] == 3 for r in evolution)
-    # FedMN against 4 methods, FedAvg+ and pFedMe against FedAvg, FedAvg and FedMN against local
-    assert results["scale"]["clients"] == 3 and len(results["checks"]["table2"]) == 8
+    # FedMN against 5 methods, the 3 personalized baselines against FedAvg, FedAvg and FedMN against local
+    assert results["scale"]["clients"] == 3 and len(results["checks"]["table2"]) == 10
     stamps = [p.stat().st_mtime_ns for p in summaries]
     assert fedmn.main(argv) == 0
     assert [p.stat().st_mtime_ns for p in summaries] == stamps
