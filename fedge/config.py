@@ -211,15 +211,22 @@ def run_keys() -> list[str]:
     return [f.name for f in fields(RunConfig) if f.name != "options"]
 
 
+OPTION_PREFIX = "options."  # `--set options.NAME=V`: the strategy's option NAME even where NAME is a run-level key
+
+
 def config_from(values: Mapping[str, Any], base: RunConfig | None = None) -> RunConfig:
-    """Apply `values` over `base` (defaults if None): run-level keys are checked here; an `options` table and every
-    other key are the strategy's options, added to base's (checked by the server side against the strategy)."""
+    """Apply `values` over `base` (defaults if None): run-level keys are checked here; an `options` table, keys
+    `options.NAME` (an option named as a run-level key: `--set options.alpha=0.5` is FedTrans's α, `--set alpha=`
+    the Dirichlet's) and every other key are the strategy's options, added to base's (checked by the server side
+    against the strategy)."""
     base = base or RunConfig()
     hints = typing.get_type_hints(RunConfig)
     table = values.get("options", {})
     if not isinstance(table, Mapping):
         raise ConfigError(f"options must be a table of the strategy's options (TOML [options]), got {table!r}")
-    options = dict(base.options) | dict(table) | {k: v for k, v in values.items() if k not in hints}
+    named = {k.removeprefix(OPTION_PREFIX): v for k, v in values.items() if k.startswith(OPTION_PREFIX)}
+    loose = {k: v for k, v in values.items() if k not in hints and not k.startswith(OPTION_PREFIX)}
+    options = dict(base.options) | dict(table) | loose | named
     changes = {k: coerce(k, hints[k], v) for k, v in values.items() if k in hints and k != "options"}
     return dataclasses.replace(base, **changes, options=options)
 

@@ -1,12 +1,12 @@
 """`perfedavg` (Fallah, Mokhtari, Ozdaglar, NeurIPS 2020, Algorithm 1; a homogeneous baseline of pFedClub and pFedHR
-Table 2): FedAvg's server (its averaging and checkpoint, methods/fedavg/server.py) with the clients' local MAML steps
-(`meta_train`, methods/perfedavg/client.py); every evaluation personalizes the global model by one step of size α on
-the client's own data (`meta_evaluate`).
+Table 2): FedAvg's server (its averaging and checkpoint, methods/fedavg/server.py) with the clients' local MAML
+steps (`meta_train`, methods/perfedavg/client.py); every evaluation personalizes the global model by one step of
+size α on the client's own data (`meta_evaluate`).
 
 Where fedge chooses (docs/deviations.md): the first-order version (Per-FedAvg (FO)), as the implementations the
-comparing papers ran; α = 0.01 and β = 0.001 (none of the seed papers reports them); the run's local epochs give τ:
-one meta step per pair of batches of each epoch; torch clients only (an ExecuTorch training program takes no meta
-step).
+comparing papers ran; α = 0.01 and β = 0.001 (options `inner_lr`, `outer_lr`) (none of the seed papers reports
+them); the run's local epochs give τ: one meta step per pair of batches of each epoch; torch clients only (an
+ExecuTorch training program takes no meta step).
 """
 
 from __future__ import annotations
@@ -28,13 +28,14 @@ from server.strategy import option, register_strategy, torch_profiles
 class PerFedAvgOptions(FedAvgOptions):
     """FedAvg's option and the step sizes of Algorithm 1."""
 
-    alpha: float = option(0.01, "α: the inner SGD step, and the personalization step at evaluation (Eq. 8)")
-    beta: float = option(0.001, "β: the outer (meta) SGD step of Algorithm 1 line 8")
+    # named for what they are, not α and β: `alpha` is the run's Dirichlet key, which `--set alpha=` would set instead
+    inner_lr: float = option(0.01, "α: the inner SGD step, and the personalization step at evaluation (Eq. 8)")
+    outer_lr: float = option(0.001, "β: the outer (meta) SGD step of Algorithm 1 line 8")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not all(v > 0 and math.isfinite(v) for v in (self.alpha, self.beta)):
-            raise ConfigError(f"alpha and beta must be finite numbers > 0, got {self.alpha}, {self.beta}")
+        if not all(v > 0 and math.isfinite(v) for v in (self.inner_lr, self.outer_lr)):
+            raise ConfigError(f"inner_lr and outer_lr must be finite numbers > 0, got {self.inner_lr}, {self.outer_lr}")
 
 
 @register_strategy("perfedavg", PerFedAvgOptions)
@@ -48,7 +49,7 @@ class PerFedAvg(FedAvg):
     def settings(self, upload: bool) -> dict[str, Any]:
         """A MetaTask's config with this run's local training and the options' α and β."""
         base = dataclasses.asdict(self.train_task(upload=upload))
-        return MetaTask(**base, alpha=self.options.alpha, beta=self.options.beta).to_config()
+        return MetaTask(**base, alpha=self.options.inner_lr, beta=self.options.outer_lr).to_config()
 
     def plan(self, rnd: int, active: Sequence[str]) -> dict[str, Task]:
         self.shares = {}

@@ -5,13 +5,14 @@ of one epoch on 40 samples per client, in one process)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
-from fedge.config import RunConfig, load_config, load_config_chosen, paper_fleets
+from fedge.config import RunConfig, load_config, load_config_chosen, paper_fleets, parse_overrides
 from launch.cli import main
-from server.strategy import STRATEGIES
+from server.strategy import STRATEGIES, parse_options
 
 pytestmark = pytest.mark.timeout(240)
 SCALE = ["--transport", "inproc", "--workers", "1", "--rounds", "1", "--local-epochs", "1", "--no-progress"]
@@ -64,3 +65,21 @@ def test_a_flag_the_config_file_or_set_wins_over_the_paper_fleet(tmp_path):
 
 def test_every_paper_fleet_is_a_registered_strategys():
     assert set(paper_fleets()) <= set(STRATEGIES)
+
+
+def test_an_option_named_as_a_run_level_key_is_set_as_options_name():
+    # `--set alpha=` is the Dirichlet's alpha; FedTrans's option alpha is reached as options.alpha, for every such
+    # option of every registered strategy
+    run_level = {f.name for f in dataclasses.fields(RunConfig)}
+    shadowed = [
+        (name, option, default)
+        for name in STRATEGIES
+        for option, _, default, _ in STRATEGIES.get(name).options_type.describe()
+        if option in run_level
+    ]
+    assert ("fedtrans", "alpha", 0.9) in shadowed
+    for name, option, default in shadowed:
+        cfg = load_config(None, parse_overrides([f"strategy={name}", f"{option}=0.25", f"options.{option}={default}"]))
+        assert cfg.options == {option: str(default)} and getattr(cfg, option) == 0.25, (name, option)
+        parsed = parse_options(name, cfg.options)
+        assert getattr(parsed, option) == default

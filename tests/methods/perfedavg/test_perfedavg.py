@@ -69,5 +69,5 @@ def test_meta_training_moves_the_model_and_evaluation_leaves_it():
 def test_a_client_with_one_example_and_bad_steps_are_refused():
     with pytest.raises(TaskError, match="needs two batches"):
         meta_train_task(agent(1), Task("meta_train", 0, config(), {"global": sent()}))
-    with pytest.raises(ConfigError, match="alpha and beta"):
-        PerFedAvgOptions(beta=0.0)
+    with pytest.raises(ConfigError, match="inner_lr and outer_lr"):
+        PerFedAvgOptions(outer_lr=0.0)
