@@ -7,7 +7,7 @@ import dataclasses
 import typing
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import torch
 
@@ -23,6 +23,8 @@ from fedge.tasks import TrainTask
 from fedge.wire.messages import ClientInfo, Result, Task, Weights, client_order
 from fedge.wire.payloads import Expected
 from server.aggregation import Aggregation
+
+T = TypeVar("T", bound=TrainTask)
 
 
 class StrategyError(UserError, ValueError):
@@ -119,12 +121,12 @@ class Strategy:
         """Called once with the registered fleet; raise StrategyError if the fleet does not fit."""
         self.clients = dict(clients)
 
-    def train_task(self, upload: bool, **distillation: float | str) -> TrainTask:
+    def train_task(self, upload: bool, kind: type[T] = TrainTask, **extra: Any) -> T:
         """The settings of a local-training task from the run's keys (epochs, batch, Adam's lr, the executorch
-        runtime's SGD lr and momentum, seed), whether to upload the model, and λ/T/KL direction for a kd_train
-        task."""
+        runtime's SGD lr and momentum, seed) and whether to upload the model, as `kind` (TrainTask or a method's
+        subclass) with its own fields in `extra` (λ/T/KL direction for a kd_train task, FedProx's μ, ...)."""
         c = self.config
-        return TrainTask(
+        return kind(
             epochs=c.local_epochs,
             batch_size=c.batch_size,
             lr=c.lr,
@@ -132,7 +134,7 @@ class Strategy:
             upload=upload,
             sgd_lr=c.sgd_lr,
             sgd_momentum=c.sgd_momentum,
-            **distillation,
+            **extra,
         )
 
     def plan(self, rnd: int, active: Sequence[str]) -> dict[str, Task]:

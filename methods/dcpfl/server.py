@@ -170,8 +170,8 @@ class SharedHead(Strategy):
 
     def task_config(self) -> dict[str, Any]:
         """The dc_train config: the run's local training, λ and whether to upload covariances."""
-        t = self.train_task(upload=False)
-        return DCTrainTask(**vars(t), aux_lambda=self.aux_lambda(), covariance=self.covariance).to_config()
+        settings = self.train_task(False, DCTrainTask, aux_lambda=self.aux_lambda(), covariance=self.covariance)
+        return settings.to_config()
 
     def aux_lambda(self) -> float:
         """λ of the clients' Eq. (4); 0 unless the strategy sends global means."""

@@ -39,6 +39,6 @@ class FedAvgPlus(FedAvg):
     """FedAvg whose clients are evaluated on the global model after tuning it locally."""
 
     def evaluation(self, rnd: int, clients: Sequence[str]) -> dict[str, Task]:
-        settings = dataclasses.replace(self.train_task(upload=False), epochs=self.options.tune_epochs)
-        config = TuneEvaluateTask(**dataclasses.asdict(settings)).to_config()
+        settings = self.train_task(upload=False, kind=TuneEvaluateTask)
+        config = dataclasses.replace(settings, epochs=self.options.tune_epochs).to_config()
         return {cid: Task("tune_evaluate", rnd, config, {"global": self.global_model}) for cid in clients}

@@ -161,8 +161,9 @@ class FedMN(Strategy):
         state, names, tasks = self.global_model.state, list(self.shapes), {}
         for cid in active:
             route = self.route_for(rnd, cid)
-            config = ModularTrainTask(
-                **vars(self.train_task(upload=True)),
+            config = self.train_task(
+                True,
+                ModularTrainTask,
                 route_temperature=self.temperature(rnd),
                 router_lr=self.options.router_lr,
                 learn_routing=route is not None,

@@ -12,7 +12,6 @@ it over {0.001, 0.01, 0.1, 1}); clients train with the run's optimizer (Adam at 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -47,7 +46,7 @@ class FedProx(FedAvg):
 
     def plan(self, rnd: int, active: Sequence[str]) -> dict[str, Task]:
         self.shares = {}
-        settings = ProxTrainTask(**dataclasses.asdict(self.train_task(upload=True)), mu=self.options.mu)
+        settings = self.train_task(upload=True, kind=ProxTrainTask, mu=self.options.mu)
         models = {"global": self.global_model}
         return {cid: Task("prox_train", rnd, settings.to_config(), models) for cid in active}
 

@@ -11,7 +11,6 @@ ExecuTorch training program takes no meta step).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -48,8 +47,8 @@ class PerFedAvg(FedAvg):
 
     def settings(self, upload: bool) -> dict[str, Any]:
         """A MetaTask's config with this run's local training and the options' α and β."""
-        base = dataclasses.asdict(self.train_task(upload=upload))
-        return MetaTask(**base, alpha=self.options.inner_lr, beta=self.options.outer_lr).to_config()
+        o = self.options
+        return self.train_task(upload, MetaTask, alpha=o.inner_lr, beta=o.outer_lr).to_config()
 
     def plan(self, rnd: int, active: Sequence[str]) -> dict[str, Task]:
         self.shares = {}

@@ -11,7 +11,6 @@ examples, where line 10 averages the sampled clients uniformly; torch clients on
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -66,8 +65,9 @@ class PFedMe(FedAvg):
     def plan(self, rnd: int, active: Sequence[str]) -> dict[str, Task]:
         self.shares = {}
         o = self.options
-        settings = MoreauTask(
-            **dataclasses.asdict(self.train_task(upload=True)),
+        settings = self.train_task(
+            True,
+            MoreauTask,
             lamda=o.lamda,
             inner_steps=o.inner_steps,
             personal_lr=o.personal_lr,
