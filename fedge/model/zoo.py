@@ -87,10 +87,10 @@ FAMILIES: Registry[Family] = Registry("model family", ZooError, partial(load_met
 
 def family_of(name: str) -> tuple[Family, re.Match[str]] | None:
     """The model family whose pattern `name` matches, with the match; None for none."""
-    for family in FAMILIES:
-        match = FAMILIES.get(family).pattern.fullmatch(name)
+    for family in (FAMILIES.get(key) for key in FAMILIES):
+        match = family.pattern.fullmatch(name)
         if match is not None:
-            return FAMILIES.get(family), match
+            return family, match
     return None
 
 
