@@ -220,6 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)  # small models on busy cores: more threads spin more than they compute
     try:
         runs = plan(args)
+        scale = args.scale.overridden(parse_overrides(args.run_set))  # what the runs run, for the header
         states = {r.folder: folder_state(r.folder, dataclasses.replace(r.config(), out=str(r.folder))) for r in runs}
         stop_at = chunk_deadline(args.chunk_minutes)
     except ConfigError as e:
@@ -232,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"- hardware: {hardware()}",
         f"- command: `{shlex.join(['python', 'bench/reproduce.py', *(argv if argv is not None else sys.argv[1:])])}`",
         f"- presets: {' '.join(dict.fromkeys(args.preset))}; seeds: {' '.join(map(str, args.seeds))}",
-        f"- scale {args.scale.describe()}"
+        f"- scale {scale.describe()}"
         + ("; Fig. 3: N = M = one client per model type" if "fig3" in args.preset else ""),
     ]
     header += setup_lines(runs, args)

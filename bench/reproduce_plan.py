@@ -31,6 +31,22 @@ class Scale:
     samples_per_client: int | None
     public_samples: int | None
 
+    def run_values(self) -> dict[str, int | None]:
+        """The run-level keys this scale sets."""
+        return {key: getattr(self, field) for key, field in SCALE_RUN_KEYS.items()}
+
+    def overridden(self, run_set: Mapping[str, str]) -> Scale:
+        """This scale as --run-set leaves it (a run-level key it sets, given again, wins), named by what changed, so
+        the report's header says what the runs ran ("small with --run-set clients=5, rounds=3: N=5 ...")."""
+        given = [key for key in SCALE_RUN_KEYS if key in run_set]
+        if not given:
+            return self
+        ours = {k: v for k, v in self.run_values().items() if v is not None}
+        cfg = config_from(ours | {k: run_set[k] for k in given})  # the values as the runs will read them
+        values = {SCALE_RUN_KEYS[k]: getattr(cfg, k) for k in given}
+        name = f"{self.name} with --run-set {', '.join(f'{k}={run_set[k]}' for k in given)}"
+        return dataclasses.replace(self, name=name, **values)
+
     def describe(self) -> str:
         def cap(n: int | None, everything: str) -> str:
             return everything if n is None else f"≤{n:,}"
@@ -42,6 +58,14 @@ class Scale:
         )
 
 
+SCALE_RUN_KEYS = {  # run-level key: Scale field
+    "clients": "clients",
+    "active": "active",
+    "rounds": "rounds",
+    "local_epochs": "local_epochs",
+    "max_samples_per_client": "samples_per_client",
+    "max_public_samples": "public_samples",
+}
 # pFedClub §4.1: N = 50, M = 5, 10 local epochs, all data split 72/20/8. T = 100 is not in the text: it is the x-axis
 # of Fig. 4 and Fig. 6 (Appendix C, rounds 0-100) and the authors' code's default (original-code-notes §1.3).
 FULL = Scale("full", 50, 5, 100, 10, None, None)
@@ -224,12 +248,7 @@ def expand(
             "data": data_path(data_dir, cell.dataset),
             "zoo": ",".join(ZOOS[cell.zoo]) if cell.one_per_model else cell.zoo,
             "partition": cell.partition,
-            "clients": s.clients,
-            "active": s.active,
-            "rounds": s.rounds,
-            "local_epochs": s.local_epochs,
-            "max_samples_per_client": s.samples_per_client,
-            "max_public_samples": s.public_samples,
+            **s.run_values(),
             "device": device,
             "export_onnx": False,  # teachers' ONNX files are not part of the reproduction
         } | PAPER_RUN

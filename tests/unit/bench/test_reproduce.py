@@ -103,6 +103,22 @@ def test_scale_arithmetic():
             parse_scale(bad)
 
 
+def test_the_header_names_the_scale_the_run_set_leaves(tmp_path, capsys):
+    small = SCALES["small"]
+    assert small.overridden({"lr": "0.1"}) is small  # a key no scale sets leaves it as it is
+    n5 = small.overridden({"clients": "5", "active": "5", "rounds": "3", "max_samples_per_client": "none"})
+    assert (n5.clients, n5.active, n5.rounds, n5.local_epochs, n5.samples_per_client) == (5, 5, 3, 2, None)
+    assert n5.name == "small with --run-set clients=5, active=5, rounds=3, max_samples_per_client=none"
+    argv = ["--preset", "table1", "--zoos", "III", "--public", "labeled", "--partition", "iid", "--datasets", "mnist"]
+    argv += ["--seeds", "0", "--out", str(tmp_path), "--dry-run", "--run-set", "clients=5", "--run-set", "rounds=3"]
+    assert reproduce.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "- scale small with --run-set clients=5, rounds=3: N=5 clients, M=5 active per round, T=3 rounds" in out
+    assert "--set clients=5" in out and "--set rounds=3" in out  # and the runs are those
+    assert reproduce.main([*argv, "--run-set", "clients=five"]) == 2  # a bad value: one line, no traceback
+    assert "error:" in capsys.readouterr().err
+
+
 def test_overrides_go_where_they_belong_and_bad_ones_are_refused(tmp_path):
     cells = preset_cells("fig3", Axes(datasets=("mnist",)))
     runs = expand(cells, (0,), FULL, tmp_path, tmp_path, "cpu", {"rounds": "7"}, {"kd_lambda": "0.5"})
