@@ -176,6 +176,12 @@ NORM_MIN_UPLOADS = 3  # a round-relative bound (median) needs at least this many
 # Measured: 30 epochs of local training move the zoo's parameter norms by 0.86x (MobileNetV1) to 2.6x
 # (MobileNetV3-Small) from initialisation.
 UPLOAD_NORM_FACTOR = 10.0
+# A fresh model's BatchNorm statistics are placeholders (mean 0, variance 1), not measurements: a first upload's, or
+# one trained from a global model whose statistics no client has measured yet, may be at most this x their norm.
+# Measured (issue 31): an honest cnn4 on CIFAR-10 at the paper's client setting (10 epochs, ~860 training images,
+# Adam 1e-3) reached 3,577, 239 x the placeholders' 14.97, and was refused at 100 x; 1e4 leaves 40x room over that,
+# and the running variance of 1e11 that ruined a two-client FedAvg run is ~1e10 x.
+FIRST_BUFFER_FACTOR = 1e4
 # A BatchNorm running mean entry beyond MAX_FEATURE_MAGNITUDE, or a running variance beyond its square or below 0,
 # is a lie (server/bounds.buffer_rejection).
 # Updates (what a client uploads minus what the server sent it; strategies that send what clients train): each

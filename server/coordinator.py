@@ -283,9 +283,11 @@ class Coordinator:
     ) -> dict[str, str]:
         """Client → message for each reply with an upload whose parameter norm (`norms`, by client and role:
         parameters, buffers) exceeds UPLOAD_NORM_FACTOR times its reference (see reference_norm), or whose buffer norm
-        exceeds UPLOAD_NORM_FACTOR² times the reference's, or a fresh model's if larger (weights 10 x larger scale a
-        layer's output, and so its BatchNorm's running variance, 100 x): bounds that hold for a round of one or two
-        uploads, where the medians of norm_outliers and the update bounds do not exist."""
+        exceeds UPLOAD_NORM_FACTOR² times the reference's (weights 10 x larger scale a layer's output, and so its
+        BatchNorm's running variance, 100 x), or FIRST_BUFFER_FACTOR times a fresh model's where the reference's
+        statistics are no larger than a fresh model's placeholders (a first upload, or one trained from a global model
+        no client has measured yet): bounds that hold for a round of one or two uploads, where the medians of
+        norm_outliers and the update bounds do not exist."""
         out: dict[str, str] = {}
         for cid, res in results.items():
             for role, weights in res.models.items():
@@ -297,7 +299,13 @@ class Coordinator:
                     previous = (self.buffer_norms if buffers else self.upload_norms).get(key)
                     ref, of = reference_norm(weights, tasks[cid], previous, buffers)
                     if buffers:  # a reference whose running variances shrank below a fresh model's is no floor
-                        ref = max(ref, fresh_norms(weights.spec.with_origin(None).to_json())[1])
+                        fresh = fresh_norms(weights.spec.with_origin(None).to_json())[1]
+                        if ref <= fresh:  # placeholders (mean 0, variance 1), not measurements: the first ones
+                            ref, of, factor = (
+                                fresh,
+                                "a fresh initialisation's placeholder statistics",
+                                C.FIRST_BUFFER_FACTOR,
+                            )
                     norm = norms[cid, role][buffers]
                     if norm > factor * ref:
                         out.setdefault(

@@ -3,6 +3,8 @@ run's epochs on a non-IID shard (two digit classes, as the default partition giv
 applies to an upload: against the model it was sent (FedAvg's round) and against a fresh initialisation of its
 architecture (a pFedClub client's first upload)."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -96,3 +98,50 @@ def test_the_default_runs_cnn4_client_with_its_measured_running_variance_is_acce
         reply = Result("7", 0, "kd_train", 450, {"train_loss": 0.1}, {"local": Weights(spec, running_var)})
         kept = coordinator.accepted({"7": reply}, {"7": task})
         assert (set(kept), dict(coordinator.rejected)) == (({"7"}, {}) if code is None else (set(), {code: 1}))
+
+
+def test_a_first_upload_with_the_running_variances_of_the_papers_client_setting_is_accepted(tmp_path):
+    """Issue 31's client 4: an honest cnn4 on CIFAR-10 trained 10 epochs on ~860 images (the pFedClub paper's client
+    setting) uploaded running statistics of norm 3,577, 239 x a fresh model's placeholder 14.97, and was refused at
+    100 x in every round: its first upload (no model sent, as pFedHR's and pFedClub's rounds) and FedAvg's first
+    round (the global model sent still has the placeholders). Both are accepted now; the next upload is bounded by
+    100 x this one, and a running variance of 1e11 is still refused on a first upload."""
+    spec = create("cnn4", (3, 32, 32), 10).with_origin("4")
+    info = ClientInfo("4", spec, PROFILE, num_train=860, num_test=1)
+    coordinator = Coordinator(
+        OwnUploads(StrategyConfig(10, 16, 1e-3, 0)),
+        None,
+        {"4": info},
+        LoopConfig(1, 1, 0, 1, progress=False),
+        RunLog(tmp_path, {}),
+    )
+    state = build(spec).state_dict()
+    variances = [n for n in state if n.endswith("running_var")]
+    fresh = math.sqrt(sum(float(state[n].square().sum()) for n in variances))
+
+    def scaled(ratio: float) -> dict[str, torch.Tensor]:  # every running variance `ratio` x: buffer norm ratio x fresh
+        return state | {n: state[n] * ratio for n in variances}
+
+    global_model = Weights(spec.with_origin(None), state)
+    for rnd, (sent, ratio, code) in enumerate(
+        [
+            ({}, 239.0, None),  # the measured first upload, nothing sent
+            ({}, 239.0 * 150, "norm_bound"),  # the next one: 150 x its previous accepted upload
+            ({"global": global_model}, 1e11, "norm_bound"),  # placeholders sent: 1e11 is still a lie
+        ]
+    ):
+        coordinator.rejected.clear()
+        if rnd == 2:
+            coordinator.buffer_norms.clear()  # a client the server has not heard from, trained from the global model
+            coordinator.accepted(
+                {"4": Result("4", 0, "kd_train", 860, {"train_loss": 0.1}, {"local": Weights(spec, scaled(239.0))})},
+                {"4": Task("kd_train", 0, models=sent)},
+            )
+            assert coordinator.rejected == {}, "the measured statistics, trained from a global model of placeholders"
+            coordinator.buffer_norms.clear()
+        reply = Result("4", rnd, "kd_train", 860, {"train_loss": 0.1}, {"local": Weights(spec, scaled(ratio))})
+        kept = coordinator.accepted({"4": reply}, {"4": Task("kd_train", rnd, models=sent)})
+        assert (set(kept), dict(coordinator.rejected)) == (({"4"}, {}) if code is None else (set(), {code: 1})), (
+            rnd,
+            fresh,
+        )
