@@ -75,19 +75,19 @@ class OwnUploads(Strategy):
         return Expected(models={"local": client.spec})
 
 
+def own_uploads_coordinator(cid: str, spec, num_train: int, epochs: int, tmp_path) -> Coordinator:
+    """A coordinator of one client whose strategy declares the client's own model."""
+    info = ClientInfo(cid, spec, PROFILE, num_train=num_train, num_test=1)
+    strategy = OwnUploads(StrategyConfig(epochs, 16, 1e-3, 0))
+    return Coordinator(strategy, None, {cid: info}, LoopConfig(1, 1, 0, 1, progress=False), RunLog(tmp_path, {}))
+
+
 def test_the_default_runs_cnn4_client_with_its_measured_running_variance_is_accepted_and_a_lying_one_is_not(tmp_path):
     """Issue 28's client 7: the default run's only cnn4, 383.6 of whose 384.9 norm was one BatchNorm running_var,
     was refused as over 10 x the 27.41 of a fresh initialisation; a negative running variance is a lie, and so is one
     of 1e11, which ruined a two-client FedAvg run (nothing round-relative exists with two uploads)."""
     spec = create("cnn4", (1, 28, 28), 10).with_origin("7")
-    info = ClientInfo("7", spec, PROFILE, num_train=450, num_test=1)
-    coordinator = Coordinator(
-        OwnUploads(StrategyConfig(1, 16, 1e-3, 0)),
-        None,
-        {"7": info},
-        LoopConfig(1, 1, 0, 1, progress=False),
-        RunLog(tmp_path, {}),
-    )
+    coordinator = own_uploads_coordinator("7", spec, 450, 1, tmp_path)
     state = build(spec).state_dict()
     name = "blocks.0.1.running_var"
     measured = state | {name: torch.full_like(state[name], 383.6 / state[name].numel() ** 0.5)}
@@ -107,14 +107,7 @@ def test_a_first_upload_with_the_running_variances_of_the_papers_client_setting_
     round (the global model sent still has the placeholders). Both are accepted now; the next upload is bounded by
     100 x this one, and a running variance of 1e11 is still refused on a first upload."""
     spec = create("cnn4", (3, 32, 32), 10).with_origin("4")
-    info = ClientInfo("4", spec, PROFILE, num_train=860, num_test=1)
-    coordinator = Coordinator(
-        OwnUploads(StrategyConfig(10, 16, 1e-3, 0)),
-        None,
-        {"4": info},
-        LoopConfig(1, 1, 0, 1, progress=False),
-        RunLog(tmp_path, {}),
-    )
+    coordinator = own_uploads_coordinator("4", spec, 860, 10, tmp_path)
     state = build(spec).state_dict()
     variances = [n for n in state if n.endswith("running_var")]
     fresh = math.sqrt(sum(float(state[n].square().sum()) for n in variances))
