@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+import torch
+
 from bench.reproduce_paper import Cell
 from fedge import constants as C
 from fedge.config import ConfigError, RunConfig, config_from, run_keys
@@ -177,8 +179,10 @@ class Run:
         return resolve_options(config_from(self.values))
 
     def command(self) -> str:
-        """The equivalent `fedge run` command line."""
+        """The equivalent `fedge run` command line: the same config, its server at the torch threads this process's
+        runs use (fedge run's server takes one unless told), so the folder it writes is this run's, reused."""
         flat = {k: v for k, v in self.values.items() if k != "options"} | dict(self.values.get("options", {}))
+        flat["server_threads"] = flat.get("server_threads") or torch.get_num_threads()
         words = ["fedge", "run", "--transport", "inproc", "--no-progress", "--out", str(self.folder)]
         for key, value in flat.items():
             if value is not None:

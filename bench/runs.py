@@ -16,6 +16,8 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
+import torch
+
 from fedge import constants as C
 from fedge.config import ConfigError, RunConfig
 from launch.server import resolve_options
@@ -26,8 +28,10 @@ from server.runlog import CHECKPOINT_FILE
 T = TypeVar("T", bound=dict)  # a run's numbers, with its accuracy under "acc"
 UNFINISHED = ("paused", "left")
 
-# may differ between a run and its continuation (other machine, path, worker count: the same models bit for bit)
-IGNORED_KEYS = ("out", "device", "data", "workers", "engine", "ray_address")
+# may differ between a run and its continuation (other machine, path, worker count, the in-process simulation or
+# MQTT: the same models bit for bit, tests/integration/test_transports_agree.py); the server's thread count, which
+# can change the bits, is compared as the number the run used (server_threads_used)
+IGNORED_KEYS = ("out", "device", "data", "workers", "engine", "ray_address", "transport", "server_threads")
 STATES = {"new": "to run", "restart": "to run again", "resume": "to resume", "finished": "finished: reused"}
 
 
@@ -46,14 +50,28 @@ def folder_state(folder: Path, cfg: RunConfig) -> str:
         return "new"
     saved = json.loads(config_file.read_text())
     wanted = json.loads(json.dumps(resolve_options(cfg).to_dict()))
-    differ = [k for k in sorted(set(saved) | set(wanted)) if k not in IGNORED_KEYS and saved.get(k) != wanted.get(k)]
+    summary_file = folder / "summary.json"
+    summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
+    differ = [
+        (k, saved.get(k), wanted.get(k))
+        for k in sorted(set(saved) | set(wanted))
+        if k not in IGNORED_KEYS and saved.get(k) != wanted.get(k)
+    ]
+    threads = (server_threads_used(saved, summary), cfg.server_threads or torch.get_num_threads())
+    if threads[0] is not None and threads[0] != threads[1]:
+        differ.append(("server threads", *threads))
     if differ:
-        shown = "; ".join(f"{k}: {saved.get(k)!r} there, {wanted.get(k)!r} now" for k in differ[:4])
+        shown = "; ".join(f"{k}: {there!r} there, {now!r} now" for k, there, now in differ[:4])
         raise FolderError(f"{folder} holds a run of another config ({shown}); use another --out, or delete the folder")
-    summary = folder / "summary.json"
-    if summary.is_file() and "stopped_at_round" not in json.loads(summary.read_text()):
+    if summary and "stopped_at_round" not in summary:
         return "finished"
     return "resume" if (folder / "checkpoint.safetensors").is_file() else "restart"
+
+
+def server_threads_used(config: dict[str, Any], summary: dict[str, Any]) -> int | None:
+    """The torch threads a run's server used: its config's server_threads, or where that is 0 ("as they are"), the
+    number its summary recorded; None where neither says (a run started "as they are" and not finished)."""
+    return config.get("server_threads") or summary.get("server_threads")
 
 
 # The chunks (by their stop_at) in which this process has already run a round, and those in which a run paused. Its

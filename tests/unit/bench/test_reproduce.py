@@ -4,6 +4,7 @@ numbers, the Markdown with the paper's value, the paper's numbers against its te
 import argparse
 import json
 import re
+import shlex
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -28,6 +29,8 @@ from bench.reproduce_report import (  # noqa: E402
     render,
     seed_result,
 )
+from bench.runs import folder_state  # noqa: E402
+from launch import cli  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -255,6 +258,20 @@ def test_a_tiny_reproduction_runs_then_is_reused(tmp_path, capsys, one_thread):
     assert "| digits | III | noniid | unlabeled | pFedClub |" in second.out
     assert second.err.count("reused in") == 3
     assert (tmp_path / "results.json").is_file()
+
+
+def test_the_dry_runs_fedge_run_command_writes_the_folder_the_reproduction_reuses(tmp_path, one_thread):
+    """--dry-run prints each run's `fedge run` command; a user who runs it gets the run's folder: the reproduction
+    reuses it (it did not: fedge run records transport inproc and a one-thread server, the reproduction did not)."""
+    argv = ["--preset", "table1", "--datasets", "digits", "--zoos", "III", "--public", "unlabeled", "--threads", "1"]
+    argv += ["--partition", "noniid", "--seeds", "0", "--scale", "smoke", "--device", "cpu", "--out", str(tmp_path)]
+    argv += ["--set", "finetune_min_steps=12", "--set", "max_candidates=2"]
+    torch.set_num_threads(1)
+    run = next(r for r in reproduce.plan(reproduce.parse_args(argv)) if r.cell.strategy == "pfedclub")
+    words = shlex.split(run.command())
+    assert words[:2] == ["fedge", "run"] and "server_threads=1" in words
+    assert cli.main(words[1:] + ["--workers", "1"]) == 0  # the worker count is not part of a run's config
+    assert folder_state(run.folder, replace(run.config(), out=str(run.folder))) == "finished"
 
 
 def test_a_reproduction_in_chunks_pauses_after_whole_rounds_and_continues_to_the_same_rows(

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # bench/ is scripts, not an installed package
 
@@ -44,3 +45,23 @@ def test_a_folder_that_is_not_a_run_is_never_deleted_and_the_error_is_one_line(t
 
     assert guarded(main) == 2
     assert capsys.readouterr().err.startswith(f"error: {out} holds something other than a run")
+
+
+def test_a_run_is_compared_by_the_server_threads_it_used_and_not_by_its_transport(tmp_path):
+    """A config's server_threads 0 means "as they are": the run's summary says what that came to, and that number
+    is what a continuation must match (thread counts can change the bits); the transport cannot (the same models
+    in process and over MQTT), so a run written by `fedge run --transport inproc` is reused."""
+    out = tmp_path / "run"
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert run_kept(tiny(out)) == "ran"  # server_threads 0: as they are, one
+        assert json.loads((out / "summary.json").read_text())["server_threads"] == 1
+        assert run_kept(tiny(out, server_threads=1, transport="inproc")) == "reused"
+        with pytest.raises(FolderError, match="another config .*server threads: 1 there, 2 now"):
+            run_kept(tiny(out, server_threads=2))
+        torch.set_num_threads(2)
+        with pytest.raises(FolderError, match="server threads: 1 there, 2 now"):
+            run_kept(tiny(out))  # as they are is two threads now
+    finally:
+        torch.set_num_threads(threads)
