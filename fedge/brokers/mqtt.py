@@ -368,6 +368,7 @@ class Endpoint:
     def start(self, timeout: float) -> None:
         """Connect (v5, else 3.1.1) and wait up to `timeout` s; refused credentials or TLS raise MqttError."""
         deadline = time.monotonic() + timeout
+        connects = self.connects
         if not self.worker.is_alive():
             self.worker.start()
         while True:
@@ -376,10 +377,12 @@ class Endpoint:
                 self.client.loop_start()
             except (OSError, ssl.SSLError, ValueError) as e:
                 raise MqttError(f"cannot connect to {self.broker}: {e}") from None
-            while not self.connected.wait(0.05):  # a refusal that is not final goes on to the next address
+            # Connected is a CONNACK counted, not the flag: the broker may end the connection again before this
+            # thread runs (a second connection of this id took over) and the flag is then clear; paho reconnects.
+            while self.connects == connects and not self.connected.wait(0.05):
                 if self._final_refusal() or time.monotonic() > deadline or self.refusals >= 2:
-                    break
-            if self.connected.is_set():
+                    break  # a refusal that is not final goes on to the next address
+            if self.connects > connects:
                 return
             self.client.disconnect()
             self.client.loop_stop()

@@ -657,6 +657,49 @@ def test_an_endpoint_given_several_addresses_skips_one_that_is_down(embedded_bro
         endpoint.stop()
 
 
+class _WakesAfterTheDrop(threading.Event):
+    """The connected flag as a loaded machine schedules it: the thread waiting in start() runs again only after
+    the connection that set the flag has been ended again (once; later waits are plain)."""
+
+    late = True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if not super().wait(timeout):
+            return False
+        deadline = time.monotonic() + 10
+        while self.late and self.is_set() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.late = False
+        return True
+
+
+def test_start_returns_when_its_connection_is_taken_over_before_it_wakes(embedded_broker):
+    """A second connection of the same client (a second `fedge client --id a`) takes over right after the first
+    CONNACK, before start()'s thread runs again: start() has connected and returns, and paho reconnects by itself.
+    start() used to read the flag, by then clear, stop the reconnect loop and raise "no connection within 60 s"
+    (CI, tests/fault/test_hostile_client.py)."""
+    broker = parse_broker(f"mqtt://127.0.0.1:{embedded_broker.port}", "a", embedded_broker.users["a"])
+    endpoint = Endpoint(broker, "a", [], lambda topic, data: None)
+    endpoint.connected = _WakesAfterTheDrop()
+    intruders: list[mqtt.Client] = []
+
+    def take_over() -> None:  # on paho's thread, just after the CONNACK; the broker ends `endpoint` for it
+        if not intruders:
+            intruders.append(connect_as(embedded_broker, "a"))
+            intruders[0].reconnect_delay_set(30, 60)  # stay away once `endpoint` takes the id back
+
+    endpoint.on_connect_hook = take_over
+    try:
+        endpoint.start(20)
+        assert intruders and endpoint.connects >= 1
+        assert endpoint.connected.wait(10), "paho did not reconnect after the takeover"
+        assert endpoint.connects == 2 and embedded_broker.takeovers == {"a": 2}
+    finally:
+        endpoint.stop()
+        for c in intruders:
+            close(c)
+
+
 def test_a_rabbitmq_user_holds_a_bounded_number_of_connections(rabbitmq_broker):
     """RabbitMQ keeps every connection of a user (their ids differ): the user's limit bounds them."""
     held = [connect_as(rabbitmq_broker, "a") for _ in range(C.MAX_USER_CONNECTIONS)]
