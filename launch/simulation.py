@@ -44,7 +44,7 @@ def run_simulation(
     strategy = make_strategy(cfg, ds, partition)
     ids = [str(s.client_id) for s in partition.clients]
     state_dir = out / C.CLIENT_STATE_DIR
-    cfg = dataclasses.replace(cfg, out=str(out))
+    cfg = dataclasses.replace(cfg, out=str(out), transport="inproc")  # config.json says where the clients ran
     if cfg.engine == "ray" or (cfg.workers > 1 and cfg.engine == "processes"):
         with WorkerPool(cfg, ids, state_dir, cfg.workers) as pool:
             return run_federation_rounds(cfg, strategy, pool, pool.infos, progress, resume, stop_at=stop_at)

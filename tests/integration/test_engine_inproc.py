@@ -77,7 +77,8 @@ def test_local_run_writes_the_contract(reference):
     ]
     assert all(ROW_KEYS <= set(r) for r in rows)
     assert (out / "accuracy.png").stat().st_size > 0
-    assert json.loads((out / "config.json").read_text())["zoo"] == "I"
+    recorded = json.loads((out / "config.json").read_text())
+    assert recorded["zoo"] == "I" and recorded["transport"] == "inproc"  # where the clients ran, not the default
     assert on_disk["server_threads"] == torch.get_num_threads() >= 1  # server_threads 0: as they were
     assert summary["final_accuracy"] == on_disk["final_accuracy"]
 
