@@ -9,7 +9,6 @@ give up at once. Client and server logs are printed at teardown, which pytest sh
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import json
 import os
@@ -84,7 +83,7 @@ def run_inproc(cfg: RunConfig) -> dict[str, Any]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return run_simulation(dataclasses.replace(cfg, transport="inproc"), progress=False)
+        return run_simulation(cfg, progress=False)
     finally:
         torch.set_num_threads(threads)
 
